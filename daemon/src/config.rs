@@ -1,0 +1,189 @@
+//! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Where the daemon reads its configuration when `--config` is not given.
+pub const DEFAULT_CONFIG: &str = "/etc/slurm/multiplexd.toml";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    node: Option<String>,
+    socket: Option<PathBuf>,
+    database: Option<PathBuf>,
+    jobs_per_gpu: Option<u32>,
+    telemetry_interval_s: Option<u64>,
+    slurm_user: Option<String>,
+    mps: Option<bool>,
+    #[serde(default)]
+    gpu: Vec<RawGpu>,
+    #[serde(default)]
+    policy: RawPolicy,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGpu {
+    index: u32,
+    model: String,
+    memory_mb: u64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    unknown_pair_speed: Option<f64>,
+    decline_retry_s: Option<u32>,
+}
+
+/// One shared GPU of the node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSpec {
+    pub index: u32,
+    pub model: String,
+    pub memory_mb: u64,
+}
+
+/// Where the node's shared GPUs come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GpuSource {
+    /// Listed in the config (nodes without NVML, such as the local test cluster).
+    Listed(Vec<GpuSpec>),
+    /// Found through NVML at start.
+    Nvml,
+}
+
+/// Placement knobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// Assumed speed of each side of a pair never seen together (prior).
+    pub unknown_pair_speed: f64,
+    /// How long a declined job waits before Slurm tries again.
+    pub decline_retry_s: u32,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub node: String,
+    pub socket: PathBuf,
+    pub database: PathBuf,
+    pub jobs_per_gpu: u32,
+    pub telemetry_interval_s: u64,
+    /// The user slurmstepd runs as besides root; may place and finish tasks.
+    pub slurm_user: String,
+    pub mps: bool,
+    pub gpus: GpuSource,
+    pub policy: PolicyConfig,
+}
+
+/// A configuration that cannot be used; the text names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads and checks a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Config::parse(&text).map_err(|message| ConfigError::Invalid { path: path.to_path_buf(), message })
+    }
+
+    /// Parses config text; the error says what is wrong (with line and column from TOML).
+    pub fn parse(text: &str) -> Result<Config, String> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        let node = match raw.node {
+            Some(n) if !n.is_empty() => n,
+            Some(_) => return Err("node must not be empty".into()),
+            None => hostname(),
+        };
+        let jobs_per_gpu = raw.jobs_per_gpu.unwrap_or(2);
+        if !(1..=16).contains(&jobs_per_gpu) {
+            return Err(format!("jobs_per_gpu = {jobs_per_gpu}: must be between 1 and 16"));
+        }
+        let gpus = if raw.gpu.is_empty() {
+            GpuSource::Nvml
+        } else {
+            let mut seen = std::collections::BTreeSet::new();
+            for g in &raw.gpu {
+                if !seen.insert(g.index) {
+                    return Err(format!("gpu index {} is listed twice", g.index));
+                }
+                if g.memory_mb == 0 {
+                    return Err(format!("gpu {}: memory_mb must be positive", g.index));
+                }
+            }
+            GpuSource::Listed(
+                raw.gpu.into_iter().map(|g| GpuSpec { index: g.index, model: g.model, memory_mb: g.memory_mb }).collect(),
+            )
+        };
+        let unknown_pair_speed = raw.policy.unknown_pair_speed.unwrap_or(0.7);
+        if !(0.0..=1.0).contains(&unknown_pair_speed) || unknown_pair_speed == 0.0 {
+            return Err(format!("policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"));
+        }
+        Ok(Config {
+            socket: raw.socket.unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
+            database: raw.database.unwrap_or_else(|| PathBuf::from("/var/lib/multiplexd/history.sqlite")),
+            node,
+            jobs_per_gpu,
+            telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(10),
+            slurm_user: raw.slurm_user.unwrap_or_else(|| "slurm".into()),
+            mps: raw.mps.unwrap_or(false),
+            gpus,
+            policy: PolicyConfig { unknown_pair_speed, decline_retry_s: raw.policy.decline_retry_s.unwrap_or(60) },
+        })
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().split('.').next().unwrap_or("").to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
+        let c = Config::parse(&text).unwrap();
+        assert_eq!(c.jobs_per_gpu, 2);
+        assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 2));
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::parse("node = \"n1\"").unwrap();
+        assert_eq!(c.jobs_per_gpu, 2);
+        assert_eq!(c.gpus, GpuSource::Nvml);
+        assert_eq!(c.socket, PathBuf::from("/run/multiplexd/n1.sock"));
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let cases = [
+            ("nodes = \"x\"", "unknown field `nodes`"),
+            ("jobs_per_gpu = 0", "jobs_per_gpu = 0"),
+            ("jobs_per_gpu = \"two\"", "invalid type"),
+            ("[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 0", "memory_mb must be positive"),
+            ("[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1\n[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1", "listed twice"),
+            ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
+            ("[policy]\nexplore = true", "unknown field `explore`"),
+        ];
+        for (text, want) in cases {
+            let err = Config::parse(text).unwrap_err();
+            assert!(err.contains(want), "{text:?}: {err}");
+        }
+        // TOML errors carry the line.
+        let err = Config::parse("node = \"n1\"\njobs_per_gpu = = 2").unwrap_err();
+        assert!(err.contains("line 2"), "{err}");
+    }
+}

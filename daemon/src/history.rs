@@ -1,0 +1,411 @@
+//! The node's interference history in SQLite (WAL, versioned migrations).
+//!
+//! Jobs placed on a GPU, the steps that ran in them, the intervals during which each job shared
+//! its GPU with whom, and the pairwise estimates placement reads. A database that cannot be
+//! opened, is corrupt, or is newer than this program is an error: it is never replaced.
+
+use crate::placement::{PairEstimate, PairHistory, Resident};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use std::path::{Path, PathBuf};
+
+/// Each entry upgrades the schema by one version (`PRAGMA user_version`).
+const MIGRATIONS: &[&str] = &[
+    // 1: the foundation.
+    "CREATE TABLE applications (
+        id INTEGER PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE
+     );
+     CREATE TABLE jobs (
+        id INTEGER PRIMARY KEY,
+        job_id INTEGER NOT NULL,
+        node TEXT NOT NULL,
+        uid INTEGER NOT NULL,
+        app_id INTEGER NOT NULL REFERENCES applications(id),
+        gpu INTEGER NOT NULL,
+        gpu_model TEXT NOT NULL,
+        mem_mb INTEGER,
+        owner_step INTEGER NOT NULL,
+        slurm_gpus TEXT,
+        decision TEXT NOT NULL,
+        predicted_speed REAL NOT NULL,
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        exit_status INTEGER
+     );
+     -- A job id runs at most once at a time on a node (a requeued job gets a new row).
+     CREATE UNIQUE INDEX jobs_active ON jobs(job_id, node) WHERE finished_at IS NULL;
+     CREATE TABLE steps (
+        job_row INTEGER NOT NULL REFERENCES jobs(id),
+        step_id INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        exit_status INTEGER,
+        PRIMARY KEY (job_row, step_id)
+     );
+     -- Who shared a GPU with whom, when: one row per job per partner per stretch of time
+     -- (partner NULL: alone). The raw material of learning.
+     CREATE TABLE intervals (
+        id INTEGER PRIMARY KEY,
+        job_row INTEGER NOT NULL REFERENCES jobs(id),
+        partner_row INTEGER REFERENCES jobs(id),
+        started_at REAL NOT NULL,
+        ended_at REAL
+     );
+     CREATE INDEX intervals_open ON intervals(job_row) WHERE ended_at IS NULL;
+     CREATE TABLE pair_estimates (
+        gpu_model TEXT NOT NULL,
+        app_id INTEGER NOT NULL REFERENCES applications(id),
+        other_id INTEGER NOT NULL REFERENCES applications(id),
+        speed REAL NOT NULL,
+        other_speed REAL NOT NULL,
+        observations INTEGER NOT NULL,
+        variance REAL,
+        oom INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (gpu_model, app_id, other_id)
+     );",
+];
+
+/// A history problem; the text says which file and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    #[error("cannot open the history database {path}: {source}")]
+    Open { path: PathBuf, source: rusqlite::Error },
+    #[error("the history database {path} is corrupt ({detail}); it was left as is: move it away to start a new history, or restore a backup")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("the history database {path} has schema version {found}, newer than this multiplexd ({known}); it was left as is")]
+    TooNew { path: PathBuf, found: i64, known: usize },
+    #[error("history database: {0}")]
+    Sql(#[from] rusqlite::Error),
+}
+
+/// A job this node is running, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActiveJob {
+    pub row: i64,
+    pub job_id: u32,
+    pub uid: u32,
+    pub app: String,
+    pub gpu: u32,
+    pub mem_mb: Option<u64>,
+    pub owner_step: u32,
+    pub started_at: f64,
+    pub decision: String,
+    pub predicted_speed: f64,
+}
+
+/// What to record for a newly placed job.
+pub struct NewJob<'a> {
+    pub job_id: u32,
+    pub node: &'a str,
+    pub uid: u32,
+    pub app: &'a str,
+    pub gpu: u32,
+    pub gpu_model: &'a str,
+    pub mem_mb: Option<u64>,
+    pub owner_step: u32,
+    pub slurm_gpus: Option<&'a str>,
+    pub decision: &'a str,
+    pub predicted_speed: f64,
+    pub now: f64,
+}
+
+/// The open SQLite history.
+pub struct History {
+    conn: Connection,
+}
+
+impl History {
+    /// Opens (creating if absent) and migrates the database at `path`.
+    pub fn open(path: &Path) -> Result<History, HistoryError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| HistoryError::Open {
+                path: path.to_path_buf(),
+                source: rusqlite::Error::InvalidPath(PathBuf::from(format!("{}: {e}", dir.display()))),
+            })?;
+        }
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags)
+            .map_err(|source| HistoryError::Open { path: path.to_path_buf(), source })?;
+        let corrupt = |detail: String| HistoryError::Corrupt { path: path.to_path_buf(), detail };
+        // A file that is not a database fails here, before anything is written to it.
+        let check: String = conn
+            .query_row("PRAGMA quick_check", [], |r| r.get(0))
+            .map_err(|e| corrupt(e.to_string()))?;
+        if check != "ok" {
+            return Err(corrupt(check));
+        }
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        // NORMAL in WAL mode: a committed transaction survives a crash of the process.
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        let mut history = History { conn };
+        history.migrate(path)?;
+        Ok(history)
+    }
+
+    fn migrate(&mut self, path: &Path) -> Result<(), HistoryError> {
+        let version: i64 = self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version as usize > MIGRATIONS.len() {
+            return Err(HistoryError::TooNew { path: path.to_path_buf(), found: version, known: MIGRATIONS.len() });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = self.conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    /// The schema version in use.
+    pub fn schema_version(&self) -> Result<i64, HistoryError> {
+        Ok(self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
+    }
+
+    fn app_id(tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
+        tx.execute("INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING", [name])?;
+        tx.query_row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
+    }
+
+    /// Jobs placed on this node and not finished, oldest first.
+    pub fn active_jobs(&self, node: &str) -> Result<Vec<ActiveJob>, HistoryError> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
+                    j.decision, j.predicted_speed
+             FROM jobs j JOIN applications a ON a.id = j.app_id
+             WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id",
+        )?;
+        let rows = stmt.query_map([node], |r| {
+            Ok(ActiveJob {
+                row: r.get(0)?,
+                job_id: r.get(1)?,
+                uid: r.get(2)?,
+                app: r.get(3)?,
+                gpu: r.get(4)?,
+                mem_mb: r.get::<_, Option<i64>>(5)?.map(|m| m as u64),
+                owner_step: r.get(6)?,
+                started_at: r.get(7)?,
+                decision: r.get(8)?,
+                predicted_speed: r.get(9)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Records a new job on a GPU, its first step, and the sharing intervals that change:
+    /// every resident of that GPU closes its current interval and opens one per partner.
+    pub fn record_placement(&mut self, job: &NewJob, residents: &[i64]) -> Result<i64, HistoryError> {
+        let tx = self.conn.transaction()?;
+        let app_id = Self::app_id(&tx, job.app)?;
+        tx.execute(
+            "INSERT INTO jobs(job_id, node, uid, app_id, gpu, gpu_model, mem_mb, owner_step, slurm_gpus,
+                              decision, predicted_speed, started_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            params![
+                job.job_id,
+                job.node,
+                job.uid,
+                app_id,
+                job.gpu,
+                job.gpu_model,
+                job.mem_mb.map(|m| m as i64),
+                job.owner_step,
+                job.slurm_gpus,
+                job.decision,
+                job.predicted_speed,
+                job.now
+            ],
+        )?;
+        let row = tx.last_insert_rowid();
+        tx.execute(
+            "INSERT INTO steps(job_row, step_id, started_at) VALUES (?1, ?2, ?3)",
+            params![row, job.owner_step, job.now],
+        )?;
+        let mut members = residents.to_vec();
+        members.push(row);
+        reopen_intervals(&tx, &members, job.now)?;
+        tx.commit()?;
+        Ok(row)
+    }
+
+    /// Records another step joining a job that already holds a GPU (idempotent).
+    pub fn record_step(&mut self, job_row: i64, step_id: u32, now: f64) -> Result<(), HistoryError> {
+        self.conn.execute(
+            "INSERT INTO steps(job_row, step_id, started_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+            params![job_row, step_id, now],
+        )?;
+        Ok(())
+    }
+
+    /// Records a step's end; when it is the step that holds the GPU, the job ends too and its
+    /// former co-runners' intervals are reopened without it.
+    pub fn record_finish(
+        &mut self,
+        job_row: i64,
+        step_id: u32,
+        exit_status: i32,
+        releases: bool,
+        remaining: &[i64],
+        now: f64,
+    ) -> Result<(), HistoryError> {
+        let tx = self.conn.transaction()?;
+        tx.execute(
+            "UPDATE steps SET finished_at = ?3, exit_status = ?4 WHERE job_row = ?1 AND step_id = ?2 AND finished_at IS NULL",
+            params![job_row, step_id, now, exit_status],
+        )?;
+        if releases {
+            tx.execute(
+                "UPDATE jobs SET finished_at = ?2, exit_status = ?3 WHERE id = ?1 AND finished_at IS NULL",
+                params![job_row, now, exit_status],
+            )?;
+            tx.execute("UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL", params![job_row, now])?;
+            reopen_intervals(&tx, remaining, now)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The connection, for read-only queries by tools and tests.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+/// Closes the open intervals of `members` (the jobs now on one GPU) and opens new ones: one per
+/// partner, or one with no partner for a job alone.
+fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> rusqlite::Result<()> {
+    for &m in members {
+        tx.execute("UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL", params![m, now])?;
+        let partners: Vec<i64> = members.iter().copied().filter(|&p| p != m).collect();
+        if partners.is_empty() {
+            tx.execute("INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, NULL, ?2)", params![m, now])?;
+        }
+        for p in partners {
+            tx.execute("INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, ?2, ?3)", params![m, p, now])?;
+        }
+    }
+    Ok(())
+}
+
+impl PairHistory for History {
+    fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT e.speed, e.other_speed, e.observations, e.oom FROM pair_estimates e
+                 JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
+                 WHERE e.gpu_model = ?1 AND a.name = ?2 AND o.name = ?3",
+            )
+            .ok()?;
+        stmt.query_row(params![model, app, other], |r| {
+            Ok(PairEstimate { speed: r.get(0)?, other_speed: r.get(1)?, observations: r.get(2)?, oom: r.get(3)? })
+        })
+        .optional()
+        .ok()
+        .flatten()
+    }
+}
+
+impl ActiveJob {
+    /// This job as a resident of its GPU, for the policy.
+    pub fn resident(&self) -> Resident {
+        Resident { job_id: self.job_id, app: self.app.clone(), mem_mb: self.mem_mb }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job<'a>(job_id: u32, app: &'a str, gpu: u32, now: f64) -> NewJob<'a> {
+        NewJob {
+            job_id,
+            node: "n1",
+            uid: 0,
+            app,
+            gpu,
+            gpu_model: "v100",
+            mem_mb: Some(100),
+            owner_step: 0,
+            slurm_gpus: Some("0"),
+            decision: "test",
+            predicted_speed: 1.0,
+            now,
+        }
+    }
+
+    #[test]
+    fn placement_finish_and_intervals() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.sqlite");
+        let mut h = History::open(&path).unwrap();
+        assert_eq!(h.schema_version().unwrap(), MIGRATIONS.len() as i64);
+        let a = h.record_placement(&job(10, "bert", 0, 100.0), &[]).unwrap();
+        let b = h.record_placement(&job(11, "resnet", 0, 150.0), &[a]).unwrap();
+        h.record_finish(b, 0, 0, true, &[a], 200.0).unwrap();
+        let active = h.active_jobs("n1").unwrap();
+        assert_eq!(active.len(), 1);
+        assert_eq!(active[0].job_id, 10);
+        // a: alone 100-150, with b 150-200, alone from 200 (open). b: with a 150-200.
+        let rows: Vec<(i64, Option<i64>, f64, Option<f64>)> = h
+            .connection()
+            .prepare("SELECT job_row, partner_row, started_at, ended_at FROM intervals ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![
+                (a, None, 100.0, Some(150.0)),
+                (a, Some(b), 150.0, Some(200.0)),
+                (b, Some(a), 150.0, Some(200.0)),
+                (a, None, 200.0, None),
+            ]
+        );
+        // Reopening keeps everything.
+        drop(h);
+        let h = History::open(&path).unwrap();
+        assert_eq!(h.active_jobs("n1").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn corrupt_database_is_reported_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.sqlite");
+        let junk = b"this is not a database, but someone's precious file".repeat(100);
+        std::fs::write(&path, &junk).unwrap();
+        let err = History::open(&path).err().expect("must fail");
+        let text = err.to_string();
+        assert!(text.contains("corrupt") && text.contains("left as is"), "{text}");
+        assert_eq!(std::fs::read(&path).unwrap(), junk);
+    }
+
+    #[test]
+    fn newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.sqlite");
+        drop(History::open(&path).unwrap());
+        Connection::open(&path).unwrap().pragma_update(None, "user_version", 99).unwrap();
+        let err = History::open(&path).err().expect("must fail");
+        assert!(matches!(err, HistoryError::TooNew { found: 99, .. }), "{err}");
+    }
+
+    #[test]
+    fn estimates_are_read_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = History::open(&dir.path().join("h.sqlite")).unwrap();
+        h.connection()
+            .execute_batch(
+                "INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b');
+                 INSERT INTO pair_estimates VALUES ('v100', 1, 2, 0.8, 0.6, 4, 0.01, 0);",
+            )
+            .unwrap();
+        let e = h.pair("v100", "a", "b").unwrap();
+        assert_eq!((e.speed, e.other_speed, e.observations, e.oom), (0.8, 0.6, 4, false));
+        assert!(h.pair("a100", "a", "b").is_none());
+        assert!(h.pair("v100", "b", "a").is_none());
+    }
+}

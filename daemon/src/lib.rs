@@ -1,0 +1,9 @@
+//! `multiplexd`: the per-node daemon that decides which shared GPU each multiplexed job joins,
+//! keeps the interference history, and learns from every finished job.
+
+pub mod config;
+pub mod gpus;
+pub mod history;
+pub mod node;
+pub mod placement;
+pub mod server;

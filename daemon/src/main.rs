@@ -1,0 +1,152 @@
+//! `multiplexd serve` runs the node daemon; `multiplexd status` asks a running one.
+
+use clap::{Parser, Subcommand};
+use multiplex_protocol::{client, Request, Response};
+use multiplexd::config::{Config, DEFAULT_CONFIG};
+use multiplexd::node::{wall_clock, Node};
+use multiplexd::server::{self, Access};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "multiplexd", version, about = "GPU co-location daemon for Slurm nodes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon for this node.
+    Serve {
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
+    /// Show what runs on which GPU of a running daemon.
+    Status {
+        /// The daemon's config (for its socket path).
+        #[arg(long, default_value = DEFAULT_CONFIG, conflicts_with = "socket")]
+        config: PathBuf,
+        /// The daemon's socket, instead of reading the config.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve { config } => serve(&config),
+        Command::Status { config, socket, json } => status(&config, socket.as_deref(), json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("multiplexd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(config_path: &Path) -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MULTIPLEXD_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    let gpus = multiplexd::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
+    let access = Access { privileged_uids: uid_of(&config.slurm_user).into_iter().collect() };
+    let socket = config.socket.clone();
+    let node_name = config.node.clone();
+    let node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
+
+    // Block the stop signals before any thread starts, so only the waiting thread sees them.
+    let signals = stop_signals();
+    let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
+    let shutdown = Arc::new(AtomicBool::new(false));
+    {
+        let shutdown = Arc::clone(&shutdown);
+        let socket = socket.clone();
+        std::thread::spawn(move || {
+            let sig = wait_for(&signals);
+            tracing::info!(signal = sig, "stopping");
+            shutdown.store(true, Ordering::SeqCst);
+            let _ = std::os::unix::net::UnixStream::connect(&socket);
+        });
+    }
+    server::run(listener, Arc::new(Mutex::new(node)), access, shutdown);
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
+    // changes this thread's mask (inherited by threads started later).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    // SAFETY: set was initialised by stop_signals; sig is a valid out pointer.
+    unsafe { libc::sigwait(set, &mut sig) };
+    sig
+}
+
+fn uid_of(user: &str) -> Option<u32> {
+    if let Ok(uid) = user.parse() {
+        return Some(uid);
+    }
+    let name = std::ffi::CString::new(user).ok()?;
+    // SAFETY: getpwnam reads the passwd database; the result is used before any other call
+    // that could overwrite its static buffer.
+    let pw = unsafe { libc::getpwnam(name.as_ptr()) };
+    if pw.is_null() {
+        tracing::warn!(user, "slurm_user does not exist; only root may place tasks");
+        None
+    } else {
+        // SAFETY: non-null result of getpwnam points to a valid passwd record.
+        Some(unsafe { (*pw).pw_uid })
+    }
+}
+
+fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), String> {
+    let socket = match socket {
+        Some(s) => s.to_path_buf(),
+        None => Config::load(config_path).map_err(|e| e.to_string())?.socket,
+    };
+    let response = client::call(&socket, Duration::from_secs(5), Request::Status).map_err(|e| e.to_string())?;
+    let status = match response {
+        Response::Status(s) => s,
+        Response::Error { message } => return Err(message),
+        other => return Err(format!("unexpected answer: {other:?}")),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    println!("node {} ({} jobs per GPU)", status.node, status.jobs_per_gpu);
+    println!("{:<4} {:<16} {:>10}  jobs", "GPU", "model", "memory");
+    for g in &status.gpus {
+        let jobs: Vec<String> = g.tasks.iter().map(|t| format!("{} ({})", t.job_id, t.app)).collect();
+        let jobs = if jobs.is_empty() { "-".to_string() } else { jobs.join(", ") };
+        println!("{:<4} {:<16} {:>7} MiB  {}", g.index, g.model, g.memory_mb, jobs);
+    }
+    Ok(())
+}

@@ -1,0 +1,293 @@
+//! The placement policy: the node's GPUs and the interference history in, a decision out.
+//! Pure: no I/O, no clock. The daemon, the simulator and the tests call this same code.
+//!
+//! A GPU's value is the node's predicted total normalised throughput after the newcomer joins
+//! it, minus what its residents deliver now. Each job's speed on a shared GPU is the product of
+//! its pairwise speeds with every co-runner (1.0 alone). Pairs known to run out of memory and
+//! memory hints that do not fit rule a GPU out; when every GPU is ruled out the job is declined.
+
+/// A job already running on a GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resident {
+    pub job_id: u32,
+    pub app: String,
+    pub mem_mb: Option<u64>,
+}
+
+/// One shared GPU as the policy sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuState {
+    pub index: u32,
+    pub model: String,
+    pub memory_mb: u64,
+    pub residents: Vec<Resident>,
+}
+
+/// What the history knows about `app` running beside `other` on one GPU model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairEstimate {
+    /// Speed of `app` beside `other`, relative to alone.
+    pub speed: f64,
+    /// Speed of `other` beside `app`.
+    pub other_speed: f64,
+    /// How many observations the estimate rests on.
+    pub observations: u32,
+    /// The pair ran out of GPU memory together: never again.
+    pub oom: bool,
+}
+
+/// The history the policy reads.
+pub trait PairHistory {
+    /// The estimate for `app` beside `other` on `model`, if any observation exists.
+    fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate>;
+}
+
+/// The job to place.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Newcomer<'a> {
+    pub app: &'a str,
+    pub mem_mb: Option<u64>,
+}
+
+/// Policy knobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Knobs {
+    /// Jobs per GPU.
+    pub slots: u32,
+    /// Assumed speed of each side of a pair never seen together.
+    pub unknown_pair_speed: f64,
+}
+
+/// The policy's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    Place {
+        gpu: u32,
+        corunners: Vec<u32>,
+        /// The newcomer's predicted speed.
+        predicted_speed: f64,
+        /// Predicted change of the node's total normalised throughput.
+        gain: f64,
+        reason: String,
+    },
+    Decline {
+        reason: String,
+    },
+}
+
+struct Scored {
+    gpu: u32,
+    corunners: Vec<u32>,
+    speed: f64,
+    gain: f64,
+    residents: usize,
+    reason: String,
+}
+
+/// Chooses a GPU for `job`, or declines with the reason for every GPU.
+pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Decision {
+    let mut best: Option<Scored> = None;
+    let mut refusals = Vec::new();
+    for gpu in gpus {
+        match score(gpu, job, history, knobs) {
+            Ok(s) => {
+                let better = match &best {
+                    None => true,
+                    // Higher gain wins; on a tie the emptier GPU, then the lower index.
+                    Some(b) => (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents),
+                };
+                if better {
+                    best = Some(s);
+                }
+            }
+            Err(why) => refusals.push(format!("GPU {}: {why}", gpu.index)),
+        }
+    }
+    match best {
+        Some(s) => Decision::Place {
+            gpu: s.gpu,
+            corunners: s.corunners,
+            predicted_speed: s.speed,
+            gain: s.gain,
+            reason: s.reason,
+        },
+        None if gpus.is_empty() => Decision::Decline { reason: "this node has no shared GPU".into() },
+        None => Decision::Decline { reason: refusals.join("; ") },
+    }
+}
+
+fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Result<Scored, String> {
+    if gpu.residents.len() as u32 >= knobs.slots {
+        return Err(format!("full ({} of {} jobs)", gpu.residents.len(), knobs.slots));
+    }
+    if let Some(need) = job.mem_mb {
+        let used: u64 = gpu.residents.iter().filter_map(|r| r.mem_mb).sum();
+        if used + need > gpu.memory_mb {
+            return Err(format!(
+                "memory: {need} MiB asked, {} of {} MiB already promised",
+                used, gpu.memory_mb
+            ));
+        }
+    }
+    if gpu.residents.is_empty() {
+        return Ok(Scored {
+            gpu: gpu.index,
+            corunners: vec![],
+            speed: 1.0,
+            gain: 1.0,
+            residents: 0,
+            reason: format!("GPU {} is free: runs alone", gpu.index),
+        });
+    }
+    let prior = knobs.unknown_pair_speed;
+    let mut speed = 1.0;
+    let mut gain = 0.0;
+    let mut notes = Vec::new();
+    for r in &gpu.residents {
+        let est = history.pair(&gpu.model, job.app, &r.app);
+        if est.is_some_and(|e| e.oom) {
+            return Err(format!("{} beside {} (job {}) ran out of memory before", job.app, r.app, r.job_id));
+        }
+        let (mine, theirs) = est.map_or((prior, prior), |e| (e.speed, e.other_speed));
+        speed *= mine;
+        // The resident's speed now, from its pairs with the other residents.
+        let now: f64 = gpu
+            .residents
+            .iter()
+            .filter(|o| o.job_id != r.job_id)
+            .map(|o| history.pair(&gpu.model, &r.app, &o.app).map_or(prior, |e| e.speed))
+            .product();
+        gain += now * theirs - now;
+        notes.push(match est {
+            Some(e) => format!("beside {} (job {}): {:.2}/{:.2} from {} observations", r.app, r.job_id, mine, theirs, e.observations),
+            None => format!("beside {} (job {}): never seen together, assumed {:.2}", r.app, r.job_id, prior),
+        });
+    }
+    gain += speed;
+    Ok(Scored {
+        gpu: gpu.index,
+        corunners: gpu.residents.iter().map(|r| r.job_id).collect(),
+        speed,
+        gain,
+        residents: gpu.residents.len(),
+        reason: format!("GPU {} shared, {}", gpu.index, notes.join(", ")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[derive(Default)]
+    struct Table(HashMap<(String, String), PairEstimate>);
+
+    impl Table {
+        fn with(mut self, a: &str, b: &str, sa: f64, sb: f64, oom: bool) -> Self {
+            self.0.insert((a.into(), b.into()), PairEstimate { speed: sa, other_speed: sb, observations: 3, oom });
+            self.0.insert((b.into(), a.into()), PairEstimate { speed: sb, other_speed: sa, observations: 3, oom });
+            self
+        }
+    }
+
+    impl PairHistory for Table {
+        fn pair(&self, _model: &str, app: &str, other: &str) -> Option<PairEstimate> {
+            self.0.get(&(app.to_string(), other.to_string())).copied()
+        }
+    }
+
+    fn gpu(index: u32, residents: &[(u32, &str)]) -> GpuState {
+        GpuState {
+            index,
+            model: "v100".into(),
+            memory_mb: 16384,
+            residents: residents.iter().map(|(j, a)| Resident { job_id: *j, app: a.to_string(), mem_mb: None }).collect(),
+        }
+    }
+
+    const KNOBS: Knobs = Knobs { slots: 2, unknown_pair_speed: 0.7 };
+
+    fn chosen(d: &Decision) -> u32 {
+        match d {
+            Decision::Place { gpu, .. } => *gpu,
+            Decision::Decline { reason } => panic!("declined: {reason}"),
+        }
+    }
+
+    #[test]
+    fn free_gpu_beats_sharing_with_unknown() {
+        let gpus = [gpu(0, &[(1, "a")]), gpu(1, &[])];
+        let d = place(&gpus, &Newcomer { app: "b", mem_mb: None }, &Table::default(), KNOBS);
+        assert_eq!(chosen(&d), 1);
+        assert!(matches!(d, Decision::Place { predicted_speed, .. } if predicted_speed == 1.0));
+    }
+
+    #[test]
+    fn picks_the_partner_that_interferes_least() {
+        let h = Table::default().with("new", "heavy", 0.4, 0.5, false).with("new", "light", 0.9, 0.95, false);
+        let gpus = [gpu(0, &[(1, "heavy")]), gpu(1, &[(2, "light")])];
+        let d = place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS);
+        match d {
+            Decision::Place { gpu, corunners, predicted_speed, gain, .. } => {
+                assert_eq!(gpu, 1);
+                assert_eq!(corunners, vec![2]);
+                assert!((predicted_speed - 0.9).abs() < 1e-9);
+                assert!((gain - (0.9 + 0.95 - 1.0)).abs() < 1e-9);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_pair_worth_more_than_a_free_gpu_is_taken() {
+        // Sum of speeds 2.1 > 2.0: sharing delivers more than a GPU alone.
+        let h = Table::default().with("new", "good", 1.0, 1.1, false);
+        let gpus = [gpu(0, &[]), gpu(1, &[(2, "good")])];
+        assert_eq!(chosen(&place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS)), 1);
+    }
+
+    #[test]
+    fn oom_pairs_and_full_gpus_are_never_chosen() {
+        let h = Table::default().with("new", "big", 0.9, 0.9, true);
+        let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "x"), (3, "y")])];
+        match place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS) {
+            Decision::Decline { reason } => {
+                assert!(reason.contains("GPU 0: new beside big (job 1) ran out of memory"), "{reason}");
+                assert!(reason.contains("GPU 1: full (2 of 2 jobs)"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn memory_hint_that_does_not_fit_is_declined() {
+        let mut g = gpu(0, &[(1, "a")]);
+        g.residents[0].mem_mb = Some(10000);
+        let d = place(&[g.clone()], &Newcomer { app: "b", mem_mb: Some(8000) }, &Table::default(), KNOBS);
+        assert!(matches!(&d, Decision::Decline { reason } if reason.contains("memory: 8000 MiB asked")), "{d:?}");
+        let d = place(&[g], &Newcomer { app: "b", mem_mb: Some(6000) }, &Table::default(), KNOBS);
+        assert_eq!(chosen(&d), 0);
+    }
+
+    #[test]
+    fn no_gpu_is_a_decline() {
+        let d = place(&[], &Newcomer { app: "b", mem_mb: None }, &Table::default(), KNOBS);
+        assert!(matches!(d, Decision::Decline { .. }));
+    }
+
+    #[test]
+    fn three_way_sharing_multiplies_speeds() {
+        let h = Table::default().with("n", "a", 0.8, 0.9, false).with("n", "b", 0.5, 0.6, false).with("a", "b", 0.7, 0.7, false);
+        let gpus = [gpu(0, &[(1, "a"), (2, "b")])];
+        let knobs = Knobs { slots: 3, ..KNOBS };
+        match place(&gpus, &Newcomer { app: "n", mem_mb: None }, &h, knobs) {
+            Decision::Place { predicted_speed, gain, .. } => {
+                assert!((predicted_speed - 0.4).abs() < 1e-9);
+                // a: 0.7 -> 0.7*0.9 ; b: 0.7 -> 0.7*0.6 ; plus n at 0.4
+                let want = 0.4 + (0.63 - 0.7) + (0.42 - 0.7);
+                assert!((gain - want).abs() < 1e-9, "{gain} vs {want}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! What the SPANK plugin, the job_submit plugin and `multiplexd` must agree on: the syntax of
+//! `--multiplex[=SPEC]`, the messages on the daemon's Unix socket, and a blocking client for
+//! code that runs inside Slurm processes.
+
+pub mod client;
+pub mod spec;
+pub mod wire;
+
+pub use client::{Client, ClientError};
+pub use spec::{Spec, SpecError};
+pub use wire::*;

@@ -1,0 +1,167 @@
+//! `--multiplex[=SPEC]`: SPEC is empty or a comma-separated list of `key=value`.
+//!
+//! Keys: `app=NAME` (the application key the interference history is kept under) and
+//! `mem=SIZE` (the user's estimate of the job's peak GPU memory: a number with an optional
+//! K/M/G/T suffix, binary units, MiB when bare).
+
+use std::fmt;
+
+/// The SPANK option's name; Slurm passes it to job_submit as this variable in `spank_job_env`.
+pub const SPANK_ENV_VAR: &str = "_SLURM_SPANK_OPTION_multiplex_multiplex";
+
+/// Longest application key accepted.
+pub const MAX_APP_LEN: usize = 64;
+
+/// A parsed `--multiplex` value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Spec {
+    /// `app=NAME`, if given.
+    pub app: Option<String>,
+    /// `mem=SIZE` in MiB, if given.
+    pub mem_mb: Option<u64>,
+}
+
+/// Why a SPEC was refused; the message names the bad part.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("'{0}' is not key=value (expected e.g. --multiplex=app=bert,mem=16G)")]
+    NotKeyValue(String),
+    #[error("unknown key '{0}' (known keys: app, mem)")]
+    UnknownKey(String),
+    #[error("key '{0}' is given twice")]
+    Duplicate(String),
+    #[error("app name '{0}' is invalid: use 1 to {MAX_APP_LEN} letters, digits, '.', '_' or '-'")]
+    BadApp(String),
+    #[error("mem size '{0}' is invalid: use a positive number with an optional K, M, G or T suffix, e.g. 16G")]
+    BadMem(String),
+}
+
+impl Spec {
+    /// Parses a SPEC. An absent value (a bare flag, which Slurm passes as NULL or the text
+    /// `(null)`) and an empty one mean "no keys".
+    pub fn parse(value: Option<&str>) -> Result<Spec, SpecError> {
+        let mut spec = Spec::default();
+        let text = match value {
+            None | Some("(null)") => return Ok(spec),
+            Some(t) => t.trim(),
+        };
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, val) = part
+                .split_once('=')
+                .ok_or_else(|| SpecError::NotKeyValue(part.to_string()))?;
+            match key.trim() {
+                "app" => {
+                    if spec.app.is_some() {
+                        return Err(SpecError::Duplicate("app".into()));
+                    }
+                    spec.app = Some(parse_app(val.trim())?);
+                }
+                "mem" => {
+                    if spec.mem_mb.is_some() {
+                        return Err(SpecError::Duplicate("mem".into()));
+                    }
+                    spec.mem_mb = Some(parse_mem_mb(val.trim())?);
+                }
+                other => return Err(SpecError::UnknownKey(other.to_string())),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if let Some(app) = &self.app {
+            parts.push(format!("app={app}"));
+        }
+        if let Some(mem) = self.mem_mb {
+            parts.push(format!("mem={mem}M"));
+        }
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// Checks an application key: 1..=64 of `[A-Za-z0-9._-]`.
+pub fn parse_app(s: &str) -> Result<String, SpecError> {
+    let ok = !s.is_empty()
+        && s.len() <= MAX_APP_LEN
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(SpecError::BadApp(s.to_string()))
+    }
+}
+
+/// Parses a memory size into MiB: `512` (MiB), `512M`, `16G`, `1T`, `1048576K`.
+pub fn parse_mem_mb(s: &str) -> Result<u64, SpecError> {
+    let bad = || SpecError::BadMem(s.to_string());
+    let upper = s.to_ascii_uppercase();
+    let trimmed = upper.strip_suffix("IB").or_else(|| upper.strip_suffix('B')).unwrap_or(&upper);
+    let (digits, mult_kib): (&str, u64) = match trimmed.chars().last() {
+        Some('K') => (&trimmed[..trimmed.len() - 1], 1),
+        Some('M') => (&trimmed[..trimmed.len() - 1], 1024),
+        Some('G') => (&trimmed[..trimmed.len() - 1], 1024 * 1024),
+        Some('T') => (&trimmed[..trimmed.len() - 1], 1024 * 1024 * 1024),
+        _ => (trimmed, 1024),
+    };
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let kib = n.checked_mul(mult_kib).ok_or_else(bad)?;
+    let mb = kib.div_ceil(1024);
+    if mb == 0 {
+        return Err(bad());
+    }
+    Ok(mb)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepted_specs() {
+        let cases: &[(Option<&str>, Spec)] = &[
+            (None, Spec::default()),
+            (Some("(null)"), Spec::default()),
+            (Some(""), Spec::default()),
+            (Some("app=bert"), Spec { app: Some("bert".into()), mem_mb: None }),
+            (Some("mem=16G"), Spec { app: None, mem_mb: Some(16384) }),
+            (Some("app=resnet50-bs64, mem=512"), Spec { app: Some("resnet50-bs64".into()), mem_mb: Some(512) }),
+            (Some("mem=1T,app=a.b_c"), Spec { app: Some("a.b_c".into()), mem_mb: Some(1024 * 1024) }),
+            (Some("mem=1536K"), Spec { app: None, mem_mb: Some(2) }),
+            (Some("mem=16GiB"), Spec { app: None, mem_mb: Some(16384) }),
+        ];
+        for (input, want) in cases {
+            assert_eq!(&Spec::parse(*input).unwrap(), want, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn rejected_specs_name_the_bad_part() {
+        let cases: &[(&str, &str)] = &[
+            ("bert", "'bert' is not key=value"),
+            ("app=bert,gpus=2", "unknown key 'gpus'"),
+            ("app=a,app=b", "key 'app' is given twice"),
+            ("app=", "app name '' is invalid"),
+            ("app=has space", "app name 'has space' is invalid"),
+            ("app=a/b", "app name 'a/b' is invalid"),
+            ("mem=lots", "mem size 'lots' is invalid"),
+            ("mem=0", "mem size '0' is invalid"),
+            ("mem=-1G", "mem size '-1G' is invalid"),
+            ("mem=99999999999999999T", "mem size '99999999999999999T' is invalid"),
+        ];
+        for (input, want) in cases {
+            let err = Spec::parse(Some(input)).unwrap_err().to_string();
+            assert!(err.contains(want), "input {input:?}: got {err:?}, want {want:?}");
+        }
+        let long = format!("app={}", "x".repeat(MAX_APP_LEN + 1));
+        assert!(matches!(Spec::parse(Some(&long)), Err(SpecError::BadApp(_))));
+    }
+
+    #[test]
+    fn display_round_trips() {
+        let s = Spec::parse(Some("app=bert,mem=16G")).unwrap();
+        assert_eq!(Spec::parse(Some(&s.to_string())).unwrap(), s);
+    }
+}

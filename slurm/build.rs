@@ -1,0 +1,64 @@
+//! Generates bindings from the Slurm headers installed on the build machine, and turns the
+//! version differences the plugins care about into `cfg` flags, decided here and nowhere else.
+
+use std::env;
+use std::path::PathBuf;
+
+fn main() {
+    let include = env::var("SLURM_INCLUDE_DIR").unwrap_or_else(|_| "/usr/include".to_string());
+    println!("cargo:rerun-if-env-changed=SLURM_INCLUDE_DIR");
+    println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rerun-if-changed={include}/slurm/slurm_version.h");
+    println!("cargo:rerun-if-changed={include}/slurm/slurm.h");
+
+    let version_h = format!("{include}/slurm/slurm_version.h");
+    let version_text = std::fs::read_to_string(&version_h).unwrap_or_else(|e| {
+        panic!(
+            "cannot read {version_h}: {e}. Install the Slurm headers (Debian: apt-get install libslurm-dev) \
+             or set SLURM_INCLUDE_DIR to the directory holding slurm/slurm.h"
+        )
+    });
+    let version = parse_version_number(&version_text)
+        .unwrap_or_else(|| panic!("no SLURM_VERSION_NUMBER in {version_h}"));
+    let (major, minor) = ((version >> 16) & 0xff, (version >> 8) & 0xff);
+
+    // job_modify gained `char **err_msg` in 23.02.
+    println!("cargo:rustc-check-cfg=cfg(slurm_job_modify_err_msg)");
+    if (major, minor) >= (23, 2) {
+        println!("cargo:rustc-cfg=slurm_job_modify_err_msg");
+    }
+
+    let bindings = bindgen::Builder::default()
+        .header("wrapper.h")
+        .clang_arg(format!("-I{include}"))
+        .allowlist_type("job_desc_msg_t")
+        .allowlist_type("spank_t")
+        .allowlist_type("spank_item_t")
+        .allowlist_type("spank_err_t")
+        .allowlist_type("spank_context_t")
+        .allowlist_type("spank_option")
+        .allowlist_type("spank_opt_cb_f")
+        .allowlist_var("SLURM_VERSION_NUMBER")
+        .allowlist_var("SLURM_SUCCESS")
+        .allowlist_var("SLURM_ERROR")
+        .allowlist_var("NO_VAL.*")
+        .allowlist_var("ESPANK_.*")
+        .allowlist_type("slurm_err_t")
+        .prepend_enum_name(false)
+        // Functions are resolved at run time (see `host`), so no extern block is generated.
+        .blocklist_function(".*")
+        .derive_default(false)
+        .layout_tests(false)
+        .generate()
+        .expect("bindgen could not generate Slurm bindings");
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
+    bindings.write_to_file(out).expect("write bindings");
+}
+
+fn parse_version_number(text: &str) -> Option<u32> {
+    text.lines().find_map(|line| {
+        let rest = line.trim().strip_prefix("#define SLURM_VERSION_NUMBER")?;
+        let hex = rest.trim().strip_prefix("0x")?;
+        u32::from_str_radix(hex.trim(), 16).ok()
+    })
+}

@@ -1,0 +1,105 @@
+//! Slurm functions provided by the host process, looked up once with `dlsym(RTLD_DEFAULT)`.
+//!
+//! A missing symbol is `None`: callers degrade (logging falls back to stderr) instead of
+//! failing to load.
+
+use crate::bindings::{spank_err_t, spank_item_t, spank_option, spank_t};
+use libc::{c_char, c_int, c_void};
+use std::sync::OnceLock;
+
+type LogFn = unsafe extern "C" fn(fmt: *const c_char, ...);
+type XstrdupFn = unsafe extern "C" fn(s: *const c_char) -> *mut c_char;
+type XfreeFn = unsafe extern "C" fn(p: *mut *mut c_void);
+type SpankOptionRegisterFn = unsafe extern "C" fn(spank_t, *mut spank_option) -> spank_err_t;
+type SpankGetItemFn = unsafe extern "C" fn(spank_t, spank_item_t, ...) -> spank_err_t;
+type SpankGetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *mut c_char, c_int) -> spank_err_t;
+type SpankSetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *const c_char, c_int) -> spank_err_t;
+type SpankContextFn = unsafe extern "C" fn() -> c_int;
+
+/// The host functions this project uses; each is `None` when the host process lacks it.
+pub struct Host {
+    pub info: Option<LogFn>,
+    pub error: Option<LogFn>,
+    pub verbose: Option<LogFn>,
+    pub spank_log: Option<LogFn>,
+    pub xstrdup: Option<XstrdupFn>,
+    pub xfree: Option<XfreeFn>,
+    pub spank_option_register: Option<SpankOptionRegisterFn>,
+    pub spank_get_item: Option<SpankGetItemFn>,
+    pub spank_getenv: Option<SpankGetenvFn>,
+    pub spank_setenv: Option<SpankSetenvFn>,
+    pub spank_context: Option<SpankContextFn>,
+}
+
+fn lookup(name: &std::ffi::CStr) -> *mut c_void {
+    // SAFETY: dlsym with RTLD_DEFAULT and a valid NUL-terminated name only reads the loader's
+    // tables; a NULL result is handled by the caller.
+    unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }
+}
+
+macro_rules! resolve {
+    ($name:literal, $ty:ty) => {{
+        let p = lookup($name);
+        if p.is_null() {
+            None
+        } else {
+            // SAFETY: the symbol is Slurm's exported function of that name; `$ty` is its C
+            // prototype from the Slurm headers (log functions are printf-like variadics).
+            Some(unsafe { std::mem::transmute::<*mut c_void, $ty>(p) })
+        }
+    }};
+}
+
+/// The host's functions, resolved on first use.
+pub fn host() -> &'static Host {
+    static HOST: OnceLock<Host> = OnceLock::new();
+    HOST.get_or_init(|| Host {
+        info: resolve!(c"slurm_info", LogFn),
+        error: resolve!(c"slurm_error", LogFn),
+        verbose: resolve!(c"slurm_verbose", LogFn),
+        spank_log: resolve!(c"slurm_spank_log", LogFn),
+        xstrdup: resolve!(c"slurm_xstrdup", XstrdupFn),
+        xfree: resolve!(c"slurm_xfree", XfreeFn),
+        spank_option_register: resolve!(c"spank_option_register", SpankOptionRegisterFn),
+        spank_get_item: resolve!(c"spank_get_item", SpankGetItemFn),
+        spank_getenv: resolve!(c"spank_getenv", SpankGetenvFn),
+        spank_setenv: resolve!(c"spank_setenv", SpankSetenvFn),
+        spank_context: resolve!(c"spank_context", SpankContextFn),
+    })
+}
+
+/// Copies `s` into memory from Slurm's allocator, so Slurm may `xfree` it (e.g. `err_msg`).
+/// NUL bytes inside `s` are dropped. Returns NULL if the host has no `slurm_xstrdup`.
+pub fn xstrdup(s: &str) -> *mut c_char {
+    let c = std::ffi::CString::new(s.replace('\0', "")).expect("NULs removed");
+    match host().xstrdup {
+        // SAFETY: slurm_xstrdup copies a valid NUL-terminated string and returns xmalloc'd memory.
+        Some(f) => unsafe { f(c.as_ptr()) },
+        None => std::ptr::null_mut(),
+    }
+}
+
+/// Frees a string that Slurm allocated (`xfree`), setting the pointer to NULL.
+///
+/// # Safety
+/// `*p` must be NULL or a pointer obtained from Slurm's allocator that nothing else frees.
+pub unsafe fn xfree(p: &mut *mut c_char) {
+    if p.is_null() {
+        return;
+    }
+    if let Some(f) = host().xfree {
+        // SAFETY: per the caller's contract `*p` came from xmalloc; slurm_xfree NULLs it.
+        unsafe { f((p as *mut *mut c_char).cast()) };
+    }
+    *p = std::ptr::null_mut();
+}
+
+/// Replaces a string field Slurm owns with a copy of `value` from Slurm's allocator.
+///
+/// # Safety
+/// `*field` must be NULL or owned by Slurm's allocator.
+pub unsafe fn replace_string(field: &mut *mut c_char, value: &str) {
+    // SAFETY: forwarded contract.
+    unsafe { xfree(field) };
+    *field = xstrdup(value);
+}
