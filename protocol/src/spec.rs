@@ -82,6 +82,21 @@ impl fmt::Display for Spec {
     }
 }
 
+/// The application key of a job that gave no `app=`: stable across resubmissions of the same
+/// job by the same user, and the same in job_submit and on the node. Characters outside the
+/// key alphabet become `_`.
+pub fn default_app(uid: u32, job_name: Option<&str>) -> String {
+    let name: String = job_name
+        .unwrap_or("job")
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '_' })
+        .collect();
+    let name = if name.is_empty() { "job".to_string() } else { name };
+    let mut key = format!("u{uid}-{name}");
+    key.truncate(MAX_APP_LEN);
+    key
+}
+
 /// Checks an application key: 1..=64 of `[A-Za-z0-9._-]`.
 pub fn parse_app(s: &str) -> Result<String, SpecError> {
     let ok = !s.is_empty()
@@ -157,6 +172,15 @@ mod tests {
         }
         let long = format!("app={}", "x".repeat(MAX_APP_LEN + 1));
         assert!(matches!(Spec::parse(Some(&long)), Err(SpecError::BadApp(_))));
+    }
+
+    #[test]
+    fn default_app_is_a_valid_stable_key() {
+        assert_eq!(default_app(1000, Some("train bert")), "u1000-train_bert");
+        assert_eq!(default_app(0, None), "u0-job");
+        assert_eq!(default_app(0, Some("")), "u0-job");
+        let long = default_app(5, Some(&"é".repeat(100)));
+        assert!(parse_app(&long).is_ok(), "{long}");
     }
 
     #[test]

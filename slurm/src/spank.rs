@@ -102,6 +102,15 @@ impl Spank {
         Ok(v)
     }
 
+    /// The task's local id on this node (task callbacks only).
+    pub fn task_local_id(&self) -> Result<i32, SpankError> {
+        let f = host().spank_get_item.ok_or(MISSING)?;
+        let mut v: c_int = 0;
+        // SAFETY: S_TASK_ID takes an `int *`, per spank.h.
+        check(unsafe { f(self.0, bindings::S_TASK_ID, &mut v as *mut c_int) })?;
+        Ok(v)
+    }
+
     /// A variable of the job's environment (remote context only).
     pub fn getenv(&self, name: &str) -> Option<String> {
         let f = host().spank_getenv?;

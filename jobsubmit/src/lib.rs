@@ -1,0 +1,174 @@
+//! `job_submit/multiplex`: the slurmctld plugin. This file is only the FFI shell: it copies
+//! the job description into a [`rewrite::JobView`], asks [`rewrite::decide`], and writes the
+//! answer back with Slurm's allocator. It runs with slurmctld's locks held: no I/O here
+//! besides the policy read at `init`.
+
+pub mod policy;
+pub mod rewrite;
+
+use libc::{c_char, c_int};
+use policy::Policy;
+use rewrite::{JobView, Outcome, RejectKind};
+use slurm_ffi::bindings::{self, job_desc_msg_t};
+use slurm_ffi::{c_str, host, log};
+use std::sync::RwLock;
+
+slurm_ffi::slurm_plugin!("Multiplex: route --multiplex jobs to shared GPUs", "job_submit/multiplex");
+
+const PREFIX: &str = "job_submit/multiplex";
+
+/// The policy in force; `None` after a broken policy file with no earlier good one.
+static POLICY: RwLock<Option<Policy>> = RwLock::new(None);
+
+/// Called when slurmctld loads the plugin (start and reconfigure).
+#[no_mangle]
+pub extern "C" fn init() -> c_int {
+    slurm_ffi::guard(PREFIX, "init", bindings::SLURM_SUCCESS as c_int, || {
+        let path = Policy::path();
+        let mut slot = POLICY.write().unwrap_or_else(|p| p.into_inner());
+        match Policy::load(&path) {
+            Ok(Some(p)) => {
+                log::info(&format!("{PREFIX}: policy from {}: partition={} gres={} max_gpus={}", path.display(), p.partition, p.gres, p.max_gpus));
+                *slot = Some(p);
+            }
+            Ok(None) => {
+                log::info(&format!("{PREFIX}: no policy file at {}; using the defaults", path.display()));
+                *slot = Some(Policy::default());
+            }
+            Err(e) if slot.is_some() => log::error(&format!("{PREFIX}: {e}; keeping the previous policy")),
+            Err(e) => log::error(&format!("{PREFIX}: {e}; multiplexed jobs pass unchanged until it is fixed")),
+        }
+        bindings::SLURM_SUCCESS as c_int
+    })
+}
+
+/// Called when slurmctld unloads the plugin.
+#[no_mangle]
+pub extern "C" fn fini() -> c_int {
+    bindings::SLURM_SUCCESS as c_int
+}
+
+/// `int job_submit(job_desc_msg_t *, uint32_t submit_uid, char **err_msg)`.
+#[no_mangle]
+pub extern "C" fn job_submit(job_desc: *mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "job_submit", bindings::SLURM_ERROR, || {
+        if job_desc.is_null() {
+            return bindings::SLURM_SUCCESS as c_int;
+        }
+        // SAFETY: slurmctld passes a valid job description it owns for the duration of the call.
+        let desc = unsafe { &mut *job_desc };
+        submit(desc, submit_uid, err_msg)
+    })
+}
+
+fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char) -> c_int {
+    // SAFETY: the pointers in `desc` are Slurm's strings and string array, valid during the call.
+    let view = unsafe { view_of(desc) };
+    let policy = POLICY.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let Some(policy) = policy else {
+        if rewrite::decide(&view, &Policy::default()) != Outcome::Untouched {
+            log::error(&format!("{PREFIX}: no valid policy; multiplexed job of uid {submit_uid} passes unchanged"));
+        }
+        return bindings::SLURM_SUCCESS as c_int;
+    };
+    match rewrite::decide(&view, &policy) {
+        Outcome::Untouched => bindings::SLURM_SUCCESS as c_int,
+        Outcome::Reject { kind, message } => {
+            log::info(&format!("{PREFIX}: rejected a job of uid {submit_uid}: {message}"));
+            if !err_msg.is_null() {
+                // SAFETY: err_msg points to Slurm's `char *`, which it frees with xfree.
+                unsafe { *err_msg = host::xstrdup(&message) };
+            }
+            reject_code(kind)
+        }
+        Outcome::Rewrite(r) => {
+            // SAFETY: every field written is a Slurm-owned string (or NULL); replace_string
+            // frees the old value with xfree and allocates the new one with xstrdup.
+            unsafe {
+                host::replace_string(&mut desc.partition, &r.partition);
+                host::replace_string(&mut desc.admin_comment, &r.admin_comment);
+                set_optional(&mut desc.tres_per_node, r.tres_per_node.as_deref());
+                set_optional(&mut desc.tres_per_job, r.tres_per_job.as_deref());
+                set_optional(&mut desc.tres_per_task, r.tres_per_task.as_deref());
+                set_optional(&mut desc.tres_per_socket, r.tres_per_socket.as_deref());
+                set_optional(&mut desc.cpus_per_tres, r.cpus_per_tres.as_deref());
+                set_optional(&mut desc.mem_per_tres, r.mem_per_tres.as_deref());
+            }
+            log::verbose(&format!(
+                "{PREFIX}: uid {submit_uid} app={} -> partition={} tres_per_node={}",
+                r.app,
+                r.partition,
+                r.tres_per_node.as_deref().unwrap_or("")
+            ));
+            bindings::SLURM_SUCCESS as c_int
+        }
+    }
+}
+
+fn reject_code(kind: RejectKind) -> c_int {
+    (match kind {
+        RejectKind::BadOption => bindings::ESLURM_BAD_NAME,
+        RejectKind::NoGpu | RejectKind::TooManyGpus | RejectKind::MixedGres => bindings::ESLURM_INVALID_GRES,
+        RejectKind::TooManyNodes => bindings::ESLURM_INVALID_NODE_COUNT,
+        RejectKind::Exclusive => bindings::ESLURM_NOT_SUPPORTED,
+    }) as c_int
+}
+
+/// # Safety
+/// `*field` must be NULL or owned by Slurm's allocator.
+unsafe fn set_optional(field: &mut *mut c_char, value: Option<&str>) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match value {
+            Some(v) => host::replace_string(field, v),
+            None => host::xfree(field),
+        }
+    }
+}
+
+fn count(v: u32) -> Option<u32> {
+    (v != 0 && v != bindings::NO_VAL).then_some(v)
+}
+
+/// # Safety
+/// The string pointers of `desc` must be NULL or valid C strings, and `spank_job_env` must
+/// hold `spank_job_env_size` valid entries.
+unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
+    let mut spank_env = Vec::new();
+    if !desc.spank_job_env.is_null() {
+        for i in 0..desc.spank_job_env_size as usize {
+            // SAFETY: the array has spank_job_env_size entries (caller's contract).
+            if let Some(e) = unsafe { c_str(*desc.spank_job_env.add(i)) } {
+                spank_env.push(e);
+            }
+        }
+    }
+    // SAFETY: each is NULL or a valid C string (caller's contract).
+    unsafe {
+        JobView {
+            spank_env,
+            user_id: desc.user_id,
+            name: c_str(desc.name),
+            partition: c_str(desc.partition),
+            admin_comment: c_str(desc.admin_comment),
+            tres_per_node: c_str(desc.tres_per_node),
+            tres_per_job: c_str(desc.tres_per_job),
+            tres_per_task: c_str(desc.tres_per_task),
+            tres_per_socket: c_str(desc.tres_per_socket),
+            cpus_per_tres: c_str(desc.cpus_per_tres),
+            mem_per_tres: c_str(desc.mem_per_tres),
+            exclusive: desc.shared == 0,
+            min_nodes: count(desc.min_nodes),
+            max_nodes: count(desc.max_nodes),
+            num_tasks: count(desc.num_tasks),
+        }
+    }
+}
+
+fn modify(_job_desc: *mut job_desc_msg_t, _submit_uid: u32, _err_msg: *mut *mut c_char) -> c_int {
+    // Checks on modifications of multiplexed jobs come with the job_submit issue; until then
+    // modifications pass as they would without the plugin.
+    bindings::SLURM_SUCCESS as c_int
+}
+
+slurm_ffi::export_job_modify!(modify);

@@ -1,0 +1,237 @@
+//! SPANK plugin `multiplex`. The exported callbacks only dispatch on the context; the work is
+//! in [`args`] (plugstack.conf), [`remote`] (slurmstepd) and the shared option syntax.
+//!
+//! It runs inside sbatch, srun and slurmstepd: no threads, every callback behind
+//! [`slurm_ffi::guard`], and a daemon that does not answer costs at most `timeout_ms`.
+
+pub mod args;
+pub mod remote;
+
+use args::Args;
+use libc::{c_char, c_int};
+use multiplex_protocol::spec::Spec;
+use remote::{StepInfo, StepPlan};
+use slurm_ffi::bindings::spank_t;
+use slurm_ffi::spank::{self as sp, Context, Spank, StaticOption};
+use slurm_ffi::{c_str, log};
+use std::sync::Mutex;
+
+slurm_ffi::slurm_plugin!("multiplex", "spank");
+
+const PREFIX: &str = "multiplex";
+
+/// The job environment variable through which Slurm hands the option to steps of a job.
+const OPTION_ENV: &str = "SLURM_SPANK__SLURM_SPANK_OPTION_multiplex_multiplex";
+
+static OPTION: StaticOption = StaticOption::new(
+    c"multiplex",
+    c"[app=NAME,mem=SIZE]",
+    c"[multiplex] Share a GPU with other jobs, placed by measured interference. app=NAME keys the history (default: user and job name); mem=SIZE is the job's peak GPU memory, e.g. 16G.",
+    2,
+    option_cb,
+);
+
+/// Per-process state: one job step in slurmstepd, one command in sbatch/srun.
+struct State {
+    args: Args,
+    /// `None`: flag not given; `Some(None)`: bare flag; `Some(Some(v))`: with a value.
+    option: Option<Option<String>>,
+    plan: Option<StepPlan>,
+    /// (job, step, node) the daemon placed, to report the end to.
+    placed: Option<(u32, u32, String)>,
+    worst_exit: i32,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    args: Args { socket: String::new(), timeout_ms: 2000, on_daemon_error: args::OnDaemonError::Run },
+    option: None,
+    plan: None,
+    placed: None,
+    worst_exit: 0,
+});
+
+fn state() -> std::sync::MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// # Safety
+/// `av` must hold `ac` valid C strings.
+unsafe fn argv(ac: c_int, av: *mut *mut c_char) -> Vec<String> {
+    if av.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: caller's contract.
+    (0..ac.max(0) as usize).filter_map(|i| unsafe { c_str(*av.add(i)) }).collect()
+}
+
+/// Reads plugstack.conf arguments; an error is logged with the bad argument in every context.
+fn load_args(ac: c_int, av: *mut *mut c_char) -> Result<(), ()> {
+    // SAFETY: Slurm passes ac/av from plugstack.conf.
+    let words = unsafe { argv(ac, av) };
+    match Args::parse(&words) {
+        Ok(a) => {
+            state().args = a;
+            Ok(())
+        }
+        Err(e) => {
+            log::error(&format!("{PREFIX}: plugstack.conf: {e}"));
+            Err(())
+        }
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "slurm_spank_init", -1, || {
+        if load_args(ac, av).is_err() {
+            return -1;
+        }
+        // SAFETY: the handle of this callback.
+        let spank = unsafe { Spank::from_raw(sp) };
+        if let Err(e) = spank.register_option(&OPTION) {
+            log::error(&format!("{PREFIX}: cannot register --multiplex: {e}"));
+            return -1;
+        }
+        0
+    })
+}
+
+unsafe extern "C" fn option_cb(_val: c_int, optarg: *const c_char, remote: c_int) -> c_int {
+    slurm_ffi::guard(PREFIX, "--multiplex", -1, || {
+        // SAFETY: Slurm passes NULL or the option's argument.
+        let value = unsafe { c_str(optarg) };
+        if let Err(e) = Spec::parse(value.as_deref()) {
+            let msg = format!("{PREFIX}: invalid --multiplex value: {e}");
+            if remote == 0 {
+                log::error(&msg);
+            } else {
+                log::error(&format!("{msg} (on the node)"));
+            }
+            return -1;
+        }
+        state().option = Some(value);
+        0
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn slurm_spank_init_post_opt(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "slurm_spank_init_post_opt", -1, || {
+        if sp::context() != Context::Remote {
+            return 0;
+        }
+        // SAFETY: the handle of this callback.
+        let spank = unsafe { Spank::from_raw(sp) };
+        remote_post_opt(&spank)
+    })
+}
+
+fn remote_post_opt(spank: &Spank) -> c_int {
+    // Steps started inside a multiplexed job see the option through the job's environment.
+    let option = state().option.clone().or_else(|| spank.getenv(OPTION_ENV).map(Some));
+    let Some(value) = option else {
+        return 0; // not a multiplexed job: no daemon traffic
+    };
+    let spec = match Spec::parse(value.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            log::error(&format!("{PREFIX}: invalid --multiplex value: {e}"));
+            return -1;
+        }
+    };
+    let (Ok(job_id), Ok(step_id), Ok(uid)) = (spank.job_id(), spank.step_id(), spank.uid()) else {
+        log::error(&format!("{PREFIX}: cannot read the job's ids from Slurm"));
+        return -1;
+    };
+    let node = spank.getenv("SLURMD_NODENAME").unwrap_or_default();
+    let info = StepInfo {
+        job_id,
+        step_id,
+        uid,
+        node: node.clone(),
+        job_name: spank.getenv("SLURM_JOB_NAME"),
+        cuda_visible_devices: spank.getenv("CUDA_VISIBLE_DEVICES"),
+        job_gpus: spank.getenv("SLURM_JOB_GPUS"),
+        shards_on_node: spank.getenv("SLURM_SHARDS_ON_NODE"),
+    };
+    let args = state().args.clone();
+    let plan = remote::plan(&args, &spec, &info);
+    let rc = match &plan {
+        StepPlan::Placed { env } => {
+            let summary: Vec<String> = env.iter().take(3).map(|(k, v)| format!("{k}={v}")).collect();
+            log::info(&format!("{PREFIX}: job {job_id} step {step_id}: {}", summary.join(" ")));
+            state().placed = Some((job_id, step_id, node));
+            0
+        }
+        StepPlan::NotApplied { warning } => {
+            log::info(&format!("{PREFIX}: job {job_id} step {step_id}: {warning}"));
+            0
+        }
+        StepPlan::Fail { message } => {
+            log::error(&format!("{PREFIX}: job {job_id} step {step_id}: {message}"));
+            -1
+        }
+    };
+    state().plan = Some(plan);
+    rc
+}
+
+/// In each task, just before exec: set the daemon's decision, or print the one warning.
+#[no_mangle]
+pub extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "slurm_spank_task_init", -1, || {
+        // SAFETY: the handle of this callback.
+        let spank = unsafe { Spank::from_raw(sp) };
+        let plan = state().plan.clone();
+        match plan {
+            Some(StepPlan::Placed { env }) => {
+                for (k, v) in env {
+                    if let Err(e) = spank.setenv(&k, &v) {
+                        log::error(&format!("{PREFIX}: cannot set {k}: {e}"));
+                        return -1;
+                    }
+                }
+            }
+            Some(StepPlan::NotApplied { warning }) if spank.task_local_id() == Ok(0) => {
+                // This process becomes the task: its stderr is the job's stderr.
+                eprintln!("{warning}");
+            }
+            _ => {}
+        }
+        0
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn slurm_spank_task_exit(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "slurm_spank_task_exit", 0, || {
+        // SAFETY: the handle of this callback.
+        let spank = unsafe { Spank::from_raw(sp) };
+        if let Ok(status) = spank.task_exit_status() {
+            let mut s = state();
+            if status != 0 && s.worst_exit == 0 {
+                s.worst_exit = status;
+            }
+        }
+        0
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+    slurm_ffi::guard(PREFIX, "slurm_spank_exit", 0, || {
+        if sp::context() != Context::Remote {
+            return 0;
+        }
+        let (placed, args, worst) = {
+            let mut s = state();
+            (s.placed.take(), s.args.clone(), s.worst_exit)
+        };
+        if let Some((job, step, node)) = placed {
+            if let Err(e) = remote::finish(&args, &node, job, step, worst) {
+                log::error(&format!("{PREFIX}: job {job} step {step}: could not report the end to multiplexd: {e}"));
+            }
+        }
+        0
+    })
+}

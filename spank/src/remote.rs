@@ -1,0 +1,110 @@
+//! The slurmstepd side (remote context): ask the node's daemon once per job step, remember
+//! the answer for every task of the step, and report the step's end.
+
+use crate::args::{Args, OnDaemonError};
+use multiplex_protocol::spec::{default_app, Spec};
+use multiplex_protocol::{client, FinishRequest, PlaceRequest, Request, Response};
+use std::time::Duration;
+
+/// What the step learnt from the daemon.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepPlan {
+    /// Set these variables in every task.
+    Placed { env: Vec<(String, String)> },
+    /// Run on Slurm's own choice; tell the user this once.
+    NotApplied { warning: String },
+    /// Fail the step with this sentence.
+    Fail { message: String },
+}
+
+/// What the step knows about itself, read from Slurm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepInfo {
+    pub job_id: u32,
+    pub step_id: u32,
+    pub uid: u32,
+    pub node: String,
+    pub job_name: Option<String>,
+    pub cuda_visible_devices: Option<String>,
+    pub job_gpus: Option<String>,
+    pub shards_on_node: Option<String>,
+}
+
+/// Asks the daemon where the step runs, and turns every failure into the configured behaviour.
+pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
+    let request = PlaceRequest {
+        job_id: step.job_id,
+        step_id: step.step_id,
+        uid: step.uid,
+        app: spec.app.clone().unwrap_or_else(|| default_app(step.uid, step.job_name.as_deref())),
+        mem_mb: spec.mem_mb,
+        node: step.node.clone(),
+        slurm_cuda_visible_devices: step.cuda_visible_devices.clone(),
+        slurm_job_gpus: step.job_gpus.clone(),
+        slurm_shards_on_node: step.shards_on_node.clone(),
+    };
+    let socket = args.socket_for(&step.node);
+    let problem = match client::call(&socket, Duration::from_millis(args.timeout_ms), Request::Place(request)) {
+        Ok(Response::Placed(p)) => {
+            let mut env = p.environment();
+            env.push(("MULTIPLEX_NODE".into(), step.node.clone()));
+            return StepPlan::Placed { env };
+        }
+        // Requeueing a declined job comes with the SPANK issue; until then it runs where
+        // Slurm put it, and says so.
+        Ok(Response::Declined { reason, .. }) => format!("multiplexd declined this job: {reason}"),
+        Ok(Response::Error { message }) => format!("multiplexd refused: {message}"),
+        Ok(other) => format!("multiplexd gave an unexpected answer: {other:?}"),
+        Err(e) => e.to_string(),
+    };
+    match args.on_daemon_error {
+        OnDaemonError::Run => StepPlan::NotApplied {
+            warning: format!("multiplex: not applied, running on Slurm's GPU choice: {problem}"),
+        },
+        OnDaemonError::Fail => StepPlan::Fail { message: format!("multiplex: cannot place this step: {problem}") },
+    }
+}
+
+/// Tells the daemon the step ended. Failures are only logged: the step is over either way.
+pub fn finish(args: &Args, node: &str, job_id: u32, step_id: u32, exit_status: i32) -> Result<(), String> {
+    let req = Request::Finish(FinishRequest { job_id, step_id, exit_status });
+    match client::call(&args.socket_for(node), Duration::from_millis(args.timeout_ms), req) {
+        Ok(Response::Finished) => Ok(()),
+        Ok(Response::Error { message }) => Err(message),
+        Ok(other) => Err(format!("unexpected answer: {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step() -> StepInfo {
+        StepInfo {
+            job_id: 5,
+            step_id: 0,
+            uid: 0,
+            node: "n1".into(),
+            job_name: Some("wrap".into()),
+            cuda_visible_devices: Some("0".into()),
+            job_gpus: Some("0".into()),
+            shards_on_node: Some("1".into()),
+        }
+    }
+
+    #[test]
+    fn a_missing_daemon_runs_with_a_warning_or_fails() {
+        let dir = std::env::temp_dir().join(format!("spank-test-{}", std::process::id()));
+        let args = Args { socket: format!("{}/%n.sock", dir.display()), ..Args::default() };
+        match plan(&args, &Spec::default(), &step()) {
+            StepPlan::NotApplied { warning } => {
+                assert!(warning.starts_with("multiplex: not applied"), "{warning}");
+                assert!(warning.contains("n1.sock"), "{warning}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let args = Args { on_daemon_error: OnDaemonError::Fail, ..args };
+        assert!(matches!(plan(&args, &Spec::default(), &step()), StepPlan::Fail { message } if message.contains("cannot place")));
+    }
+}
