@@ -15,6 +15,9 @@ type SpankGetItemFn = unsafe extern "C" fn(spank_t, spank_item_t, ...) -> spank_
 type SpankGetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *mut c_char, c_int) -> spank_err_t;
 type SpankSetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *const c_char, c_int) -> spank_err_t;
 type SpankContextFn = unsafe extern "C" fn() -> c_int;
+type HostlistCreateFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
+type HostlistShiftFn = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
+type HostlistDestroyFn = unsafe extern "C" fn(*mut c_void);
 
 /// The host functions this project uses; each is `None` when the host process lacks it.
 pub struct Host {
@@ -29,6 +32,9 @@ pub struct Host {
     pub spank_getenv: Option<SpankGetenvFn>,
     pub spank_setenv: Option<SpankSetenvFn>,
     pub spank_context: Option<SpankContextFn>,
+    pub hostlist_create: Option<HostlistCreateFn>,
+    pub hostlist_shift: Option<HostlistShiftFn>,
+    pub hostlist_destroy: Option<HostlistDestroyFn>,
 }
 
 fn lookup(name: &std::ffi::CStr) -> *mut c_void {
@@ -65,6 +71,9 @@ pub fn host() -> &'static Host {
         spank_getenv: resolve!(c"spank_getenv", SpankGetenvFn),
         spank_setenv: resolve!(c"spank_setenv", SpankSetenvFn),
         spank_context: resolve!(c"spank_context", SpankContextFn),
+        hostlist_create: resolve!(c"slurm_hostlist_create", HostlistCreateFn),
+        hostlist_shift: resolve!(c"slurm_hostlist_shift", HostlistShiftFn),
+        hostlist_destroy: resolve!(c"slurm_hostlist_destroy", HostlistDestroyFn),
     })
 }
 
@@ -102,4 +111,33 @@ pub unsafe fn replace_string(field: &mut *mut c_char, value: &str) {
     // SAFETY: forwarded contract.
     unsafe { xfree(field) };
     *field = xstrdup(value);
+}
+
+/// The `n`-th host (from 0) of a Slurm host list such as `n[1-3,7]`, expanded by Slurm itself.
+pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
+    let h = host();
+    let (create, shift, destroy) = (h.hostlist_create?, h.hostlist_shift?, h.hostlist_destroy?);
+    let c = std::ffi::CString::new(list).ok()?;
+    // SAFETY: slurm_hostlist_create copies the string; the handle is destroyed below.
+    let hl = unsafe { create(c.as_ptr()) };
+    if hl.is_null() {
+        return None;
+    }
+    let mut found = None;
+    for i in 0..=n {
+        // SAFETY: hl is a live host list; shift returns a malloc'd string or NULL when empty.
+        let p = unsafe { shift(hl) };
+        if p.is_null() {
+            break;
+        }
+        if i == n {
+            // SAFETY: p is a valid NUL-terminated string from Slurm.
+            found = unsafe { crate::c_str(p) };
+        }
+        // SAFETY: slurm_hostlist_shift's result is allocated with malloc (slurm.h).
+        unsafe { libc::free(p.cast()) };
+    }
+    // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
+    unsafe { destroy(hl) };
+    found
 }

@@ -88,6 +88,11 @@ impl Spank {
         self.get_u32(bindings::S_JOB_STEPID)
     }
 
+    /// This node's index among the step's nodes.
+    pub fn node_id(&self) -> Result<u32, SpankError> {
+        self.get_u32(bindings::S_JOB_NODEID)
+    }
+
     /// The job owner's uid.
     pub fn uid(&self) -> Result<u32, SpankError> {
         self.get_u32(bindings::S_JOB_UID)

@@ -143,7 +143,10 @@ fn remote_post_opt(spank: &Spank) -> c_int {
         log::error(&format!("{PREFIX}: cannot read the job's ids from Slurm"));
         return -1;
     };
-    let node = spank.getenv("SLURMD_NODENAME").unwrap_or_default();
+    let Some(node) = node_name(spank) else {
+        log::error(&format!("{PREFIX}: job {job_id} step {step_id}: cannot tell which node this is"));
+        return -1;
+    };
     let info = StepInfo {
         job_id,
         step_id,
@@ -174,6 +177,17 @@ fn remote_post_opt(spank: &Spank) -> c_int {
     };
     state().plan = Some(plan);
     rc
+}
+
+/// The Slurm name of this node. slurmstepd's environment has no SLURMD_NODENAME yet at this
+/// point (several slurmd may share one host), so it is this node's entry in the step's list.
+fn node_name(spank: &Spank) -> Option<String> {
+    if let Some(n) = spank.getenv("SLURMD_NODENAME") {
+        return Some(n);
+    }
+    let list = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"].iter().find_map(|v| spank.getenv(v))?;
+    let index = spank.node_id().ok()? as usize;
+    slurm_ffi::host::hostlist_nth(&list, index)
 }
 
 /// In each task, just before exec: set the daemon's decision, or print the one warning.

@@ -1,0 +1,134 @@
+//! Helpers for tests that drive the local Slurm cluster the way a user does: sbatch, scontrol,
+//! job output files, and the daemons' SQLite histories.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// The running test cluster, found through `SLURM_CONF` (as `tests/run` sets it).
+pub struct Cluster {
+    pub state: PathBuf,
+}
+
+/// What sbatch said.
+pub struct Submitted {
+    pub ok: bool,
+    pub job_id: Option<u32>,
+    pub stderr: String,
+}
+
+impl Cluster {
+    /// The cluster named by `SLURM_CONF`; panics with what to do when there is none.
+    pub fn from_env() -> Cluster {
+        let conf = std::env::var("SLURM_CONF")
+            .expect("SLURM_CONF is not set: start the cluster with `export $(tests/cluster/up | tail -1)` or run tests/run");
+        let state = PathBuf::from(conf).parent().and_then(|p| p.parent()).expect("SLURM_CONF=<state>/etc/slurm.conf").to_path_buf();
+        assert!(state.join("run/slurmctld.pid").exists(), "no cluster running under {}", state.display());
+        Cluster { state }
+    }
+
+    /// A fresh output path for a job, under the state directory.
+    pub fn output_path(&self, tag: &str) -> PathBuf {
+        let dir = self.state.join("test-output");
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(format!("{tag}-%j.out"))
+    }
+
+    /// Runs `sbatch --parsable ARGS`.
+    pub fn sbatch(&self, args: &[&str]) -> Submitted {
+        let out = Command::new("sbatch").arg("--parsable").args(args).current_dir(&self.state).output().expect("run sbatch");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        Submitted {
+            ok: out.status.success(),
+            job_id: stdout.trim().split(';').next().and_then(|s| s.parse().ok()),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Submits and expects success.
+    pub fn submit(&self, args: &[&str]) -> u32 {
+        let s = self.sbatch(args);
+        assert!(s.ok, "sbatch {args:?} failed: {}", s.stderr);
+        s.job_id.expect("sbatch printed a job id")
+    }
+
+    /// `scontrol show job -o ID` as key=value pairs.
+    pub fn show_job(&self, job: u32) -> HashMap<String, String> {
+        let out = Command::new("scontrol").args(["show", "job", "-o", &job.to_string()]).output().expect("run scontrol");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        parse_show(&text)
+    }
+
+    /// Waits until the job has ended and returns its final record.
+    pub fn wait(&self, job: u32, timeout: Duration) -> HashMap<String, String> {
+        let start = Instant::now();
+        loop {
+            let rec = self.show_job(job);
+            let state = rec.get("JobState").cloned().unwrap_or_default();
+            if ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"].contains(&state.as_str()) {
+                return rec;
+            }
+            assert!(start.elapsed() < timeout, "job {job} still {state} after {timeout:?}: {rec:?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The job's output file (StdOut of its record).
+    pub fn output(&self, rec: &HashMap<String, String>) -> String {
+        let path = rec.get("StdOut").expect("StdOut in job record");
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"))
+    }
+
+    /// The history database of node `node`.
+    pub fn history(&self, node: &str) -> rusqlite::Connection {
+        let path = self.state.join(format!("multiplexd/{node}/history.sqlite"));
+        rusqlite::Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).expect("open history")
+    }
+
+    /// Path of a file in the state directory.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.state.join(rel)
+    }
+}
+
+/// Parses `scontrol show -o` output (`Key=Value` pairs separated by spaces).
+pub fn parse_show(text: &str) -> HashMap<String, String> {
+    let mut map = HashMap::new();
+    let mut key: Option<String> = None;
+    for word in text.split_whitespace() {
+        match word.split_once('=') {
+            Some((k, v)) if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == ':' || c == '/') => {
+                map.insert(k.to_string(), v.to_string());
+                key = Some(k.to_string());
+            }
+            // A value with spaces (AdminComment, Command) continues the previous key.
+            _ => {
+                if let Some(k) = &key {
+                    let v = map.get_mut(k).unwrap();
+                    v.push(' ');
+                    v.push_str(word);
+                }
+            }
+        }
+    }
+    map
+}
+
+/// The `KEY=value` lines of an `env` dump.
+pub fn env_of(output: &str) -> HashMap<String, String> {
+    output.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_scontrol_lines() {
+        let m = parse_show("JobId=5 JobName=wrap Partition=shared AdminComment=multiplex:app=a ticket 42 TresPerNode=gres:shard:1");
+        assert_eq!(m["JobId"], "5");
+        assert_eq!(m["AdminComment"], "multiplex:app=a ticket 42");
+        assert_eq!(m["TresPerNode"], "gres:shard:1");
+    }
+}
