@@ -18,7 +18,13 @@ fn out_arg(c: &Cluster, tag: &str) -> String {
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn multiplexed_job_runs_where_the_daemon_decided() {
     let c = Cluster::from_env();
-    let job = c.submit(&["--multiplex=app=itest-bert,mem=4G", "--gres=gpu:1", &out_arg(&c, "placed"), "--wrap", ENV_DUMP]);
+    let job = c.submit(&[
+        "--multiplex=app=itest-bert,mem=4G",
+        "--gres=gpu:1",
+        &out_arg(&c, "placed"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     // job_submit rewrote the request and tagged the job.
@@ -31,7 +37,10 @@ fn multiplexed_job_runs_where_the_daemon_decided() {
     let gpu: u32 = env["MULTIPLEX_GPU"].parse().expect("MULTIPLEX_GPU is a GPU index");
     assert_eq!(env["CUDA_VISIBLE_DEVICES"], gpu.to_string());
     assert_eq!(&env["MULTIPLEX_NODE"], node);
-    assert!(env.contains_key("MULTIPLEX_DECISION") && env.contains_key("MULTIPLEX_PREDICTED_SPEED"), "{env:?}");
+    assert!(
+        env.contains_key("MULTIPLEX_DECISION") && env.contains_key("MULTIPLEX_PREDICTED_SPEED"),
+        "{env:?}"
+    );
     // The daemon of that node recorded the job, and its end.
     let db = c.history(node);
     let (app, db_gpu, exit, finished): (String, u32, Option<i32>, Option<f64>) = db
@@ -54,12 +63,21 @@ fn jobs_without_the_flag_are_left_alone() {
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     assert_eq!(rec["Partition"], "debug");
     assert_eq!(rec["TresPerNode"], "gres:gpu:1");
-    assert_eq!(rec.get("AdminComment").map(String::as_str).unwrap_or("(null)"), "(null)");
+    assert_eq!(
+        rec.get("AdminComment").map(String::as_str).unwrap_or("(null)"),
+        "(null)"
+    );
     let env = env_of(&c.output(&rec));
     assert!(env.keys().all(|k| !k.starts_with("MULTIPLEX_")), "{env:?}");
-    assert!(env.contains_key("CUDA_VISIBLE_DEVICES"), "Slurm's own GPU binding is there: {env:?}");
+    assert!(
+        env.contains_key("CUDA_VISIBLE_DEVICES"),
+        "Slurm's own GPU binding is there: {env:?}"
+    );
     for node in ["n1", "n2"] {
-        let n: u32 = c.history(node).query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0)).unwrap();
+        let n: u32 = c
+            .history(node)
+            .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
+            .unwrap();
         assert_eq!(n, 0, "no daemon traffic for a plain job ({node})");
     }
 }
@@ -69,11 +87,26 @@ fn jobs_without_the_flag_are_left_alone() {
 fn what_cannot_share_is_rejected_with_a_sentence() {
     let c = Cluster::from_env();
     let cases: &[(&[&str], &str)] = &[
-        (&["--multiplex", "--wrap", "true"], "multiplex: --multiplex needs a GPU request to share"),
-        (&["--multiplex", "--gres=gpu:2", "--wrap", "true"], "multiplex: this job asks for 2 GPUs"),
-        (&["--multiplex", "--gres=gpu:1", "--exclusive", "--wrap", "true"], "multiplex: --exclusive cannot be combined"),
-        (&["--multiplex", "--gres=gpu:1", "-N", "2", "--wrap", "true"], "multiplex: a multiplexed job runs on one node"),
-        (&["--multiplex", "--gres=shard:1", "--wrap", "true"], "multiplex: this job asks for shard directly"),
+        (
+            &["--multiplex", "--wrap", "true"],
+            "multiplex: --multiplex needs a GPU request to share",
+        ),
+        (
+            &["--multiplex", "--gres=gpu:2", "--wrap", "true"],
+            "multiplex: this job asks for 2 GPUs",
+        ),
+        (
+            &["--multiplex", "--gres=gpu:1", "--exclusive", "--wrap", "true"],
+            "multiplex: --exclusive cannot be combined",
+        ),
+        (
+            &["--multiplex", "--gres=gpu:1", "-N", "2", "--wrap", "true"],
+            "multiplex: a multiplexed job runs on one node",
+        ),
+        (
+            &["--multiplex", "--gres=shard:1", "--wrap", "true"],
+            "multiplex: this job asks for shard directly",
+        ),
     ];
     for (args, sentence) in cases {
         let s = c.sbatch(args);
@@ -86,7 +119,11 @@ fn what_cannot_share_is_rejected_with_a_sentence() {
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn a_malformed_flag_stops_sbatch_before_submission() {
     let c = Cluster::from_env();
-    for (value, bad_part) in [("bogus", "'bogus' is not key=value"), ("app=a b", "app name 'a b'"), ("mem=lots", "mem size 'lots'")] {
+    for (value, bad_part) in [
+        ("bogus", "'bogus' is not key=value"),
+        ("app=a b", "app name 'a b'"),
+        ("mem=lots", "mem size 'lots'"),
+    ] {
         let s = c.sbatch(&[&format!("--multiplex={value}"), "--gres=gpu:1", "--wrap", "true"]);
         assert!(!s.ok && s.job_id.is_none(), "--multiplex={value} was submitted");
         assert!(s.stderr.contains(bad_part), "--multiplex={value}: {:?}", s.stderr);
@@ -95,12 +132,17 @@ fn a_malformed_flag_stops_sbatch_before_submission() {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
+// The restarted daemon must outlive this test: tests/cluster/down stops it by its pid file.
+#[allow(clippy::zombie_processes)]
 fn with_the_daemon_down_the_job_runs_and_says_why() {
     let c = Cluster::from_env();
     let pid_file = c.path("run/multiplexd-n2.pid");
     let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     let socket = c.path("multiplexd/n2.sock");
-    let kill = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
     assert!(kill.success());
     for _ in 0..100 {
         if !socket.exists() {
@@ -110,11 +152,22 @@ fn with_the_daemon_down_the_job_runs_and_says_why() {
     }
     assert!(!socket.exists(), "multiplexd removed its socket on SIGTERM");
 
-    let job = c.submit(&["--multiplex=app=itest-down", "--gres=gpu:1", "-w", "n2", &out_arg(&c, "down"), "--wrap", ENV_DUMP]);
+    let job = c.submit(&[
+        "--multiplex=app=itest-down",
+        "--gres=gpu:1",
+        "-w",
+        "n2",
+        &out_arg(&c, "down"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
     let rec = c.wait(job, WAIT);
 
     // Bring the daemon back before asserting, so later tests find it.
-    let log = std::fs::OpenOptions::new().append(true).open(c.path("log/multiplexd-n2.log")).unwrap();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(c.path("log/multiplexd-n2.log"))
+        .unwrap();
     let child = std::process::Command::new(c.path("plugins/multiplexd"))
         .args(["serve", "--config"])
         .arg(c.path("multiplexd/n2/multiplexd.toml"))
@@ -133,11 +186,17 @@ fn with_the_daemon_down_the_job_runs_and_says_why() {
 
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     let out = c.output(&rec);
-    let warnings: Vec<&str> = out.lines().filter(|l| l.starts_with("multiplex: not applied")).collect();
+    let warnings: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("multiplex: not applied"))
+        .collect();
     assert_eq!(warnings.len(), 1, "one warning line: {out}");
     assert!(warnings[0].contains("cannot connect to multiplexd"), "{out}");
     let env = env_of(&out);
-    assert!(env.contains_key("CUDA_VISIBLE_DEVICES") && !env.contains_key("MULTIPLEX_GPU"), "{env:?}");
+    assert!(
+        env.contains_key("CUDA_VISIBLE_DEVICES") && !env.contains_key("MULTIPLEX_GPU"),
+        "{env:?}"
+    );
     assert!(socket.exists(), "multiplexd n2 is back");
 }
 
@@ -147,7 +206,17 @@ fn jobs_on_one_node_never_exceed_the_slots_of_a_gpu() {
     let c = Cluster::from_env();
     // Four jobs on one node with 2 GPUs x 2 slots: every slot taken at once.
     let jobs: Vec<u32> = (0..4)
-        .map(|i| c.submit(&[&format!("--multiplex=app=itest-fill{}", i % 2), "--gres=gpu:1", "-w", "n1", &out_arg(&c, "fill"), "--wrap", &format!("{ENV_DUMP}; sleep 3")]))
+        .map(|i| {
+            c.submit(&[
+                &format!("--multiplex=app=itest-fill{}", i % 2),
+                "--gres=gpu:1",
+                "-w",
+                "n1",
+                &out_arg(&c, "fill"),
+                "--wrap",
+                &format!("{ENV_DUMP}; sleep 3"),
+            ])
+        })
         .collect();
     let mut per_gpu = std::collections::HashMap::<String, Vec<u32>>::new();
     for &job in &jobs {

@@ -90,9 +90,14 @@ pub enum ConfigError {
 impl Config {
     /// Reads and checks a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        Config::parse(&text).map_err(|message| ConfigError::Invalid { path: path.to_path_buf(), message })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|message| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        })
     }
 
     /// Parses config text; the error says what is wrong (with line and column from TOML).
@@ -120,23 +125,39 @@ impl Config {
                 }
             }
             GpuSource::Listed(
-                raw.gpu.into_iter().map(|g| GpuSpec { index: g.index, model: g.model, memory_mb: g.memory_mb }).collect(),
+                raw.gpu
+                    .into_iter()
+                    .map(|g| GpuSpec {
+                        index: g.index,
+                        model: g.model,
+                        memory_mb: g.memory_mb,
+                    })
+                    .collect(),
             )
         };
         let unknown_pair_speed = raw.policy.unknown_pair_speed.unwrap_or(0.7);
         if !(0.0..=1.0).contains(&unknown_pair_speed) || unknown_pair_speed == 0.0 {
-            return Err(format!("policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"));
+            return Err(format!(
+                "policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"
+            ));
         }
         Ok(Config {
-            socket: raw.socket.unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
-            database: raw.database.unwrap_or_else(|| PathBuf::from("/var/lib/multiplexd/history.sqlite")),
+            socket: raw
+                .socket
+                .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
+            database: raw
+                .database
+                .unwrap_or_else(|| PathBuf::from("/var/lib/multiplexd/history.sqlite")),
             node,
             jobs_per_gpu,
             telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(10),
             slurm_user: raw.slurm_user.unwrap_or_else(|| "slurm".into()),
             mps: raw.mps.unwrap_or(false),
             gpus,
-            policy: PolicyConfig { unknown_pair_speed, decline_retry_s: raw.policy.decline_retry_s.unwrap_or(60) },
+            policy: PolicyConfig {
+                unknown_pair_speed,
+                decline_retry_s: raw.policy.decline_retry_s.unwrap_or(60),
+            },
         })
     }
 }
@@ -173,8 +194,14 @@ mod tests {
             ("nodes = \"x\"", "unknown field `nodes`"),
             ("jobs_per_gpu = 0", "jobs_per_gpu = 0"),
             ("jobs_per_gpu = \"two\"", "invalid type"),
-            ("[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 0", "memory_mb must be positive"),
-            ("[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1\n[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1", "listed twice"),
+            (
+                "[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 0",
+                "memory_mb must be positive",
+            ),
+            (
+                "[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1\n[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1",
+                "listed twice",
+            ),
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             ("[policy]\nexplore = true", "unknown field `explore`"),
         ];

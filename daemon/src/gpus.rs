@@ -6,7 +6,9 @@ use crate::config::{GpuSource, GpuSpec};
 /// Why no GPU list could be made.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("no [[gpu]] is listed in the config and NVML is unavailable ({0}); list the node's shared GPUs in the config")]
+    #[error(
+        "no [[gpu]] is listed in the config and NVML is unavailable ({0}); list the node's shared GPUs in the config"
+    )]
     NoNvml(String),
     #[error("NVML: {0}")]
     Nvml(String),
@@ -24,7 +26,11 @@ pub fn discover(source: &GpuSource) -> Result<Vec<GpuSpec>, GpuError> {
                     let dev = nvml.device_by_index(i).map_err(|e| GpuError::Nvml(e.to_string()))?;
                     let model = dev.name().map_err(|e| GpuError::Nvml(e.to_string()))?;
                     let mem = dev.memory_info().map_err(|e| GpuError::Nvml(e.to_string()))?;
-                    Ok(GpuSpec { index: i, model: model_key(&model), memory_mb: mem.total / (1024 * 1024) })
+                    Ok(GpuSpec {
+                        index: i,
+                        model: model_key(&model),
+                        memory_mb: mem.total / (1024 * 1024),
+                    })
                 })
                 .collect()
         }
@@ -50,7 +56,11 @@ mod tests {
 
     #[test]
     fn listed_gpus_need_no_driver() {
-        let g = vec![GpuSpec { index: 0, model: "v100".into(), memory_mb: 16384 }];
+        let g = vec![GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+        }];
         assert_eq!(discover(&GpuSource::Listed(g.clone())).unwrap(), g);
     }
 }

@@ -124,9 +124,14 @@ impl History {
             })?;
         }
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(path, flags)
-            .map_err(|source| HistoryError::Open { path: path.to_path_buf(), source })?;
-        let corrupt = |detail: String| HistoryError::Corrupt { path: path.to_path_buf(), detail };
+        let conn = Connection::open_with_flags(path, flags).map_err(|source| HistoryError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let corrupt = |detail: String| HistoryError::Corrupt {
+            path: path.to_path_buf(),
+            detail,
+        };
         // A file that is not a database fails here, before anything is written to it.
         let check: String = conn
             .query_row("PRAGMA quick_check", [], |r| r.get(0))
@@ -147,7 +152,11 @@ impl History {
     fn migrate(&mut self, path: &Path) -> Result<(), HistoryError> {
         let version: i64 = self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         if version as usize > MIGRATIONS.len() {
-            return Err(HistoryError::TooNew { path: path.to_path_buf(), found: version, known: MIGRATIONS.len() });
+            return Err(HistoryError::TooNew {
+                path: path.to_path_buf(),
+                found: version,
+                known: MIGRATIONS.len(),
+            });
         }
         for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
             let tx = self.conn.transaction()?;
@@ -164,7 +173,10 @@ impl History {
     }
 
     fn app_id(tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
-        tx.execute("INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING", [name])?;
+        tx.execute(
+            "INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING",
+            [name],
+        )?;
         tx.query_row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
     }
 
@@ -259,7 +271,10 @@ impl History {
                 "UPDATE jobs SET finished_at = ?2, exit_status = ?3 WHERE id = ?1 AND finished_at IS NULL",
                 params![job_row, now, exit_status],
             )?;
-            tx.execute("UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL", params![job_row, now])?;
+            tx.execute(
+                "UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL",
+                params![job_row, now],
+            )?;
             reopen_intervals(&tx, remaining, now)?;
         }
         tx.commit()?;
@@ -276,13 +291,22 @@ impl History {
 /// partner, or one with no partner for a job alone.
 fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> rusqlite::Result<()> {
     for &m in members {
-        tx.execute("UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL", params![m, now])?;
+        tx.execute(
+            "UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL",
+            params![m, now],
+        )?;
         let partners: Vec<i64> = members.iter().copied().filter(|&p| p != m).collect();
         if partners.is_empty() {
-            tx.execute("INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, NULL, ?2)", params![m, now])?;
+            tx.execute(
+                "INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, NULL, ?2)",
+                params![m, now],
+            )?;
         }
         for p in partners {
-            tx.execute("INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, ?2, ?3)", params![m, p, now])?;
+            tx.execute(
+                "INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, ?2, ?3)",
+                params![m, p, now],
+            )?;
         }
     }
     Ok(())
@@ -299,7 +323,12 @@ impl PairHistory for History {
             )
             .ok()?;
         stmt.query_row(params![model, app, other], |r| {
-            Ok(PairEstimate { speed: r.get(0)?, other_speed: r.get(1)?, observations: r.get(2)?, oom: r.get(3)? })
+            Ok(PairEstimate {
+                speed: r.get(0)?,
+                other_speed: r.get(1)?,
+                observations: r.get(2)?,
+                oom: r.get(3)?,
+            })
         })
         .optional()
         .ok()
@@ -310,7 +339,11 @@ impl PairHistory for History {
 impl ActiveJob {
     /// This job as a resident of its GPU, for the policy.
     pub fn resident(&self) -> Resident {
-        Resident { job_id: self.job_id, app: self.app.clone(), mem_mb: self.mem_mb }
+        Resident {
+            job_id: self.job_id,
+            app: self.app.clone(),
+            mem_mb: self.mem_mb,
+        }
     }
 }
 
@@ -388,7 +421,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("h.sqlite");
         drop(History::open(&path).unwrap());
-        Connection::open(&path).unwrap().pragma_update(None, "user_version", 99).unwrap();
+        Connection::open(&path)
+            .unwrap()
+            .pragma_update(None, "user_version", 99)
+            .unwrap();
         let err = History::open(&path).err().expect("must fail");
         assert!(matches!(err, HistoryError::TooNew { found: 99, .. }), "{err}");
     }

@@ -63,7 +63,9 @@ fn serve(config_path: &Path) -> Result<(), String> {
         .init();
     let config = Config::load(config_path).map_err(|e| e.to_string())?;
     let gpus = multiplexd::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
-    let access = Access { privileged_uids: uid_of(&config.slurm_user).into_iter().collect() };
+    let access = Access {
+        privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
+    };
     let socket = config.socket.clone();
     let node_name = config.node.clone();
     let node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
@@ -142,10 +144,14 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
         return Ok(());
     }
     println!("node {} ({} jobs per GPU)", status.node, status.jobs_per_gpu);
-    println!("{:<4} {:<16} {:>10}  jobs", "GPU", "model", "memory");
+    println!("{:<4} {:<16} {:>11}  jobs", "GPU", "model", "memory");
     for g in &status.gpus {
         let jobs: Vec<String> = g.tasks.iter().map(|t| format!("{} ({})", t.job_id, t.app)).collect();
-        let jobs = if jobs.is_empty() { "-".to_string() } else { jobs.join(", ") };
+        let jobs = if jobs.is_empty() {
+            "-".to_string()
+        } else {
+            jobs.join(", ")
+        };
         println!("{:<4} {:<16} {:>7} MiB  {}", g.index, g.model, g.memory_mb, jobs);
     }
     Ok(())

@@ -11,7 +11,11 @@ pub type Clock = Box<dyn Fn() -> f64 + Send>;
 
 /// The wall clock.
 pub fn wall_clock() -> Clock {
-    Box::new(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()))
+    Box::new(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    })
 }
 
 /// The daemon's state for its node.
@@ -26,7 +30,12 @@ impl Node {
     /// Opens the node's history. `gpus` are the shared GPUs (from the config or NVML).
     pub fn open(config: Config, gpus: Vec<GpuSpec>, clock: Clock) -> Result<Node, HistoryError> {
         let history = History::open(&config.database)?;
-        let node = Node { config, gpus, history, clock };
+        let node = Node {
+            config,
+            gpus,
+            history,
+            clock,
+        };
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
         }
@@ -59,13 +68,26 @@ impl Node {
         let active = self.active()?;
         if let Some(job) = active.iter().find(|j| j.job_id == req.job_id) {
             self.history.record_step(job.row, req.step_id, now)?;
-            let corunners = active.iter().filter(|o| o.gpu == job.gpu && o.job_id != job.job_id).map(|o| o.job_id).collect();
+            let corunners = active
+                .iter()
+                .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
+                .map(|o| o.job_id)
+                .collect();
             let reason = if req.step_id == job.owner_step {
                 job.decision.clone()
             } else {
-                format!("step {} joins GPU {} held by its job: {}", req.step_id, job.gpu, job.decision)
+                format!(
+                    "step {} joins GPU {} held by its job: {}",
+                    req.step_id, job.gpu, job.decision
+                )
             };
-            return Ok(Response::Placed(self.placement(job.gpu, corunners, job.predicted_speed, reason, job.mem_mb)));
+            return Ok(Response::Placed(self.placement(
+                job.gpu,
+                corunners,
+                job.predicted_speed,
+                reason,
+                job.mem_mb,
+            )));
         }
         let states: Vec<GpuState> = self
             .gpus
@@ -74,14 +96,39 @@ impl Node {
                 index: g.index,
                 model: g.model.clone(),
                 memory_mb: g.memory_mb,
-                residents: active.iter().filter(|j| j.gpu == g.index).map(ActiveJob::resident).collect(),
+                residents: active
+                    .iter()
+                    .filter(|j| j.gpu == g.index)
+                    .map(ActiveJob::resident)
+                    .collect(),
             })
             .collect();
-        let knobs = Knobs { slots: self.config.jobs_per_gpu, unknown_pair_speed: self.config.policy.unknown_pair_speed };
-        let decision = placement::place(&states, &Newcomer { app: &req.app, mem_mb: req.mem_mb }, &self.history, knobs);
+        let knobs = Knobs {
+            slots: self.config.jobs_per_gpu,
+            unknown_pair_speed: self.config.policy.unknown_pair_speed,
+        };
+        let decision = placement::place(
+            &states,
+            &Newcomer {
+                app: &req.app,
+                mem_mb: req.mem_mb,
+            },
+            &self.history,
+            knobs,
+        );
         match decision {
-            Decision::Place { gpu, corunners, predicted_speed, reason, .. } => {
-                let model = self.gpus.iter().find(|g| g.index == gpu).map_or("unknown", |g| g.model.as_str());
+            Decision::Place {
+                gpu,
+                corunners,
+                predicted_speed,
+                reason,
+                ..
+            } => {
+                let model = self
+                    .gpus
+                    .iter()
+                    .find(|g| g.index == gpu)
+                    .map_or("unknown", |g| g.model.as_str());
                 let residents: Vec<i64> = active.iter().filter(|j| j.gpu == gpu).map(|j| j.row).collect();
                 self.history.record_placement(
                     &NewJob {
@@ -93,7 +140,10 @@ impl Node {
                         gpu_model: model,
                         mem_mb: req.mem_mb,
                         owner_step: req.step_id,
-                        slurm_gpus: req.slurm_job_gpus.as_deref().or(req.slurm_cuda_visible_devices.as_deref()),
+                        slurm_gpus: req
+                            .slurm_job_gpus
+                            .as_deref()
+                            .or(req.slurm_cuda_visible_devices.as_deref()),
                         decision: &reason,
                         predicted_speed,
                         now,
@@ -101,22 +151,45 @@ impl Node {
                     &residents,
                 )?;
                 tracing::info!(job = req.job_id, step = req.step_id, app = %req.app, gpu, %reason, "placed");
-                Ok(Response::Placed(self.placement(gpu, corunners, predicted_speed, reason, req.mem_mb)))
+                Ok(Response::Placed(self.placement(
+                    gpu,
+                    corunners,
+                    predicted_speed,
+                    reason,
+                    req.mem_mb,
+                )))
             }
             Decision::Decline { reason } => {
                 tracing::info!(job = req.job_id, app = %req.app, %reason, "declined");
-                Ok(Response::Declined { reason, retry_after_s: self.config.policy.decline_retry_s })
+                Ok(Response::Declined {
+                    reason,
+                    retry_after_s: self.config.policy.decline_retry_s,
+                })
             }
         }
     }
 
-    fn placement(&self, gpu: u32, corunners: Vec<u32>, predicted_speed: f64, reason: String, mem_mb: Option<u64>) -> Placement {
+    fn placement(
+        &self,
+        gpu: u32,
+        corunners: Vec<u32>,
+        predicted_speed: f64,
+        reason: String,
+        mem_mb: Option<u64>,
+    ) -> Placement {
         let (mps_thread_percentage, mps_mem_limit_mb) = if self.config.mps {
             (Some(100 / (corunners.len() as u32 + 1)), mem_mb)
         } else {
             (None, None)
         };
-        Placement { gpu, corunners, predicted_speed, reason, mps_thread_percentage, mps_mem_limit_mb }
+        Placement {
+            gpu,
+            corunners,
+            predicted_speed,
+            reason,
+            mps_thread_percentage,
+            mps_mem_limit_mb,
+        }
     }
 
     /// Records a step's end. The step that was placed first releases the job's GPU slot.
@@ -124,13 +197,28 @@ impl Node {
         let now = (self.clock)();
         let active = self.active()?;
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
-            tracing::info!(job = req.job_id, step = req.step_id, "finish for a job not running here; ignored");
+            tracing::info!(
+                job = req.job_id,
+                step = req.step_id,
+                "finish for a job not running here; ignored"
+            );
             return Ok(Response::Finished);
         };
         let releases = req.step_id == job.owner_step;
-        let remaining: Vec<i64> = active.iter().filter(|o| o.gpu == job.gpu && o.row != job.row).map(|o| o.row).collect();
-        self.history.record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
-        tracing::info!(job = req.job_id, step = req.step_id, exit_status = req.exit_status, releases, "finished");
+        let remaining: Vec<i64> = active
+            .iter()
+            .filter(|o| o.gpu == job.gpu && o.row != job.row)
+            .map(|o| o.row)
+            .collect();
+        self.history
+            .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
+        tracing::info!(
+            job = req.job_id,
+            step = req.step_id,
+            exit_status = req.exit_status,
+            releases,
+            "finished"
+        );
         Ok(Response::Finished)
     }
 
@@ -150,7 +238,12 @@ impl Node {
                     tasks: active
                         .iter()
                         .filter(|j| j.gpu == g.index)
-                        .map(|j| TaskStatus { job_id: j.job_id, app: j.app.clone(), uid: j.uid, since_unix_s: j.started_at as i64 })
+                        .map(|j| TaskStatus {
+                            job_id: j.job_id,
+                            app: j.app.clone(),
+                            uid: j.uid,
+                            since_unix_s: j.started_at as i64,
+                        })
                         .collect(),
                 })
                 .collect(),

@@ -94,7 +94,9 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
                 let better = match &best {
                     None => true,
                     // Higher gain wins; on a tie the emptier GPU, then the lower index.
-                    Some(b) => (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents),
+                    Some(b) => {
+                        (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents)
+                    }
                 };
                 if better {
                     best = Some(s);
@@ -111,8 +113,12 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
             gain: s.gain,
             reason: s.reason,
         },
-        None if gpus.is_empty() => Decision::Decline { reason: "this node has no shared GPU".into() },
-        None => Decision::Decline { reason: refusals.join("; ") },
+        None if gpus.is_empty() => Decision::Decline {
+            reason: "this node has no shared GPU".into(),
+        },
+        None => Decision::Decline {
+            reason: refusals.join("; "),
+        },
     }
 }
 
@@ -146,7 +152,10 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
     for r in &gpu.residents {
         let est = history.pair(&gpu.model, job.app, &r.app);
         if est.is_some_and(|e| e.oom) {
-            return Err(format!("{} beside {} (job {}) ran out of memory before", job.app, r.app, r.job_id));
+            return Err(format!(
+                "{} beside {} (job {}) ran out of memory before",
+                job.app, r.app, r.job_id
+            ));
         }
         let (mine, theirs) = est.map_or((prior, prior), |e| (e.speed, e.other_speed));
         speed *= mine;
@@ -159,8 +168,14 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
             .product();
         gain += now * theirs - now;
         notes.push(match est {
-            Some(e) => format!("beside {} (job {}): {:.2}/{:.2} from {} observations", r.app, r.job_id, mine, theirs, e.observations),
-            None => format!("beside {} (job {}): never seen together, assumed {:.2}", r.app, r.job_id, prior),
+            Some(e) => format!(
+                "beside {} (job {}): {:.2}/{:.2} from {} observations",
+                r.app, r.job_id, mine, theirs, e.observations
+            ),
+            None => format!(
+                "beside {} (job {}): never seen together, assumed {:.2}",
+                r.app, r.job_id, prior
+            ),
         });
     }
     gain += speed;
@@ -184,8 +199,24 @@ mod tests {
 
     impl Table {
         fn with(mut self, a: &str, b: &str, sa: f64, sb: f64, oom: bool) -> Self {
-            self.0.insert((a.into(), b.into()), PairEstimate { speed: sa, other_speed: sb, observations: 3, oom });
-            self.0.insert((b.into(), a.into()), PairEstimate { speed: sb, other_speed: sa, observations: 3, oom });
+            self.0.insert(
+                (a.into(), b.into()),
+                PairEstimate {
+                    speed: sa,
+                    other_speed: sb,
+                    observations: 3,
+                    oom,
+                },
+            );
+            self.0.insert(
+                (b.into(), a.into()),
+                PairEstimate {
+                    speed: sb,
+                    other_speed: sa,
+                    observations: 3,
+                    oom,
+                },
+            );
             self
         }
     }
@@ -201,11 +232,21 @@ mod tests {
             index,
             model: "v100".into(),
             memory_mb: 16384,
-            residents: residents.iter().map(|(j, a)| Resident { job_id: *j, app: a.to_string(), mem_mb: None }).collect(),
+            residents: residents
+                .iter()
+                .map(|(j, a)| Resident {
+                    job_id: *j,
+                    app: a.to_string(),
+                    mem_mb: None,
+                })
+                .collect(),
         }
     }
 
-    const KNOBS: Knobs = Knobs { slots: 2, unknown_pair_speed: 0.7 };
+    const KNOBS: Knobs = Knobs {
+        slots: 2,
+        unknown_pair_speed: 0.7,
+    };
 
     fn chosen(d: &Decision) -> u32 {
         match d {
@@ -224,11 +265,27 @@ mod tests {
 
     #[test]
     fn picks_the_partner_that_interferes_least() {
-        let h = Table::default().with("new", "heavy", 0.4, 0.5, false).with("new", "light", 0.9, 0.95, false);
+        let h = Table::default()
+            .with("new", "heavy", 0.4, 0.5, false)
+            .with("new", "light", 0.9, 0.95, false);
         let gpus = [gpu(0, &[(1, "heavy")]), gpu(1, &[(2, "light")])];
-        let d = place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS);
+        let d = place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            KNOBS,
+        );
         match d {
-            Decision::Place { gpu, corunners, predicted_speed, gain, .. } => {
+            Decision::Place {
+                gpu,
+                corunners,
+                predicted_speed,
+                gain,
+                ..
+            } => {
                 assert_eq!(gpu, 1);
                 assert_eq!(corunners, vec![2]);
                 assert!((predicted_speed - 0.9).abs() < 1e-9);
@@ -243,16 +300,38 @@ mod tests {
         // Sum of speeds 2.1 > 2.0: sharing delivers more than a GPU alone.
         let h = Table::default().with("new", "good", 1.0, 1.1, false);
         let gpus = [gpu(0, &[]), gpu(1, &[(2, "good")])];
-        assert_eq!(chosen(&place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS)), 1);
+        assert_eq!(
+            chosen(&place(
+                &gpus,
+                &Newcomer {
+                    app: "new",
+                    mem_mb: None
+                },
+                &h,
+                KNOBS
+            )),
+            1
+        );
     }
 
     #[test]
     fn oom_pairs_and_full_gpus_are_never_chosen() {
         let h = Table::default().with("new", "big", 0.9, 0.9, true);
         let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "x"), (3, "y")])];
-        match place(&gpus, &Newcomer { app: "new", mem_mb: None }, &h, KNOBS) {
+        match place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            KNOBS,
+        ) {
             Decision::Decline { reason } => {
-                assert!(reason.contains("GPU 0: new beside big (job 1) ran out of memory"), "{reason}");
+                assert!(
+                    reason.contains("GPU 0: new beside big (job 1) ran out of memory"),
+                    "{reason}"
+                );
                 assert!(reason.contains("GPU 1: full (2 of 2 jobs)"), "{reason}");
             }
             other => panic!("{other:?}"),
@@ -263,9 +342,28 @@ mod tests {
     fn memory_hint_that_does_not_fit_is_declined() {
         let mut g = gpu(0, &[(1, "a")]);
         g.residents[0].mem_mb = Some(10000);
-        let d = place(&[g.clone()], &Newcomer { app: "b", mem_mb: Some(8000) }, &Table::default(), KNOBS);
-        assert!(matches!(&d, Decision::Decline { reason } if reason.contains("memory: 8000 MiB asked")), "{d:?}");
-        let d = place(&[g], &Newcomer { app: "b", mem_mb: Some(6000) }, &Table::default(), KNOBS);
+        let d = place(
+            &[g.clone()],
+            &Newcomer {
+                app: "b",
+                mem_mb: Some(8000),
+            },
+            &Table::default(),
+            KNOBS,
+        );
+        assert!(
+            matches!(&d, Decision::Decline { reason } if reason.contains("memory: 8000 MiB asked")),
+            "{d:?}"
+        );
+        let d = place(
+            &[g],
+            &Newcomer {
+                app: "b",
+                mem_mb: Some(6000),
+            },
+            &Table::default(),
+            KNOBS,
+        );
         assert_eq!(chosen(&d), 0);
     }
 
@@ -277,11 +375,16 @@ mod tests {
 
     #[test]
     fn three_way_sharing_multiplies_speeds() {
-        let h = Table::default().with("n", "a", 0.8, 0.9, false).with("n", "b", 0.5, 0.6, false).with("a", "b", 0.7, 0.7, false);
+        let h = Table::default()
+            .with("n", "a", 0.8, 0.9, false)
+            .with("n", "b", 0.5, 0.6, false)
+            .with("a", "b", 0.7, 0.7, false);
         let gpus = [gpu(0, &[(1, "a"), (2, "b")])];
         let knobs = Knobs { slots: 3, ..KNOBS };
         match place(&gpus, &Newcomer { app: "n", mem_mb: None }, &h, knobs) {
-            Decision::Place { predicted_speed, gain, .. } => {
+            Decision::Place {
+                predicted_speed, gain, ..
+            } => {
                 assert!((predicted_speed - 0.4).abs() < 1e-9);
                 // a: 0.7 -> 0.7*0.9 ; b: 0.7 -> 0.7*0.6 ; plus n at 0.4
                 let want = 0.4 + (0.63 - 0.7) + (0.42 - 0.7);

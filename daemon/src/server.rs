@@ -50,7 +50,11 @@ pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(PeerCred { pid: cred.pid, uid: cred.uid, gid: cred.gid })
+    Ok(PeerCred {
+        pid: cred.pid,
+        uid: cred.uid,
+        gid: cred.gid,
+    })
 }
 
 /// Binds the socket at `path`: creates its directory, refuses if another daemon answers there,
@@ -144,7 +148,10 @@ fn serve_connection(mut stream: UnixStream, node: &Mutex<Node>, access: &Access)
 }
 
 fn reply(stream: &mut UnixStream, response: Response) -> bool {
-    let frame = ResponseFrame { version: PROTOCOL_VERSION, response };
+    let frame = ResponseFrame {
+        version: PROTOCOL_VERSION,
+        response,
+    };
     wire::write_frame(stream, &frame).is_ok()
 }
 

@@ -13,7 +13,10 @@ use slurm_ffi::bindings::{self, job_desc_msg_t};
 use slurm_ffi::{c_str, host, log};
 use std::sync::RwLock;
 
-slurm_ffi::slurm_plugin!("Multiplex: route --multiplex jobs to shared GPUs", "job_submit/multiplex");
+slurm_ffi::slurm_plugin!(
+    "Multiplex: route --multiplex jobs to shared GPUs",
+    "job_submit/multiplex"
+);
 
 const PREFIX: &str = "job_submit/multiplex";
 
@@ -28,15 +31,26 @@ pub extern "C" fn init() -> c_int {
         let mut slot = POLICY.write().unwrap_or_else(|p| p.into_inner());
         match Policy::load(&path) {
             Ok(Some(p)) => {
-                log::info(&format!("{PREFIX}: policy from {}: partition={} gres={} max_gpus={}", path.display(), p.partition, p.gres, p.max_gpus));
+                log::info(&format!(
+                    "{PREFIX}: policy from {}: partition={} gres={} max_gpus={}",
+                    path.display(),
+                    p.partition,
+                    p.gres,
+                    p.max_gpus
+                ));
                 *slot = Some(p);
             }
             Ok(None) => {
-                log::info(&format!("{PREFIX}: no policy file at {}; using the defaults", path.display()));
+                log::info(&format!(
+                    "{PREFIX}: no policy file at {}; using the defaults",
+                    path.display()
+                ));
                 *slot = Some(Policy::default());
             }
             Err(e) if slot.is_some() => log::error(&format!("{PREFIX}: {e}; keeping the previous policy")),
-            Err(e) => log::error(&format!("{PREFIX}: {e}; multiplexed jobs pass unchanged until it is fixed")),
+            Err(e) => log::error(&format!(
+                "{PREFIX}: {e}; multiplexed jobs pass unchanged until it is fixed"
+            )),
         }
         bindings::SLURM_SUCCESS as c_int
     })
@@ -49,8 +63,14 @@ pub extern "C" fn fini() -> c_int {
 }
 
 /// `int job_submit(job_desc_msg_t *, uint32_t submit_uid, char **err_msg)`.
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn job_submit(job_desc: *mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn job_submit(
+    job_desc: *mut job_desc_msg_t,
+    submit_uid: u32,
+    err_msg: *mut *mut c_char,
+) -> c_int {
     slurm_ffi::guard(PREFIX, "job_submit", bindings::SLURM_ERROR, || {
         if job_desc.is_null() {
             return bindings::SLURM_SUCCESS as c_int;
@@ -67,7 +87,9 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
     let policy = POLICY.read().unwrap_or_else(|p| p.into_inner()).clone();
     let Some(policy) = policy else {
         if rewrite::decide(&view, &Policy::default()) != Outcome::Untouched {
-            log::error(&format!("{PREFIX}: no valid policy; multiplexed job of uid {submit_uid} passes unchanged"));
+            log::error(&format!(
+                "{PREFIX}: no valid policy; multiplexed job of uid {submit_uid} passes unchanged"
+            ));
         }
         return bindings::SLURM_SUCCESS as c_int;
     };

@@ -30,7 +30,11 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { partition: "shared".into(), gres: "shard".into(), max_gpus: 1 }
+        Policy {
+            partition: "shared".into(),
+            gres: "shard".into(),
+            max_gpus: 1,
+        }
     }
 }
 
@@ -45,10 +49,16 @@ impl Policy {
             max_gpus: raw.max_gpus.unwrap_or(d.max_gpus),
         };
         if policy.partition.is_empty() || policy.partition.contains(',') {
-            return Err(format!("partition = {:?}: must be one partition name", policy.partition));
+            return Err(format!(
+                "partition = {:?}: must be one partition name",
+                policy.partition
+            ));
         }
         if policy.gres.is_empty() || policy.gres.contains([':', ',', '/']) {
-            return Err(format!("gres = {:?}: must be a gres name such as \"shard\"", policy.gres));
+            return Err(format!(
+                "gres = {:?}: must be a gres name such as \"shard\"",
+                policy.gres
+            ));
         }
         if policy.max_gpus == 0 {
             return Err("max_gpus = 0: must be at least 1".into());
@@ -65,7 +75,9 @@ impl Policy {
     /// caller to say so); an unreadable or invalid one is an error naming the file.
     pub fn load(path: &Path) -> Result<Option<Policy>, String> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Policy::parse(&text).map(Some).map_err(|e| format!("{}: {e}", path.display())),
+            Ok(text) => Policy::parse(&text)
+                .map(Some)
+                .map_err(|e| format!("{}: {e}", path.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(format!("cannot read {}: {e}", path.display())),
         }
@@ -78,7 +90,8 @@ mod tests {
 
     #[test]
     fn example_file_parses() {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/job_submit_multiplex.toml")).unwrap();
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/job_submit_multiplex.toml")).unwrap();
         assert_eq!(Policy::parse(&text).unwrap(), Policy::default());
     }
 

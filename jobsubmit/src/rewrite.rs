@@ -60,7 +60,10 @@ pub enum Outcome {
     /// Not a multiplexed job: nothing changes.
     Untouched,
     Rewrite(Rewrite),
-    Reject { kind: RejectKind, message: String },
+    Reject {
+        kind: RejectKind,
+        message: String,
+    },
 }
 
 /// One entry of a TRES string such as `gres:gpu:tesla:2` or `gres/gpu:2`.
@@ -89,8 +92,17 @@ fn parse_tres(s: &str) -> Vec<TresEntry> {
             let mut parts = rest.split(':');
             let name = parts.next().unwrap_or("").to_string();
             let last = rest.rsplit(':').next().unwrap_or("");
-            let count = if rest.contains(':') { last.parse().unwrap_or(1) } else { 1 };
-            TresEntry { sep, name, text: e.to_string(), count }
+            let count = if rest.contains(':') {
+                last.parse().unwrap_or(1)
+            } else {
+                1
+            };
+            TresEntry {
+                sep,
+                name,
+                text: e.to_string(),
+                count,
+            }
         })
         .collect()
 }
@@ -114,7 +126,10 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     let Some(value) = job.spank_env.iter().find_map(|e| e.strip_prefix(&prefix)) else {
         return Outcome::Untouched;
     };
-    let reject = |kind, message: String| Outcome::Reject { kind, message: format!("multiplex: {message}") };
+    let reject = |kind, message: String| Outcome::Reject {
+        kind,
+        message: format!("multiplex: {message}"),
+    };
     let spec = match Spec::parse(Some(value)) {
         Ok(s) => s,
         Err(e) => return reject(RejectKind::BadOption, format!("invalid --multiplex value: {e}")),
@@ -125,7 +140,11 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
             "--exclusive cannot be combined with --multiplex: a multiplexed job shares its GPU by design".into(),
         );
     }
-    let nodes = job.max_nodes.or(job.min_nodes).unwrap_or(1).max(job.min_nodes.unwrap_or(1));
+    let nodes = job
+        .max_nodes
+        .or(job.min_nodes)
+        .unwrap_or(1)
+        .max(job.min_nodes.unwrap_or(1));
     if nodes > 1 {
         return reject(
             RejectKind::TooManyNodes,
@@ -133,9 +152,20 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         );
     }
 
-    let fields = [&job.tres_per_node, &job.tres_per_job, &job.tres_per_task, &job.tres_per_socket];
-    let parsed: Vec<Vec<TresEntry>> = fields.iter().map(|f| f.as_deref().map(parse_tres).unwrap_or_default()).collect();
-    let any_shared = parsed.iter().flatten().any(|e| e.sep.is_some() && e.name == policy.gres);
+    let fields = [
+        &job.tres_per_node,
+        &job.tres_per_job,
+        &job.tres_per_task,
+        &job.tres_per_socket,
+    ];
+    let parsed: Vec<Vec<TresEntry>> = fields
+        .iter()
+        .map(|f| f.as_deref().map(parse_tres).unwrap_or_default())
+        .collect();
+    let any_shared = parsed
+        .iter()
+        .flatten()
+        .any(|e| e.sep.is_some() && e.name == policy.gres);
     let any_gpu = parsed.iter().flatten().any(is_gpu);
     if any_shared {
         let what = if any_gpu { "both gpu and " } else { "" };
@@ -167,22 +197,41 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     }
 
     // The job's own spelling (gres: or gres/) is kept for the shared-GPU request.
-    let sep = parsed.iter().flatten().find(|e| is_gpu(e)).and_then(|e| e.sep).unwrap_or(':');
+    let sep = parsed
+        .iter()
+        .flatten()
+        .find(|e| is_gpu(e))
+        .and_then(|e| e.sep)
+        .unwrap_or(':');
     let shared = format!("gres{sep}{}:{gpus}", policy.gres);
-    let keep = |i: usize| parsed[i].iter().filter(|e| !is_gpu(e)).map(|e| e.text.clone()).collect::<Vec<_>>();
+    let keep = |i: usize| {
+        parsed[i]
+            .iter()
+            .filter(|e| !is_gpu(e))
+            .map(|e| e.text.clone())
+            .collect::<Vec<_>>()
+    };
     let tres_per_node = join(keep(0).into_iter().chain(std::iter::once(shared)));
     let per_gpu = |f: &Option<String>| {
         f.as_deref().and_then(|s| {
             join(parse_tres(s).into_iter().map(|e| {
                 if is_gpu(&e) {
-                    format!("gres{}{}:{}", e.sep.unwrap_or(':'), policy.gres, e.text.rsplit(':').next().unwrap_or("0"))
+                    format!(
+                        "gres{}{}:{}",
+                        e.sep.unwrap_or(':'),
+                        policy.gres,
+                        e.text.rsplit(':').next().unwrap_or("0")
+                    )
                 } else {
                     e.text
                 }
             }))
         })
     };
-    let app = spec.app.clone().unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
+    let app = spec
+        .app
+        .clone()
+        .unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
     let mut tag = format!("multiplex:app={app}");
     if let Some(mem) = spec.mem_mb {
         tag.push_str(&format!(",mem={mem}M"));
@@ -267,7 +316,11 @@ mod tests {
             *slot = Some(value.to_string());
             let r = rewrite(&j);
             assert_eq!(r.tres_per_node.as_deref(), Some(*want), "{field}={value}");
-            assert_eq!((r.tres_per_job, r.tres_per_task, r.tres_per_socket), (None, None, None), "{field}={value}");
+            assert_eq!(
+                (r.tres_per_job, r.tres_per_task, r.tres_per_socket),
+                (None, None, None),
+                "{field}={value}"
+            );
             assert_eq!(r.partition, "shared");
         }
     }
@@ -313,27 +366,54 @@ mod tests {
         let mut mixed = job(Some("(null)"), Some("gres:gpu:1"));
         mixed.tres_per_job = Some("gres:shard:1".into());
         let cases: Vec<(JobView, RejectKind, &str)> = vec![
-            (job(Some("app=has space"), Some("gres:gpu:1")), RejectKind::BadOption, "invalid --multiplex value: app name 'has space'"),
-            (job(Some("gpus=2"), Some("gres:gpu:1")), RejectKind::BadOption, "unknown key 'gpus'"),
+            (
+                job(Some("app=has space"), Some("gres:gpu:1")),
+                RejectKind::BadOption,
+                "invalid --multiplex value: app name 'has space'",
+            ),
+            (
+                job(Some("gpus=2"), Some("gres:gpu:1")),
+                RejectKind::BadOption,
+                "unknown key 'gpus'",
+            ),
             (job(Some("(null)"), None), RejectKind::NoGpu, "needs a GPU request"),
-            (job(Some("(null)"), Some("gres:nic:1")), RejectKind::NoGpu, "needs a GPU request"),
-            (job(Some("(null)"), Some("gres:gpu:2")), RejectKind::TooManyGpus, "asks for 2 GPUs; multiplexed jobs may use at most 1"),
+            (
+                job(Some("(null)"), Some("gres:nic:1")),
+                RejectKind::NoGpu,
+                "needs a GPU request",
+            ),
+            (
+                job(Some("(null)"), Some("gres:gpu:2")),
+                RejectKind::TooManyGpus,
+                "asks for 2 GPUs; multiplexed jobs may use at most 1",
+            ),
             (gpus_per_task, RejectKind::TooManyGpus, "asks for 2 GPUs"),
             (exclusive, RejectKind::Exclusive, "--exclusive cannot be combined"),
             (two_nodes, RejectKind::TooManyNodes, "asks for 2"),
             (mixed, RejectKind::MixedGres, "both gpu and shard"),
-            (job(Some("(null)"), Some("gres:shard:1")), RejectKind::MixedGres, "asks for shard directly"),
+            (
+                job(Some("(null)"), Some("gres:shard:1")),
+                RejectKind::MixedGres,
+                "asks for shard directly",
+            ),
         ];
         for (j, kind, want) in cases {
             let (k, msg) = rejection(&j);
             assert_eq!(k, kind, "{msg}");
-            assert!(msg.starts_with("multiplex: ") && msg.contains(want), "{msg:?} lacks {want:?}");
+            assert!(
+                msg.starts_with("multiplex: ") && msg.contains(want),
+                "{msg:?} lacks {want:?}"
+            );
         }
     }
 
     #[test]
     fn policy_limits_apply() {
-        let policy = Policy { partition: "gpu-shared".into(), gres: "mps".into(), max_gpus: 2 };
+        let policy = Policy {
+            partition: "gpu-shared".into(),
+            gres: "mps".into(),
+            max_gpus: 2,
+        };
         match decide(&job(Some("(null)"), Some("gres:gpu:2")), &policy) {
             Outcome::Rewrite(r) => {
                 assert_eq!(r.tres_per_node.as_deref(), Some("gres:mps:2"));

@@ -29,21 +29,37 @@ pub struct Client {
 impl Client {
     /// Connects with read and write timeouts of `timeout`.
     pub fn connect(path: &Path, timeout: Duration) -> Result<Client, ClientError> {
-        let stream = UnixStream::connect(path)
-            .map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
-        let set = |r: std::io::Result<()>| r.map_err(|source| ClientError::Connect { path: path.to_path_buf(), source });
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let set = |r: std::io::Result<()>| {
+            r.map_err(|source| ClientError::Connect {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
         set(stream.set_read_timeout(Some(timeout)))?;
         set(stream.set_write_timeout(Some(timeout)))?;
-        Ok(Client { path: path.to_path_buf(), stream, timeout })
+        Ok(Client {
+            path: path.to_path_buf(),
+            stream,
+            timeout,
+        })
     }
 
     /// Sends `request` and waits for the answer.
     pub fn call(&mut self, request: Request) -> Result<Response, ClientError> {
-        let frame = RequestFrame { version: PROTOCOL_VERSION, request };
+        let frame = RequestFrame {
+            version: PROTOCOL_VERSION,
+            request,
+        };
         wire::write_frame(&mut self.stream, &frame).map_err(|e| self.error(e))?;
         let body = wire::read_frame_bytes(&mut self.stream)
             .map_err(|e| self.error(e))?
-            .ok_or_else(|| ClientError::Closed { path: self.path.clone() })?;
+            .ok_or_else(|| ClientError::Closed {
+                path: self.path.clone(),
+            })?;
         wire::decode_response(&body).map_err(|e| self.error(e))
     }
 
@@ -52,9 +68,15 @@ impl Client {
             FrameError::Io(io)
                 if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
             {
-                ClientError::Timeout { path: self.path.clone(), timeout_ms: self.timeout.as_millis() as u64 }
+                ClientError::Timeout {
+                    path: self.path.clone(),
+                    timeout_ms: self.timeout.as_millis() as u64,
+                }
             }
-            other => ClientError::Frame { path: self.path.clone(), source: other },
+            other => ClientError::Frame {
+                path: self.path.clone(),
+                source: other,
+            },
         }
     }
 }

@@ -89,7 +89,13 @@ pub fn default_app(uid: u32, job_name: Option<&str>) -> String {
     let name: String = job_name
         .unwrap_or("job")
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     let name = if name.is_empty() { "job".to_string() } else { name };
     let mut key = format!("u{uid}-{name}");
@@ -101,7 +107,8 @@ pub fn default_app(uid: u32, job_name: Option<&str>) -> String {
 pub fn parse_app(s: &str) -> Result<String, SpecError> {
     let ok = !s.is_empty()
         && s.len() <= MAX_APP_LEN
-        && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
     if ok {
         Ok(s.to_string())
     } else {
@@ -113,7 +120,10 @@ pub fn parse_app(s: &str) -> Result<String, SpecError> {
 pub fn parse_mem_mb(s: &str) -> Result<u64, SpecError> {
     let bad = || SpecError::BadMem(s.to_string());
     let upper = s.to_ascii_uppercase();
-    let trimmed = upper.strip_suffix("IB").or_else(|| upper.strip_suffix('B')).unwrap_or(&upper);
+    let trimmed = upper
+        .strip_suffix("IB")
+        .or_else(|| upper.strip_suffix('B'))
+        .unwrap_or(&upper);
     let (digits, mult_kib): (&str, u64) = match trimmed.chars().last() {
         Some('K') => (&trimmed[..trimmed.len() - 1], 1),
         Some('M') => (&trimmed[..trimmed.len() - 1], 1024),
@@ -140,12 +150,48 @@ mod tests {
             (None, Spec::default()),
             (Some("(null)"), Spec::default()),
             (Some(""), Spec::default()),
-            (Some("app=bert"), Spec { app: Some("bert".into()), mem_mb: None }),
-            (Some("mem=16G"), Spec { app: None, mem_mb: Some(16384) }),
-            (Some("app=resnet50-bs64, mem=512"), Spec { app: Some("resnet50-bs64".into()), mem_mb: Some(512) }),
-            (Some("mem=1T,app=a.b_c"), Spec { app: Some("a.b_c".into()), mem_mb: Some(1024 * 1024) }),
-            (Some("mem=1536K"), Spec { app: None, mem_mb: Some(2) }),
-            (Some("mem=16GiB"), Spec { app: None, mem_mb: Some(16384) }),
+            (
+                Some("app=bert"),
+                Spec {
+                    app: Some("bert".into()),
+                    mem_mb: None,
+                },
+            ),
+            (
+                Some("mem=16G"),
+                Spec {
+                    app: None,
+                    mem_mb: Some(16384),
+                },
+            ),
+            (
+                Some("app=resnet50-bs64, mem=512"),
+                Spec {
+                    app: Some("resnet50-bs64".into()),
+                    mem_mb: Some(512),
+                },
+            ),
+            (
+                Some("mem=1T,app=a.b_c"),
+                Spec {
+                    app: Some("a.b_c".into()),
+                    mem_mb: Some(1024 * 1024),
+                },
+            ),
+            (
+                Some("mem=1536K"),
+                Spec {
+                    app: None,
+                    mem_mb: Some(2),
+                },
+            ),
+            (
+                Some("mem=16GiB"),
+                Spec {
+                    app: None,
+                    mem_mb: Some(16384),
+                },
+            ),
         ];
         for (input, want) in cases {
             assert_eq!(&Spec::parse(*input).unwrap(), want, "input {input:?}");

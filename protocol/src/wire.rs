@@ -74,10 +74,15 @@ pub struct FinishRequest {
 pub enum Response {
     Placed(Placement),
     /// No GPU of this node can take the step safely now; try again later.
-    Declined { reason: String, retry_after_s: u32 },
+    Declined {
+        reason: String,
+        retry_after_s: u32,
+    },
     Finished,
     Status(NodeStatus),
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 /// The daemon's decision for one job step.
@@ -107,14 +112,20 @@ impl Placement {
                 "MULTIPLEX_CORUNNERS".to_string(),
                 self.corunners.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
             ),
-            ("MULTIPLEX_PREDICTED_SPEED".to_string(), format!("{:.3}", self.predicted_speed)),
+            (
+                "MULTIPLEX_PREDICTED_SPEED".to_string(),
+                format!("{:.3}", self.predicted_speed),
+            ),
             ("MULTIPLEX_DECISION".to_string(), self.reason.clone()),
         ];
         if let Some(p) = self.mps_thread_percentage {
             env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(), p.to_string()));
         }
         if let Some(m) = self.mps_mem_limit_mb {
-            env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(), format!("{}={m}M", self.gpu)));
+            env.push((
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
+                format!("{}={m}M", self.gpu),
+            ));
         }
         env
     }
@@ -180,7 +191,11 @@ pub fn read_frame_bytes(r: &mut impl Read) -> Result<Option<Vec<u8>>, FrameError
     while got < 4 {
         match r.read(&mut len[got..]) {
             Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(FrameError::Malformed("connection closed inside the length prefix".into())),
+            Ok(0) => {
+                return Err(FrameError::Malformed(
+                    "connection closed inside the length prefix".into(),
+                ))
+            }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
@@ -246,7 +261,10 @@ mod tests {
     #[test]
     fn request_round_trips_through_a_frame() {
         let mut buf = Vec::new();
-        let frame = RequestFrame { version: PROTOCOL_VERSION, request: place() };
+        let frame = RequestFrame {
+            version: PROTOCOL_VERSION,
+            request: place(),
+        };
         write_frame(&mut buf, &frame).unwrap();
         let body = read_frame_bytes(&mut buf.as_slice()).unwrap().unwrap();
         assert_eq!(decode_request(&body).unwrap(), place());
@@ -260,15 +278,27 @@ mod tests {
         // Truncated body.
         let mut short = 10u32.to_be_bytes().to_vec();
         short.extend_from_slice(b"{\"a\"");
-        assert!(matches!(read_frame_bytes(&mut short.as_slice()), Err(FrameError::Malformed(_))));
+        assert!(matches!(
+            read_frame_bytes(&mut short.as_slice()),
+            Err(FrameError::Malformed(_))
+        ));
         // Truncated length.
-        assert!(matches!(read_frame_bytes(&mut &[0u8, 1][..]), Err(FrameError::Malformed(_))));
+        assert!(matches!(
+            read_frame_bytes(&mut &[0u8, 1][..]),
+            Err(FrameError::Malformed(_))
+        ));
         // Clean close.
         assert!(read_frame_bytes(&mut &[][..]).unwrap().is_none());
         // Not JSON, wrong shape, wrong version.
         assert!(matches!(decode_request(b"garbage"), Err(FrameError::Malformed(_))));
-        assert!(matches!(decode_request(br#"{"version":1,"request":{"type":"fly"}}"#), Err(FrameError::Malformed(_))));
-        assert!(matches!(decode_request(br#"{"version":99,"request":{"type":"status"}}"#), Err(FrameError::Version { got: 99 })));
+        assert!(matches!(
+            decode_request(br#"{"version":1,"request":{"type":"fly"}}"#),
+            Err(FrameError::Malformed(_))
+        ));
+        assert!(matches!(
+            decode_request(br#"{"version":99,"request":{"type":"status"}}"#),
+            Err(FrameError::Version { got: 99 })
+        ));
     }
 
     #[test]

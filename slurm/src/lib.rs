@@ -83,34 +83,6 @@ pub unsafe fn c_str(p: *const libc::c_char) -> Option<String> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nul_terminated_appends_nul() {
-        let a: [u8; 4] = nul_terminated("abc");
-        assert_eq!(&a, b"abc\0");
-    }
-
-    #[test]
-    fn version_matches_installed_slurm() {
-        // The job_submit ABI check compares all three numbers with the running Slurm's.
-        let out = std::process::Command::new("slurmctld").arg("-V").output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        let (major, minor, micro) = version();
-        assert!(text.contains(&format!(" {major}.{minor:02}.{micro}")), "slurmctld -V says {text}");
-    }
-
-    #[test]
-    fn guard_turns_panic_into_value() {
-        // No Slurm host here: log::error falls back to stderr.
-        let v = guard("test", "callback", -1, || -> i32 { panic!("boom") });
-        assert_eq!(v, -1);
-        assert_eq!(guard("test", "callback", -1, || 7), 7);
-    }
-}
-
 /// Exports `job_modify` with the signature of the Slurm the crate was built against (23.02
 /// added `char **err_msg`), calling `$f(job_desc, submit_uid, err_msg)`; `err_msg` is NULL
 /// where the host has none.
@@ -145,4 +117,35 @@ macro_rules! export_job_modify {
             $f(job_desc, submit_uid, ::std::ptr::null_mut())
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nul_terminated_appends_nul() {
+        let a: [u8; 4] = nul_terminated("abc");
+        assert_eq!(&a, b"abc\0");
+    }
+
+    #[test]
+    fn version_matches_installed_slurm() {
+        // The job_submit ABI check compares all three numbers with the running Slurm's.
+        let out = std::process::Command::new("slurmctld").arg("-V").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (major, minor, micro) = version();
+        assert!(
+            text.contains(&format!(" {major}.{minor:02}.{micro}")),
+            "slurmctld -V says {text}"
+        );
+    }
+
+    #[test]
+    fn guard_turns_panic_into_value() {
+        // No Slurm host here: log::error falls back to stderr.
+        let v = guard("test", "callback", -1, || -> i32 { panic!("boom") });
+        assert_eq!(v, -1);
+        assert_eq!(guard("test", "callback", -1, || 7), 7);
+    }
 }

@@ -25,7 +25,11 @@ pub const DEFAULT_SOCKET: &str = "/run/multiplexd/%n.sock";
 
 impl Default for Args {
     fn default() -> Self {
-        Args { socket: DEFAULT_SOCKET.into(), timeout_ms: 2000, on_daemon_error: OnDaemonError::Run }
+        Args {
+            socket: DEFAULT_SOCKET.into(),
+            timeout_ms: 2000,
+            on_daemon_error: OnDaemonError::Run,
+        }
     }
 }
 
@@ -35,7 +39,9 @@ impl Args {
         let mut out = Args::default();
         for arg in args {
             let arg = arg.as_ref();
-            let (key, value) = arg.split_once('=').ok_or_else(|| format!("argument '{arg}' is not key=value"))?;
+            let (key, value) = arg
+                .split_once('=')
+                .ok_or_else(|| format!("argument '{arg}' is not key=value"))?;
             match key {
                 "socket" if !value.is_empty() => out.socket = value.to_string(),
                 "timeout_ms" => {
@@ -43,7 +49,9 @@ impl Args {
                         .parse()
                         .ok()
                         .filter(|&t| (1..=60_000).contains(&t))
-                        .ok_or_else(|| format!("timeout_ms={value}: must be a number of milliseconds from 1 to 60000"))?
+                        .ok_or_else(|| {
+                            format!("timeout_ms={value}: must be a number of milliseconds from 1 to 60000")
+                        })?
                 }
                 "on_daemon_error" => {
                     out.on_daemon_error = match value {
@@ -53,7 +61,11 @@ impl Args {
                     }
                 }
                 "socket" => return Err("socket= needs a path".into()),
-                _ => return Err(format!("unknown argument '{key}' (known: socket, timeout_ms, on_daemon_error)")),
+                _ => {
+                    return Err(format!(
+                        "unknown argument '{key}' (known: socket, timeout_ms, on_daemon_error)"
+                    ))
+                }
             }
         }
         Ok(out)

@@ -43,7 +43,11 @@ struct State {
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
-    args: Args { socket: String::new(), timeout_ms: 2000, on_daemon_error: args::OnDaemonError::Run },
+    args: Args {
+        socket: String::new(),
+        timeout_ms: 2000,
+        on_daemon_error: args::OnDaemonError::Run,
+    },
     option: None,
     plan: None,
     placed: None,
@@ -61,7 +65,9 @@ unsafe fn argv(ac: c_int, av: *mut *mut c_char) -> Vec<String> {
         return Vec::new();
     }
     // SAFETY: caller's contract.
-    (0..ac.max(0) as usize).filter_map(|i| unsafe { c_str(*av.add(i)) }).collect()
+    (0..ac.max(0) as usize)
+        .filter_map(|i| unsafe { c_str(*av.add(i)) })
+        .collect()
 }
 
 /// Reads plugstack.conf arguments; an error is logged with the bad argument in every context.
@@ -80,8 +86,10 @@ fn load_args(ac: c_int, av: *mut *mut c_char) -> Result<(), ()> {
     }
 }
 
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_init", -1, || {
         if load_args(ac, av).is_err() {
             return -1;
@@ -114,8 +122,10 @@ unsafe extern "C" fn option_cb(_val: c_int, optarg: *const c_char, remote: c_int
     })
 }
 
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn slurm_spank_init_post_opt(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_init_post_opt(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_init_post_opt", -1, || {
         if sp::context() != Context::Remote {
             return 0;
@@ -144,7 +154,9 @@ fn remote_post_opt(spank: &Spank) -> c_int {
         return -1;
     };
     let Some(node) = node_name(spank) else {
-        log::error(&format!("{PREFIX}: job {job_id} step {step_id}: cannot tell which node this is"));
+        log::error(&format!(
+            "{PREFIX}: job {job_id} step {step_id}: cannot tell which node this is"
+        ));
         return -1;
     };
     let info = StepInfo {
@@ -185,14 +197,18 @@ fn node_name(spank: &Spank) -> Option<String> {
     if let Some(n) = spank.getenv("SLURMD_NODENAME") {
         return Some(n);
     }
-    let list = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"].iter().find_map(|v| spank.getenv(v))?;
+    let list = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        .iter()
+        .find_map(|v| spank.getenv(v))?;
     let index = spank.node_id().ok()? as usize;
     slurm_ffi::host::hostlist_nth(&list, index)
 }
 
 /// In each task, just before exec: set the daemon's decision, or print the one warning.
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_task_init", -1, || {
         // SAFETY: the handle of this callback.
         let spank = unsafe { Spank::from_raw(sp) };
@@ -216,8 +232,10 @@ pub extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mut *mut 
     })
 }
 
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn slurm_spank_task_exit(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_task_exit(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_task_exit", 0, || {
         // SAFETY: the handle of this callback.
         let spank = unsafe { Spank::from_raw(sp) };
@@ -231,8 +249,10 @@ pub extern "C" fn slurm_spank_task_exit(sp: spank_t, _ac: c_int, _av: *mut *mut 
     })
 }
 
+/// # Safety
+/// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
-pub extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_exit", 0, || {
         if sp::context() != Context::Remote {
             return 0;
@@ -243,7 +263,9 @@ pub extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *mut c_ch
         };
         if let Some((job, step, node)) = placed {
             if let Err(e) = remote::finish(&args, &node, job, step, worst) {
-                log::error(&format!("{PREFIX}: job {job} step {step}: could not report the end to multiplexd: {e}"));
+                log::error(&format!(
+                    "{PREFIX}: job {job} step {step}: could not report the end to multiplexd: {e}"
+                ));
             }
         }
         0

@@ -36,7 +36,10 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
         job_id: step.job_id,
         step_id: step.step_id,
         uid: step.uid,
-        app: spec.app.clone().unwrap_or_else(|| default_app(step.uid, step.job_name.as_deref())),
+        app: spec
+            .app
+            .clone()
+            .unwrap_or_else(|| default_app(step.uid, step.job_name.as_deref())),
         mem_mb: spec.mem_mb,
         node: step.node.clone(),
         slurm_cuda_visible_devices: step.cuda_visible_devices.clone(),
@@ -61,13 +64,19 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
         OnDaemonError::Run => StepPlan::NotApplied {
             warning: format!("multiplex: not applied, running on Slurm's GPU choice: {problem}"),
         },
-        OnDaemonError::Fail => StepPlan::Fail { message: format!("multiplex: cannot place this step: {problem}") },
+        OnDaemonError::Fail => StepPlan::Fail {
+            message: format!("multiplex: cannot place this step: {problem}"),
+        },
     }
 }
 
 /// Tells the daemon the step ended. Failures are only logged: the step is over either way.
 pub fn finish(args: &Args, node: &str, job_id: u32, step_id: u32, exit_status: i32) -> Result<(), String> {
-    let req = Request::Finish(FinishRequest { job_id, step_id, exit_status });
+    let req = Request::Finish(FinishRequest {
+        job_id,
+        step_id,
+        exit_status,
+    });
     match client::call(&args.socket_for(node), Duration::from_millis(args.timeout_ms), req) {
         Ok(Response::Finished) => Ok(()),
         Ok(Response::Error { message }) => Err(message),
@@ -96,7 +105,10 @@ mod tests {
     #[test]
     fn a_missing_daemon_runs_with_a_warning_or_fails() {
         let dir = std::env::temp_dir().join(format!("spank-test-{}", std::process::id()));
-        let args = Args { socket: format!("{}/%n.sock", dir.display()), ..Args::default() };
+        let args = Args {
+            socket: format!("{}/%n.sock", dir.display()),
+            ..Args::default()
+        };
         match plan(&args, &Spec::default(), &step()) {
             StepPlan::NotApplied { warning } => {
                 assert!(warning.starts_with("multiplex: not applied"), "{warning}");
@@ -104,7 +116,12 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let args = Args { on_daemon_error: OnDaemonError::Fail, ..args };
-        assert!(matches!(plan(&args, &Spec::default(), &step()), StepPlan::Fail { message } if message.contains("cannot place")));
+        let args = Args {
+            on_daemon_error: OnDaemonError::Fail,
+            ..args
+        };
+        assert!(
+            matches!(plan(&args, &Spec::default(), &step()), StepPlan::Fail { message } if message.contains("cannot place"))
+        );
     }
 }

@@ -21,10 +21,19 @@ pub struct Submitted {
 impl Cluster {
     /// The cluster named by `SLURM_CONF`; panics with what to do when there is none.
     pub fn from_env() -> Cluster {
-        let conf = std::env::var("SLURM_CONF")
-            .expect("SLURM_CONF is not set: start the cluster with `export $(tests/cluster/up | tail -1)` or run tests/run");
-        let state = PathBuf::from(conf).parent().and_then(|p| p.parent()).expect("SLURM_CONF=<state>/etc/slurm.conf").to_path_buf();
-        assert!(state.join("run/slurmctld.pid").exists(), "no cluster running under {}", state.display());
+        let conf = std::env::var("SLURM_CONF").expect(
+            "SLURM_CONF is not set: start the cluster with `export $(tests/cluster/up | tail -1)` or run tests/run",
+        );
+        let state = PathBuf::from(conf)
+            .parent()
+            .and_then(|p| p.parent())
+            .expect("SLURM_CONF=<state>/etc/slurm.conf")
+            .to_path_buf();
+        assert!(
+            state.join("run/slurmctld.pid").exists(),
+            "no cluster running under {}",
+            state.display()
+        );
         Cluster { state }
     }
 
@@ -37,7 +46,12 @@ impl Cluster {
 
     /// Runs `sbatch --parsable ARGS`.
     pub fn sbatch(&self, args: &[&str]) -> Submitted {
-        let out = Command::new("sbatch").arg("--parsable").args(args).current_dir(&self.state).output().expect("run sbatch");
+        let out = Command::new("sbatch")
+            .arg("--parsable")
+            .args(args)
+            .current_dir(&self.state)
+            .output()
+            .expect("run sbatch");
         let stdout = String::from_utf8_lossy(&out.stdout);
         Submitted {
             ok: out.status.success(),
@@ -55,7 +69,10 @@ impl Cluster {
 
     /// `scontrol show job -o ID` as key=value pairs.
     pub fn show_job(&self, job: u32) -> HashMap<String, String> {
-        let out = Command::new("scontrol").args(["show", "job", "-o", &job.to_string()]).output().expect("run scontrol");
+        let out = Command::new("scontrol")
+            .args(["show", "job", "-o", &job.to_string()])
+            .output()
+            .expect("run scontrol");
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         parse_show(&text)
     }
@@ -66,10 +83,23 @@ impl Cluster {
         loop {
             let rec = self.show_job(job);
             let state = rec.get("JobState").cloned().unwrap_or_default();
-            if ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"].contains(&state.as_str()) {
+            if [
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+                "BOOT_FAIL",
+            ]
+            .contains(&state.as_str())
+            {
                 return rec;
             }
-            assert!(start.elapsed() < timeout, "job {job} still {state} after {timeout:?}: {rec:?}");
+            assert!(
+                start.elapsed() < timeout,
+                "job {job} still {state} after {timeout:?}: {rec:?}"
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
     }
@@ -117,7 +147,11 @@ pub fn parse_show(text: &str) -> HashMap<String, String> {
 
 /// The `KEY=value` lines of an `env` dump.
 pub fn env_of(output: &str) -> HashMap<String, String> {
-    output.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    output
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 #[cfg(test)]
@@ -126,7 +160,9 @@ mod tests {
 
     #[test]
     fn parses_scontrol_lines() {
-        let m = parse_show("JobId=5 JobName=wrap Partition=shared AdminComment=multiplex:app=a ticket 42 TresPerNode=gres:shard:1");
+        let m = parse_show(
+            "JobId=5 JobName=wrap Partition=shared AdminComment=multiplex:app=a ticket 42 TresPerNode=gres:shard:1",
+        );
         assert_eq!(m["JobId"], "5");
         assert_eq!(m["AdminComment"], "multiplex:app=a ticket 42");
         assert_eq!(m["TresPerNode"], "gres:shard:1");
