@@ -155,7 +155,7 @@ fn reply(stream: &mut UnixStream, response: Response) -> bool {
     wire::write_frame(stream, &frame).is_ok()
 }
 
-fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, access: &Access) -> Response {
+pub(crate) fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, access: &Access) -> Response {
     let denied = |what: &str| Response::Error {
         message: format!("uid {} may not {what}: only root and the Slurm user may", cred.uid),
     };
@@ -172,4 +172,77 @@ fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, access: &Access)
         tracing::error!("{e}");
         Response::Error { message: e.to_string() }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, GpuSpec};
+    use multiplex_protocol::{FinishRequest, PlaceRequest};
+
+    fn node(dir: &Path) -> Mutex<Node> {
+        let config = Config::parse(&format!("node = \"n1\"\ndatabase = \"{}/h.sqlite\"", dir.display())).unwrap();
+        let gpus = vec![GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+        }];
+        Mutex::new(Node::open(config, gpus, crate::node::wall_clock()).unwrap())
+    }
+
+    fn place() -> Request {
+        Request::Place(PlaceRequest {
+            job_id: 1,
+            step_id: 0,
+            uid: 1000,
+            app: "a".into(),
+            mem_mb: None,
+            node: "n1".into(),
+            slurm_cuda_visible_devices: None,
+            slurm_job_gpus: None,
+            slurm_shards_on_node: None,
+        })
+    }
+
+    #[test]
+    fn only_root_and_the_slurm_user_place_and_finish() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(dir.path());
+        let access = Access {
+            privileged_uids: vec![64030],
+        };
+        let user = PeerCred {
+            pid: 1,
+            uid: 1000,
+            gid: 1000,
+        };
+        for request in [
+            place(),
+            Request::Finish(FinishRequest {
+                job_id: 1,
+                step_id: 0,
+                exit_status: 0,
+            }),
+        ] {
+            match handle(request, user, &node, &access) {
+                Response::Error { message } => assert!(message.contains("uid 1000 may not"), "{message}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            handle(Request::Status, user, &node, &access),
+            Response::Status(_)
+        ));
+        let slurm = PeerCred {
+            pid: 1,
+            uid: 64030,
+            gid: 64030,
+        };
+        assert!(matches!(handle(place(), slurm, &node, &access), Response::Placed(_)));
+        let root = PeerCred { pid: 1, uid: 0, gid: 0 };
+        assert!(
+            matches!(handle(place(), root, &node, &access), Response::Placed(_)),
+            "asking twice is idempotent"
+        );
+    }
 }

@@ -1,0 +1,301 @@
+//! The real daemon on a real Unix socket with a temporary SQLite history: bad clients,
+//! concurrent clients, and kill -9 with a restart.
+
+use multiplex_protocol::wire::{self, RequestFrame, PROTOCOL_VERSION};
+use multiplex_protocol::{client, FinishRequest, PlaceRequest, Request, Response};
+use multiplexd::config::{Config, GpuSpec};
+use multiplexd::node::{wall_clock, Node};
+use multiplexd::server::{self, Access};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(5);
+
+fn config_text(dir: &Path, slots: u32) -> String {
+    format!(
+        "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = {slots}\nslurm_user = \"root\"\n\
+         [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n[[gpu]]\nindex = 1\nmodel = \"v100\"\nmemory_mb = 16384\n",
+        d = dir.display()
+    )
+}
+
+/// A daemon served from a thread of this test, stopped on drop.
+struct InProcess {
+    socket: PathBuf,
+    shutdown: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl InProcess {
+    fn start(dir: &Path, slots: u32) -> InProcess {
+        let config = Config::parse(&config_text(dir, slots)).unwrap();
+        let gpus = vec![
+            GpuSpec {
+                index: 0,
+                model: "v100".into(),
+                memory_mb: 16384,
+            },
+            GpuSpec {
+                index: 1,
+                model: "v100".into(),
+                memory_mb: 16384,
+            },
+        ];
+        let socket = config.socket.clone();
+        let listener = server::bind(&socket).unwrap();
+        let node = Arc::new(Mutex::new(Node::open(config, gpus, wall_clock()).unwrap()));
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let s = Arc::clone(&shutdown);
+        let thread = std::thread::spawn(move || {
+            server::run(
+                listener,
+                node,
+                Access {
+                    privileged_uids: vec![],
+                },
+                s,
+            )
+        });
+        InProcess {
+            socket,
+            shutdown,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        let _ = UnixStream::connect(&self.socket);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+fn place(job_id: u32, app: &str) -> Request {
+    Request::Place(PlaceRequest {
+        job_id,
+        step_id: 0,
+        uid: 1000,
+        app: app.into(),
+        mem_mb: None,
+        node: "n1".into(),
+        slurm_cuda_visible_devices: Some("0".into()),
+        slurm_job_gpus: Some("0".into()),
+        slurm_shards_on_node: Some("1".into()),
+    })
+}
+
+fn finish(job_id: u32) -> Request {
+    Request::Finish(FinishRequest {
+        job_id,
+        step_id: 0,
+        exit_status: 0,
+    })
+}
+
+fn status_jobs(socket: &Path) -> Vec<(u32, u32)> {
+    match client::call(socket, T, Request::Status).unwrap() {
+        Response::Status(s) => s
+            .gpus
+            .iter()
+            .flat_map(|g| g.tasks.iter().map(move |t| (t.job_id, g.index)))
+            .collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn raw_exchange(socket: &Path, bytes: &[u8]) -> Option<Response> {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s.write_all(bytes).unwrap();
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let body = wire::read_frame_bytes(&mut s).ok()??;
+    wire::decode_response(&body).ok()
+}
+
+fn frame(json: &str) -> Vec<u8> {
+    let mut v = (json.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(json.as_bytes());
+    v
+}
+
+#[test]
+fn bad_clients_get_an_error_and_everyone_else_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = InProcess::start(dir.path(), 2);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("oversized", (u32::MAX).to_be_bytes().to_vec(), "larger than"),
+        ("garbage", frame("this is not json"), "malformed"),
+        (
+            "unknown request",
+            frame(r#"{"version":1,"request":{"type":"launch_missiles"}}"#),
+            "malformed",
+        ),
+        (
+            "missing fields",
+            frame(r#"{"version":1,"request":{"type":"place","job_id":1}}"#),
+            "malformed",
+        ),
+        (
+            "wrong version",
+            frame(r#"{"version":7,"request":{"type":"status"}}"#),
+            "version 7",
+        ),
+        (
+            "truncated",
+            {
+                let mut f = frame(r#"{"version":1,"request":{"type":"status"}}"#);
+                f.truncate(10);
+                f
+            },
+            "truncated",
+        ),
+    ];
+    for (what, bytes, want) in cases {
+        match raw_exchange(&d.socket, &bytes) {
+            Some(Response::Error { message }) => assert!(message.contains(want), "{what}: {message}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        // The daemon still answers a well-behaved client.
+        assert!(
+            matches!(client::call(&d.socket, T, Request::Status), Ok(Response::Status(_))),
+            "after {what}"
+        );
+    }
+    // A client that connects and says nothing does not block others.
+    let _idle = UnixStream::connect(&d.socket).unwrap();
+    assert!(matches!(
+        client::call(&d.socket, T, place(1, "a")),
+        Ok(Response::Placed(_))
+    ));
+}
+
+#[test]
+fn concurrent_clients_never_overbook_a_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = InProcess::start(dir.path(), 2);
+    let socket = d.socket.clone();
+    let placed = Arc::new(Mutex::new(0u32));
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            let socket = socket.clone();
+            let placed = Arc::clone(&placed);
+            std::thread::spawn(move || {
+                for i in 0..25u32 {
+                    let job = 1000 * (t + 1) + i;
+                    match client::call(&socket, T, place(job, &format!("app{}", t % 3))).unwrap() {
+                        Response::Placed(p) => {
+                            assert!(p.corunners.len() < 2, "job {job} joined a full GPU: {p:?}");
+                            *placed.lock().unwrap() += 1;
+                            assert_eq!(client::call(&socket, T, finish(job)).unwrap(), Response::Finished);
+                        }
+                        Response::Declined { reason, .. } => assert!(reason.contains("full"), "{reason}"),
+                        other => panic!("{other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(*placed.lock().unwrap() >= 4, "at least one round placed");
+    assert!(status_jobs(&socket).is_empty(), "every finished job released its slot");
+    drop(d);
+    let db = rusqlite_count(&dir.path().join("h.sqlite"));
+    assert_eq!(db, *placed.lock().unwrap() as i64);
+}
+
+fn rusqlite_count(path: &Path) -> i64 {
+    let h = multiplexd::history::History::open(path).unwrap();
+    h.connection()
+        .query_row("SELECT count(*) FROM jobs WHERE finished_at IS NOT NULL", [], |r| {
+            r.get(0)
+        })
+        .unwrap()
+}
+
+#[test]
+fn kill_9_loses_nothing_and_the_restart_never_double_books() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("multiplexd.toml");
+    std::fs::write(&config, config_text(dir.path(), 1)).unwrap();
+    let socket = dir.path().join("d.sock");
+    let start = || {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        for _ in 0..200 {
+            if client::call(&socket, T, Request::Status).is_ok() {
+                return child;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("multiplexd did not come up");
+    };
+    let mut first = start();
+    let gpu_of = |r: Response| match r {
+        Response::Placed(p) => p.gpu,
+        other => panic!("{other:?}"),
+    };
+    let a = gpu_of(client::call(&socket, T, place(1, "a")).unwrap());
+    let b = gpu_of(client::call(&socket, T, place(2, "b")).unwrap());
+    assert_ne!(a, b, "one job per GPU");
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+
+    // The stale socket file is replaced; the history is where it was.
+    let mut second = start();
+    let mut jobs = status_jobs(&socket);
+    jobs.sort();
+    assert_eq!(jobs, vec![(1, a), (2, b)]);
+    // Both GPUs are full (one slot each): a newcomer is declined, not double-booked.
+    assert!(matches!(
+        client::call(&socket, T, place(3, "c")).unwrap(),
+        Response::Declined { .. }
+    ));
+    // A step of a running job still joins its GPU.
+    assert_eq!(gpu_of(client::call(&socket, T, place(1, "a")).unwrap()), a);
+    assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
+    assert_eq!(gpu_of(client::call(&socket, T, place(3, "c")).unwrap()), a);
+    second.kill().unwrap();
+    second.wait().unwrap();
+}
+
+#[test]
+fn a_second_daemon_on_the_same_socket_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = InProcess::start(dir.path(), 2);
+    let err = server::bind(&d.socket).unwrap_err();
+    assert!(
+        err.to_string().contains("another multiplexd is already serving"),
+        "{err}"
+    );
+    let mut buf = Vec::new();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    wire::write_frame(
+        &mut s,
+        &RequestFrame {
+            version: PROTOCOL_VERSION,
+            request: Request::Status,
+        },
+    )
+    .unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    buf.resize(u32::from_be_bytes(len) as usize, 0);
+    s.read_exact(&mut buf).unwrap();
+    assert!(matches!(wire::decode_response(&buf).unwrap(), Response::Status(_)));
+}
