@@ -241,3 +241,37 @@ fn jobs_on_one_node_never_exceed_the_slots_of_a_gpu() {
     assert!(max_partners <= 1, "a job had {max_partners} partners at once");
     assert!(per_gpu.values().all(|v| v.len() <= 2), "{per_gpu:?}");
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn an_srun_step_inside_a_multiplexed_job_joins_its_gpu() {
+    let c = Cluster::from_env();
+    let script =
+        "echo batch=$MULTIPLEX_GPU; srun bash -c 'echo step=$MULTIPLEX_GPU; echo decision=$MULTIPLEX_DECISION'";
+    let job = c.submit(&[
+        "--multiplex=app=itest-steps",
+        "--gres=gpu:1",
+        &out_arg(&c, "steps"),
+        "--wrap",
+        script,
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let env = env_of(&c.output(&rec));
+    assert_eq!(env["batch"], env["step"], "the step runs on the job's GPU");
+    assert!(env["decision"].starts_with("step 0 joins GPU"), "{env:?}");
+    let node = rec["NodeList"].clone();
+    let db = c.history(&node);
+    let steps: u32 = db
+        .query_row(
+            "SELECT count(*) FROM steps s JOIN jobs j ON j.id = s.job_row WHERE j.job_id = ?1 AND s.finished_at IS NOT NULL",
+            [job],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(steps, 2, "the batch step and the srun step were recorded and finished");
+    let jobs: u32 = db
+        .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
+        .unwrap();
+    assert_eq!(jobs, 1, "the step took no slot of its own");
+}

@@ -153,9 +153,10 @@ fn remote_post_opt(spank: &Spank) -> c_int {
         log::error(&format!("{PREFIX}: cannot read the job's ids from Slurm"));
         return -1;
     };
+    let step = slurm_ffi::step_label(step_id);
     let Some(node) = node_name(spank) else {
         log::error(&format!(
-            "{PREFIX}: job {job_id} step {step_id}: cannot tell which node this is"
+            "{PREFIX}: job {job_id} step {step}: cannot tell which node this is"
         ));
         return -1;
     };
@@ -174,16 +175,16 @@ fn remote_post_opt(spank: &Spank) -> c_int {
     let rc = match &plan {
         StepPlan::Placed { env } => {
             let summary: Vec<String> = env.iter().take(3).map(|(k, v)| format!("{k}={v}")).collect();
-            log::info(&format!("{PREFIX}: job {job_id} step {step_id}: {}", summary.join(" ")));
+            log::info(&format!("{PREFIX}: job {job_id} step {step}: {}", summary.join(" ")));
             state().placed = Some((job_id, step_id, node));
             0
         }
         StepPlan::NotApplied { warning } => {
-            log::info(&format!("{PREFIX}: job {job_id} step {step_id}: {warning}"));
+            log::info(&format!("{PREFIX}: job {job_id} step {step}: {warning}"));
             0
         }
         StepPlan::Fail { message } => {
-            log::error(&format!("{PREFIX}: job {job_id} step {step_id}: {message}"));
+            log::error(&format!("{PREFIX}: job {job_id} step {step}: {message}"));
             -1
         }
     };
@@ -264,7 +265,8 @@ pub unsafe extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *m
         if let Some((job, step, node)) = placed {
             if let Err(e) = remote::finish(&args, &node, job, step, worst) {
                 log::error(&format!(
-                    "{PREFIX}: job {job} step {step}: could not report the end to multiplexd: {e}"
+                    "{PREFIX}: job {job} step {}: could not report the end to multiplexd: {e}",
+                    slurm_ffi::step_label(step)
                 ));
             }
         }
