@@ -275,3 +275,42 @@ fn an_srun_step_inside_a_multiplexed_job_joins_its_gpu() {
         .unwrap();
     assert_eq!(jobs, 1, "the step took no slot of its own");
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn slurm_multiplex_in_the_environment_acts_as_the_flag_and_the_command_line_wins() {
+    let c = Cluster::from_env();
+    let run = |env: &[(&str, &str)], args: &[&str]| {
+        let out = std::process::Command::new("sbatch")
+            .arg("--parsable")
+            .args(args)
+            .envs(env.iter().copied())
+            .current_dir(c.path(""))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let job: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        c.wait(job, WAIT)
+    };
+    let out = out_arg(&c, "envflag");
+    let rec = run(
+        &[("SLURM_MULTIPLEX", "app=itest-env")],
+        &["--gres=gpu:1", &out, "--wrap", "true"],
+    );
+    assert_eq!(
+        (rec["Partition"].as_str(), rec["AdminComment"].as_str()),
+        ("shared", "multiplex:app=itest-env")
+    );
+    let rec = run(
+        &[("SLURM_MULTIPLEX", "app=itest-env")],
+        &["--multiplex=app=itest-cli", "--gres=gpu:1", &out, "--wrap", "true"],
+    );
+    assert_eq!(rec["AdminComment"], "multiplex:app=itest-cli");
+    let bad = std::process::Command::new("sbatch")
+        .args(["--gres=gpu:1", "--wrap", "true"])
+        .env("SLURM_MULTIPLEX", "app=bad name")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("app name 'bad name' is invalid"));
+}

@@ -20,8 +20,13 @@ slurm_ffi::slurm_plugin!("multiplex", "spank");
 
 const PREFIX: &str = "multiplex";
 
-/// The job environment variable through which Slurm hands the option to steps of a job.
+/// The variable through which Slurm passes the option in the environment: it reads it in
+/// sbatch/salloc/srun before the command line (which therefore wins), and it carries the
+/// option into the job, where steps see it.
 const OPTION_ENV: &str = "SLURM_SPANK__SLURM_SPANK_OPTION_multiplex_multiplex";
+
+/// The user-facing environment equivalent of `--multiplex[=SPEC]`.
+const USER_ENV: &str = "SLURM_MULTIPLEX";
 
 static OPTION: StaticOption = StaticOption::new(
     c"multiplex",
@@ -94,6 +99,9 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
         if load_args(ac, av).is_err() {
             return -1;
         }
+        if matches!(sp::context(), Context::Allocator | Context::Local) {
+            honour_user_env();
+        }
         // SAFETY: the handle of this callback.
         let spank = unsafe { Spank::from_raw(sp) };
         if let Err(e) = spank.register_option(&OPTION) {
@@ -102,6 +110,17 @@ pub unsafe extern "C" fn slurm_spank_init(sp: spank_t, ac: c_int, av: *mut *mut 
         }
         0
     })
+}
+
+/// `SLURM_MULTIPLEX=SPEC` acts as `--multiplex=SPEC`: Slurm reads the option's own variable
+/// after this callback and before the command line, so the command line still wins.
+fn honour_user_env() {
+    if let Some(v) = std::env::var_os(USER_ENV) {
+        if std::env::var_os(OPTION_ENV).is_none() {
+            // sbatch/salloc/srun are single-threaded while plugins initialise.
+            std::env::set_var(OPTION_ENV, v);
+        }
+    }
 }
 
 unsafe extern "C" fn option_cb(_val: c_int, optarg: *const c_char, remote: c_int) -> c_int {
