@@ -4,7 +4,7 @@
 //! These need the cluster that `tests/run` starts (`tests/cluster/up`), hence `#[ignore]`:
 //! `tests/run` runs them with `--ignored`.
 
-use multiplex_tests::{env_of, Cluster};
+use multiplex_tests::{env_of, wait_until, Cluster};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -132,26 +132,9 @@ fn a_malformed_flag_stops_sbatch_before_submission() {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-// The restarted daemon must outlive this test: tests/cluster/down stops it by its pid file.
-#[allow(clippy::zombie_processes)]
 fn with_the_daemon_down_the_job_runs_and_says_why() {
     let c = Cluster::from_env();
-    let pid_file = c.path("run/multiplexd-n2.pid");
-    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
-    let socket = c.path("multiplexd/n2.sock");
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    for _ in 0..100 {
-        if !socket.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(!socket.exists(), "multiplexd removed its socket on SIGTERM");
-
+    let stopped = c.stop_daemon("n2");
     let job = c.submit(&[
         "--multiplex=app=itest-down",
         "--gres=gpu:1",
@@ -162,27 +145,7 @@ fn with_the_daemon_down_the_job_runs_and_says_why() {
         ENV_DUMP,
     ]);
     let rec = c.wait(job, WAIT);
-
-    // Bring the daemon back before asserting, so later tests find it.
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .open(c.path("log/multiplexd-n2.log"))
-        .unwrap();
-    let child = std::process::Command::new(c.path("plugins/multiplexd"))
-        .args(["serve", "--config"])
-        .arg(c.path("multiplexd/n2/multiplexd.toml"))
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .expect("restart multiplexd");
-    std::fs::write(&pid_file, child.id().to_string()).unwrap();
-    for _ in 0..100 {
-        if socket.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    drop(stopped);
 
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     let out = c.output(&rec);
@@ -197,7 +160,126 @@ fn with_the_daemon_down_the_job_runs_and_says_why() {
         env.contains_key("CUDA_VISIBLE_DEVICES") && !env.contains_key("MULTIPLEX_GPU"),
         "{env:?}"
     );
-    assert!(socket.exists(), "multiplexd n2 is back");
+    assert!(!c.node_state("n2").starts_with("drain"), "n2 not drained");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn with_on_daemon_error_fail_the_job_fails_with_the_sentence_and_the_node_stays_up() {
+    let c = Cluster::from_env();
+    let socket = c.path("multiplexd/%n.sock");
+    let _conf = c.plugstack_args(&format!(
+        "socket={} timeout_ms=2000 on_daemon_error=fail",
+        socket.display()
+    ));
+    let stopped = c.stop_daemon("n2");
+    let job = c.submit(&[
+        "--multiplex=app=itest-fail",
+        "--gres=gpu:1",
+        "-w",
+        "n2",
+        &out_arg(&c, "fail"),
+        "--wrap",
+        "echo the script ran",
+    ]);
+    let rec = c.wait(job, WAIT);
+    drop(stopped);
+
+    assert_eq!(rec["JobState"], "FAILED", "{rec:?}");
+    let out = c.output(&rec);
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("multiplex: ")).collect();
+    assert_eq!(lines.len(), 1, "one sentence: {out}");
+    assert!(
+        lines[0].contains("cannot place this step") && lines[0].contains("cannot connect to multiplexd"),
+        "{out}"
+    );
+    assert!(!out.contains("the script ran"), "{out}");
+    let state = c.node_state("n2");
+    assert!(!state.starts_with("drain"), "n2 is {state}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_no_gpu_here_could_ever_hold_fails_with_the_reason() {
+    let c = Cluster::from_env();
+    let job = c.submit(&[
+        "--multiplex=app=itest-huge,mem=100G",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        &out_arg(&c, "huge"),
+        "--wrap",
+        "echo the script ran",
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "FAILED", "{rec:?}");
+    assert_eq!(rec["Restarts"], "0", "not requeued: it can never fit");
+    let out = c.output(&rec);
+    assert!(
+        out.lines().any(|l| l
+            == "multiplex: this job cannot run on n1: it needs 102400 MiB of GPU memory and the largest GPU here has 16384 MiB"),
+        "{out}"
+    );
+    assert!(!out.contains("the script ran"), "{out}");
+    let state = c.node_state("n1");
+    assert!(!state.starts_with("drain"), "n1 is {state}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_declined_job_is_requeued_says_why_and_runs_later() {
+    let c = Cluster::from_env();
+    // Two 12 GiB jobs take both 16 GiB GPUs of n1 memory-wise; Slurm still has shards free.
+    let fillers: Vec<u32> = (0..2)
+        .map(|i| {
+            c.submit(&[
+                &format!("--multiplex=app=itest-big{i},mem=12G"),
+                "--gres=gpu:1",
+                "-w",
+                "n1",
+                &out_arg(&c, "big"),
+                "--wrap",
+                "sleep 4",
+            ])
+        })
+        .collect();
+    assert!(
+        wait_until(WAIT, || fillers.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
+        "the fillers started"
+    );
+    let job = c.submit(&[
+        "--multiplex=app=itest-waits,mem=12G",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        "--open-mode=append",
+        &out_arg(&c, "waits"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["Restarts"] != "0"),
+        "the job was requeued: {:?}",
+        c.show_job(job)
+    );
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let out = c.output(&rec);
+    let waits: Vec<&str> = out.lines().filter(|l| l.starts_with("multiplex: requeued")).collect();
+    assert!(!waits.is_empty(), "{out}");
+    assert!(
+        waits[0].starts_with("multiplex: requeued, waiting 5 s: no GPU on n1 can take this job safely now ("),
+        "{out}"
+    );
+    assert!(
+        env_of(&out).contains_key("MULTIPLEX_GPU"),
+        "it ran multiplexed in the end: {out}"
+    );
+    for f in fillers {
+        assert_eq!(c.wait(f, WAIT)["JobState"], "COMPLETED");
+    }
+    let state = c.node_state("n1");
+    assert!(!state.starts_with("drain"), "n1 is {state}");
 }
 
 #[test]

@@ -159,11 +159,15 @@ impl Node {
                     req.mem_mb,
                 )))
             }
-            Decision::Decline { reason } => {
-                tracing::info!(job = req.job_id, app = %req.app, %reason, "declined");
+            Decision::Decline { reason, may_retry } => {
+                tracing::info!(job = req.job_id, app = %req.app, %reason, may_retry, "declined");
                 Ok(Response::Declined {
                     reason,
-                    retry_after_s: self.config.policy.decline_retry_s,
+                    retry_after_s: if may_retry {
+                        self.config.policy.decline_retry_s
+                    } else {
+                        0
+                    },
                 })
             }
         }

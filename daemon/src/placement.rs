@@ -72,6 +72,9 @@ pub enum Decision {
     },
     Decline {
         reason: String,
+        /// False when no GPU here could ever take the job (it needs more memory than the
+        /// largest has), so waiting is pointless.
+        may_retry: bool,
     },
 }
 
@@ -86,6 +89,13 @@ struct Scored {
 
 /// Chooses a GPU for `job`, or declines with the reason for every GPU.
 pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Decision {
+    let largest = gpus.iter().map(|g| g.memory_mb).max().unwrap_or(0);
+    if let Some(need) = job.mem_mb.filter(|&m| !gpus.is_empty() && m > largest) {
+        return Decision::Decline {
+            reason: format!("it needs {need} MiB of GPU memory and the largest GPU here has {largest} MiB"),
+            may_retry: false,
+        };
+    }
     let mut best: Option<Scored> = None;
     let mut refusals = Vec::new();
     for gpu in gpus {
@@ -115,9 +125,11 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
         },
         None if gpus.is_empty() => Decision::Decline {
             reason: "this node has no shared GPU".into(),
+            may_retry: false,
         },
         None => Decision::Decline {
             reason: refusals.join("; "),
+            may_retry: true,
         },
     }
 }
@@ -251,7 +263,7 @@ mod tests {
     fn chosen(d: &Decision) -> u32 {
         match d {
             Decision::Place { gpu, .. } => *gpu,
-            Decision::Decline { reason } => panic!("declined: {reason}"),
+            Decision::Decline { reason, .. } => panic!("declined: {reason}"),
         }
     }
 
@@ -327,7 +339,7 @@ mod tests {
             &h,
             KNOBS,
         ) {
-            Decision::Decline { reason } => {
+            Decision::Decline { reason, .. } => {
                 assert!(
                     reason.contains("GPU 0: new beside big (job 1) ran out of memory"),
                     "{reason}"
@@ -352,7 +364,7 @@ mod tests {
             KNOBS,
         );
         assert!(
-            matches!(&d, Decision::Decline { reason } if reason.contains("memory: 8000 MiB asked")),
+            matches!(&d, Decision::Decline { reason, may_retry: true } if reason.contains("memory: 8000 MiB asked")),
             "{d:?}"
         );
         let d = place(
@@ -365,6 +377,23 @@ mod tests {
             KNOBS,
         );
         assert_eq!(chosen(&d), 0);
+    }
+
+    #[test]
+    fn a_job_larger_than_every_gpu_is_declined_for_good() {
+        let d = place(
+            &[gpu(0, &[]), gpu(1, &[])],
+            &Newcomer {
+                app: "b",
+                mem_mb: Some(999_999),
+            },
+            &Table::default(),
+            KNOBS,
+        );
+        assert!(
+            matches!(&d, Decision::Decline { reason, may_retry: false } if reason.contains("largest GPU here has")),
+            "{d:?}"
+        );
     }
 
     #[test]

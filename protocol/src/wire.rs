@@ -73,7 +73,8 @@ pub struct FinishRequest {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
     Placed(Placement),
-    /// No GPU of this node can take the step safely now; try again later.
+    /// No GPU of this node can take the step safely: try again after `retry_after_s`
+    /// seconds, or, when it is 0, never here (the job cannot fit on this node at all).
     Declined {
         reason: String,
         retry_after_s: u32,

@@ -3,7 +3,7 @@
 //! A missing symbol is `None`: callers degrade (logging falls back to stderr) instead of
 //! failing to load.
 
-use crate::bindings::{spank_err_t, spank_item_t, spank_option, spank_t};
+use crate::bindings::{job_desc_msg_t, spank_err_t, spank_item_t, spank_option, spank_t};
 use libc::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
@@ -18,6 +18,11 @@ type SpankContextFn = unsafe extern "C" fn() -> c_int;
 type HostlistCreateFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
 type HostlistShiftFn = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
 type HostlistDestroyFn = unsafe extern "C" fn(*mut c_void);
+type RequeueFn = unsafe extern "C" fn(job_id: u32, flags: u32) -> c_int;
+type InitJobDescFn = unsafe extern "C" fn(*mut job_desc_msg_t);
+type UpdateJobFn = unsafe extern "C" fn(*mut job_desc_msg_t) -> c_int;
+type GetErrnoFn = unsafe extern "C" fn() -> c_int;
+type StrerrorFn = unsafe extern "C" fn(c_int) -> *mut c_char;
 
 /// The host functions this project uses; each is `None` when the host process lacks it.
 pub struct Host {
@@ -35,6 +40,11 @@ pub struct Host {
     pub hostlist_create: Option<HostlistCreateFn>,
     pub hostlist_shift: Option<HostlistShiftFn>,
     pub hostlist_destroy: Option<HostlistDestroyFn>,
+    pub requeue: Option<RequeueFn>,
+    pub init_job_desc_msg: Option<InitJobDescFn>,
+    pub update_job: Option<UpdateJobFn>,
+    pub get_errno: Option<GetErrnoFn>,
+    pub strerror: Option<StrerrorFn>,
 }
 
 fn lookup(name: &std::ffi::CStr) -> *mut c_void {
@@ -74,6 +84,11 @@ pub fn host() -> &'static Host {
         hostlist_create: resolve!(c"slurm_hostlist_create", HostlistCreateFn),
         hostlist_shift: resolve!(c"slurm_hostlist_shift", HostlistShiftFn),
         hostlist_destroy: resolve!(c"slurm_hostlist_destroy", HostlistDestroyFn),
+        requeue: resolve!(c"slurm_requeue", RequeueFn),
+        init_job_desc_msg: resolve!(c"slurm_init_job_desc_msg", InitJobDescFn),
+        update_job: resolve!(c"slurm_update_job", UpdateJobFn),
+        get_errno: resolve!(c"slurm_get_errno", GetErrnoFn),
+        strerror: resolve!(c"slurm_strerror", StrerrorFn),
     })
 }
 
@@ -140,4 +155,50 @@ pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
     // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
     unsafe { destroy(hl) };
     found
+}
+
+/// Slurm's description of its last API error.
+fn last_error() -> String {
+    let h = host();
+    match (h.get_errno, h.strerror) {
+        // SAFETY: both take and return plain values; slurm_strerror returns a static string.
+        (Some(errno), Some(strerror)) => unsafe {
+            let code = errno();
+            crate::c_str(strerror(code)).unwrap_or_else(|| format!("Slurm error {code}"))
+        },
+        _ => "unknown Slurm error".into(),
+    }
+}
+
+/// Asks slurmctld to requeue batch job `job_id`. An RPC: for slurmstepd, never slurmctld.
+pub fn requeue(job_id: u32) -> Result<(), String> {
+    let f = host().requeue.ok_or("this process has no slurm_requeue")?;
+    // SAFETY: slurm_requeue takes plain values and makes one RPC.
+    match unsafe { f(job_id, 0) } {
+        0 => Ok(()),
+        _ => Err(last_error()),
+    }
+}
+
+/// Sets a pending job's earliest start (`--begin`) to `begin`, in seconds since the epoch.
+/// An RPC, like [`requeue`].
+pub fn set_begin_time(job_id: u32, begin: i64) -> Result<(), String> {
+    let h = host();
+    let init = h
+        .init_job_desc_msg
+        .ok_or("this process has no slurm_init_job_desc_msg")?;
+    let update = h.update_job.ok_or("this process has no slurm_update_job")?;
+    let mut desc = std::mem::MaybeUninit::<job_desc_msg_t>::zeroed();
+    // SAFETY: slurm_init_job_desc_msg sets every field of the message to "not set" (pointers
+    // NULL); slurm_update_job only reads it, and nothing in it needs freeing.
+    unsafe {
+        init(desc.as_mut_ptr());
+        let d = desc.assume_init_mut();
+        d.job_id = job_id;
+        d.begin_time = begin as _;
+        match update(d) {
+            0 => Ok(()),
+            _ => Err(last_error()),
+        }
+    }
 }

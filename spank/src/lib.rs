@@ -163,21 +163,16 @@ fn remote_post_opt(spank: &Spank) -> c_int {
     };
     let spec = match Spec::parse(value.as_deref()) {
         Ok(s) => s,
-        Err(e) => {
-            log::error(&format!("{PREFIX}: invalid --multiplex value: {e}"));
-            return -1;
-        }
+        Err(e) => return fail_tasks(format!("{PREFIX}: invalid --multiplex value: {e}")),
     };
     let (Ok(job_id), Ok(step_id), Ok(uid)) = (spank.job_id(), spank.step_id(), spank.uid()) else {
-        log::error(&format!("{PREFIX}: cannot read the job's ids from Slurm"));
-        return -1;
+        return fail_tasks(format!("{PREFIX}: cannot read the job's ids from Slurm"));
     };
     let step = slurm_ffi::step_label(step_id);
     let Some(node) = node_name(spank) else {
-        log::error(&format!(
+        return fail_tasks(format!(
             "{PREFIX}: job {job_id} step {step}: cannot tell which node this is"
         ));
-        return -1;
     };
     let info = StepInfo {
         job_id,
@@ -190,25 +185,62 @@ fn remote_post_opt(spank: &Spank) -> c_int {
         shards_on_node: spank.getenv("SLURM_SHARDS_ON_NODE"),
     };
     let args = state().args.clone();
-    let plan = remote::plan(&args, &spec, &info);
-    let rc = match &plan {
+    let plan = match remote::plan(&args, &spec, &info) {
+        StepPlan::Declined { reason, retry_after_s } => declined(job_id, step_id, &node, &reason, retry_after_s),
+        plan => plan,
+    };
+    match &plan {
         StepPlan::Placed { env } => {
             let summary: Vec<String> = env.iter().take(3).map(|(k, v)| format!("{k}={v}")).collect();
             log::info(&format!("{PREFIX}: job {job_id} step {step}: {}", summary.join(" ")));
             state().placed = Some((job_id, step_id, node));
-            0
         }
-        StepPlan::NotApplied { warning } => {
-            log::info(&format!("{PREFIX}: job {job_id} step {step}: {warning}"));
-            0
+        StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } => {
+            // `text` starts with the plugin's prefix already.
+            log::info(&format!("{text} (job {job_id} step {step})"));
         }
-        StepPlan::Fail { message } => {
-            log::error(&format!("{PREFIX}: job {job_id} step {step}: {message}"));
-            -1
-        }
-    };
+        StepPlan::Declined { .. } => unreachable!("resolved above"),
+    }
+    // A failure is carried out in the tasks (task_init), not here: a step that fails in
+    // slurmstepd's own callbacks can get the node drained.
     state().plan = Some(plan);
-    rc
+    0
+}
+
+/// Logs `message` and makes every task of the step fail with it (see task_init).
+fn fail_tasks(message: String) -> c_int {
+    log::error(&message);
+    state().plan = Some(StepPlan::Fail { message });
+    0
+}
+
+/// A declined batch job is requeued and held back for the daemon's `retry_after_s`; any other
+/// declined step fails with the reason.
+fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32) -> StepPlan {
+    let delay = match remote::on_decline(node, step_id, reason, retry_after_s) {
+        Ok(delay) => delay,
+        Err(message) => return StepPlan::Fail { message },
+    };
+    if let Err(e) = slurm_ffi::host::requeue(job_id) {
+        return StepPlan::Fail {
+            message: format!(
+                "multiplex: no GPU on {node} can take this job safely now ({reason}), and it could not be requeued: {e}"
+            ),
+        };
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    if let Err(e) = slurm_ffi::host::set_begin_time(job_id, now + i64::from(delay)) {
+        log::error(&format!(
+            "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
+        ));
+    }
+    StepPlan::Fail {
+        message: format!(
+            "multiplex: requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})"
+        ),
+    }
 }
 
 /// The Slurm name of this node. slurmstepd's environment has no SLURMD_NODENAME yet at this
@@ -245,6 +277,13 @@ pub unsafe extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mu
             Some(StepPlan::NotApplied { warning }) if spank.task_local_id() == Ok(0) => {
                 // This process becomes the task: its stderr is the job's stderr.
                 eprintln!("{warning}");
+            }
+            Some(StepPlan::Fail { message }) => {
+                if spank.task_local_id() == Ok(0) {
+                    eprintln!("{message}");
+                }
+                // The task exits with status 1 before running anything.
+                return -1;
             }
             _ => {}
         }

@@ -15,6 +15,8 @@ pub enum StepPlan {
     NotApplied { warning: String },
     /// Fail the step with this sentence.
     Fail { message: String },
+    /// The daemon found no GPU that can take the step safely; `retry_after_s == 0`: never.
+    Declined { reason: String, retry_after_s: u32 },
 }
 
 /// What the step knows about itself, read from Slurm.
@@ -53,9 +55,7 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
             env.push(("MULTIPLEX_NODE".into(), step.node.clone()));
             return StepPlan::Placed { env };
         }
-        // Requeueing a declined job comes with the SPANK issue; until then it runs where
-        // Slurm put it, and says so.
-        Ok(Response::Declined { reason, .. }) => format!("multiplexd declined this job: {reason}"),
+        Ok(Response::Declined { reason, retry_after_s }) => return StepPlan::Declined { reason, retry_after_s },
         Ok(Response::Error { message }) => format!("multiplexd refused: {message}"),
         Ok(other) => format!("multiplexd gave an unexpected answer: {other:?}"),
         Err(e) => e.to_string(),
@@ -68,6 +68,20 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
             message: format!("multiplex: cannot place this step: {problem}"),
         },
     }
+}
+
+/// What a declined step does: a batch job that may retry is requeued to wait (`Some(delay)`);
+/// anything else fails with a sentence.
+pub fn on_decline(node: &str, step_id: u32, reason: &str, retry_after_s: u32) -> Result<u32, String> {
+    if retry_after_s == 0 {
+        return Err(format!("multiplex: this job cannot run on {node}: {reason}"));
+    }
+    if step_id != slurm_ffi::bindings::SLURM_BATCH_SCRIPT {
+        return Err(format!(
+            "multiplex: no GPU on {node} can take this step safely now ({reason}); run it again in {retry_after_s} s"
+        ));
+    }
+    Ok(retry_after_s)
 }
 
 /// Tells the daemon the step ended. Failures are only logged: the step is over either way.
@@ -123,5 +137,15 @@ mod tests {
         assert!(
             matches!(plan(&args, &Spec::default(), &step()), StepPlan::Fail { message } if message.contains("cannot place"))
         );
+    }
+
+    #[test]
+    fn only_a_batch_job_that_may_retry_is_requeued() {
+        let batch = slurm_ffi::bindings::SLURM_BATCH_SCRIPT;
+        assert_eq!(on_decline("n1", batch, "GPU 0: full", 30), Ok(30));
+        let never = on_decline("n1", batch, "it needs 99 MiB", 0).unwrap_err();
+        assert_eq!(never, "multiplex: this job cannot run on n1: it needs 99 MiB");
+        let step = on_decline("n1", 0, "GPU 0: full", 30).unwrap_err();
+        assert!(step.contains("run it again in 30 s"), "{step}");
     }
 }

@@ -120,6 +120,117 @@ impl Cluster {
     pub fn path(&self, rel: &str) -> PathBuf {
         self.state.join(rel)
     }
+
+    /// Stops node `node`'s multiplexd (SIGTERM, by its pid file) until the guard is dropped,
+    /// which starts it again the way tests/cluster/up does.
+    pub fn stop_daemon(&self, node: &str) -> DaemonStopped {
+        let pid_file = self.path(&format!("run/multiplexd-{node}.pid"));
+        let pid = std::fs::read_to_string(&pid_file).expect("multiplexd pid file");
+        let status = Command::new("kill")
+            .args(["-TERM", pid.trim()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill multiplexd {node} ({})", pid.trim());
+        let socket = self.path(&format!("multiplexd/{node}.sock"));
+        assert!(
+            wait_until(Duration::from_secs(5), || !socket.exists()),
+            "multiplexd {node} removed its socket on SIGTERM"
+        );
+        DaemonStopped {
+            state: self.state.clone(),
+            node: node.to_string(),
+        }
+    }
+
+    /// Replaces the arguments of the plugin's line in plugstack.conf until the guard is dropped.
+    /// slurmstepd reads the file for every step, so new jobs see the change at once.
+    pub fn plugstack_args(&self, args: &str) -> Restore {
+        let path = self.path("etc/plugstack.conf");
+        let original = std::fs::read_to_string(&path).expect("read plugstack.conf");
+        let line = original.lines().next().expect("plugstack.conf has the plugin's line");
+        let mut words = line.split_whitespace();
+        let (kind, so) = (words.next().unwrap(), words.next().unwrap());
+        std::fs::write(&path, format!("{kind} {so} {args}\n")).expect("write plugstack.conf");
+        Restore { path, original }
+    }
+
+    /// The state of node `node` as `sinfo` prints it (`idle`, `mix`, `drain`, ...).
+    pub fn node_state(&self, node: &str) -> String {
+        let out = Command::new("sinfo")
+            .args(["-h", "-N", "-n", node, "-o", "%t"])
+            .output()
+            .expect("run sinfo");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    }
+}
+
+/// Polls `f` every 50 ms until it holds or `timeout` passes; returns whether it held.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return true;
+        }
+        if start.elapsed() > timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A stopped multiplexd; dropping this starts it again (and waits for its socket).
+pub struct DaemonStopped {
+    state: PathBuf,
+    node: String,
+}
+
+impl Drop for DaemonStopped {
+    fn drop(&mut self) {
+        let node = &self.node;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.state.join(format!("log/multiplexd-{node}.log")))
+            .expect("open multiplexd log");
+        // Not waited for: the daemon must outlive the test; tests/cluster/down stops it by
+        // its pid file.
+        #[allow(clippy::zombie_processes)]
+        let child = Command::new(self.state.join("plugins/multiplexd"))
+            .args(["serve", "--config"])
+            .arg(self.state.join(format!("multiplexd/{node}/multiplexd.toml")))
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .expect("restart multiplexd");
+        std::fs::write(
+            self.state.join(format!("run/multiplexd-{node}.pid")),
+            child.id().to_string(),
+        )
+        .expect("write multiplexd pid file");
+        let socket = self.state.join(format!("multiplexd/{node}.sock"));
+        if !wait_until(Duration::from_secs(5), || socket.exists()) && !std::thread::panicking() {
+            panic!("multiplexd {node} did not come back");
+        }
+    }
+}
+
+/// A file changed for a test; dropping this puts the original back.
+pub struct Restore {
+    path: PathBuf,
+    original: String,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(&self.path, &self.original) {
+            eprintln!("could not restore {}: {e}", self.path.display());
+        }
+    }
 }
 
 /// Parses `scontrol show -o` output (`Key=Value` pairs separated by spaces).
