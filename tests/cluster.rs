@@ -117,6 +117,27 @@ fn what_cannot_share_is_rejected_with_a_sentence() {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
+fn the_flag_is_in_the_help_of_sbatch_salloc_and_srun() {
+    let _c = Cluster::from_env();
+    for tool in ["sbatch", "salloc", "srun"] {
+        let out = std::process::Command::new(tool).arg("--help").output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        let at = help
+            .find("--multiplex=[app=NAME,mem=SIZE]")
+            .unwrap_or_else(|| panic!("{tool} --help lists --multiplex"));
+        assert!(
+            help[at..]
+                .trim_start_matches(|c: char| c != '\n')
+                .trim_start()
+                .starts_with("[multiplex] Share a GPU"),
+            "{tool} --help: {}",
+            &help[at..]
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
 fn a_malformed_flag_stops_sbatch_before_submission() {
     let c = Cluster::from_env();
     for (value, bad_part) in [
