@@ -2,9 +2,10 @@
 //! runtime): connect, send one request, read one response.
 
 use crate::wire::{self, FrameError, Request, RequestFrame, Response, PROTOCOL_VERSION};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why the daemon could not be asked; the text is shown to users as is.
 #[derive(Debug, thiserror::Error)]
@@ -48,14 +49,19 @@ impl Client {
         })
     }
 
-    /// Sends `request` and waits for the answer.
+    /// Sends `request` and waits for the answer: `timeout` bounds the whole exchange, so a
+    /// daemon that trickles its answer byte by byte cannot hold the caller longer.
     pub fn call(&mut self, request: Request) -> Result<Response, ClientError> {
         let frame = RequestFrame {
             version: PROTOCOL_VERSION,
             request,
         };
-        wire::write_frame(&mut self.stream, &frame).map_err(|e| self.error(e))?;
-        let body = wire::read_frame_bytes(&mut self.stream)
+        let mut io = Deadline {
+            stream: &self.stream,
+            until: Instant::now() + self.timeout,
+        };
+        wire::write_frame(&mut io, &frame).map_err(|e| self.error(e))?;
+        let body = wire::read_frame_bytes(&mut io)
             .map_err(|e| self.error(e))?
             .ok_or_else(|| ClientError::Closed {
                 path: self.path.clone(),
@@ -81,7 +87,131 @@ impl Client {
     }
 }
 
+/// The stream with one deadline for every read and write: each call gets the time left.
+struct Deadline<'a> {
+    stream: &'a UnixStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn arm(&self, set: impl Fn(&UnixStream, Option<Duration>) -> std::io::Result<()>) -> std::io::Result<()> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        set(self.stream, Some(left))
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.arm(UnixStream::set_read_timeout)?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.arm(UnixStream::set_write_timeout)?;
+        (&mut &*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Connects, asks once, and returns the answer.
 pub fn call(path: &Path, timeout: Duration, request: Request) -> Result<Response, ClientError> {
     Client::connect(path, timeout)?.call(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A daemon that behaves as `serve` says, on a socket of its own.
+    fn fake_daemon(
+        name: &str,
+        serve: impl FnOnce(UnixStream) + Send + 'static,
+    ) -> (PathBuf, std::thread::JoinHandle<()>) {
+        let dir = std::env::temp_dir().join(format!("multiplex-client-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("d.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let handle = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            serve(stream);
+        });
+        (path, handle)
+    }
+
+    fn ask(path: &Path, timeout_ms: u64) -> (Result<Response, ClientError>, Duration) {
+        let start = Instant::now();
+        let r = call(path, Duration::from_millis(timeout_ms), Request::Status);
+        (r, start.elapsed())
+    }
+
+    #[test]
+    fn a_silent_daemon_is_a_timeout() {
+        let (path, _h) = fake_daemon("silent", |s| {
+            std::thread::sleep(Duration::from_secs(3));
+            drop(s);
+        });
+        let (r, took) = ask(&path, 200);
+        assert!(matches!(r, Err(ClientError::Timeout { timeout_ms: 200, .. })), "{r:?}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn a_daemon_trickling_bytes_cannot_stretch_the_timeout() {
+        let (path, _h) = fake_daemon("trickle", |mut s| {
+            // A length prefix of 1000 bytes, then one byte every 50 ms, for 3 s.
+            let _ = s.write_all(&1000u32.to_be_bytes());
+            for _ in 0..60 {
+                if s.write_all(b" ").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (r, took) = ask(&path, 300);
+        assert!(matches!(r, Err(ClientError::Timeout { .. })), "{r:?}");
+        assert!(
+            took < Duration::from_secs(2),
+            "one deadline for the whole answer: {took:?}"
+        );
+    }
+
+    #[test]
+    fn garbage_is_an_error_that_says_so() {
+        let (path, h) = fake_daemon("garbage", |mut s| {
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello");
+        });
+        let (r, _) = ask(&path, 1000);
+        h.join().unwrap();
+        let e = r.unwrap_err();
+        assert!(matches!(e, ClientError::Frame { .. }), "{e:?}");
+        assert!(e.to_string().contains("larger than"), "{e}");
+
+        let (path, h) = fake_daemon("json-garbage", |mut s| {
+            let body = br#"{"version":1,"nonsense":true}"#;
+            let _ = s.write_all(&(body.len() as u32).to_be_bytes());
+            let _ = s.write_all(body);
+        });
+        let (r, _) = ask(&path, 1000);
+        h.join().unwrap();
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("malformed message"), "{e}");
+    }
+
+    #[test]
+    fn a_daemon_that_hangs_up_is_an_error() {
+        let (path, h) = fake_daemon("hangup", drop);
+        let (r, _) = ask(&path, 1000);
+        h.join().unwrap();
+        assert!(r.is_err(), "{r:?}");
+    }
 }
