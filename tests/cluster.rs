@@ -417,3 +417,142 @@ fn slurm_multiplex_in_the_environment_acts_as_the_flag_and_the_command_line_wins
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("app name 'bad name' is invalid"));
 }
+
+/// Submits a held job (so that it never runs) and returns its record; the job is cancelled.
+fn held(c: &Cluster, args: &[&str]) -> Result<std::collections::HashMap<String, String>, String> {
+    let mut all = vec!["-H", "--output=/dev/null"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--wrap", "true"]);
+    let s = c.sbatch(&all);
+    match s.job_id {
+        Some(job) if s.ok => {
+            let rec = c.show_job(job);
+            std::process::Command::new("scancel")
+                .arg(job.to_string())
+                .status()
+                .unwrap();
+            Ok(rec)
+        }
+        _ => Err(s.stderr),
+    }
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_plain_job_aimed_at_the_shared_partition_is_rejected() {
+    let c = Cluster::from_env();
+    for partition in ["shared", "debug,shared"] {
+        let err = held(&c, &["-p", partition, "--gres=gpu:1"]).unwrap_err();
+        assert!(
+            err.contains("sbatch: error: multiplex: partition shared is for jobs that share GPUs: add --multiplex"),
+            "-p {partition}: {err}"
+        );
+    }
+    assert_eq!(
+        held(&c, &["-p", "debug", "--gres=gpu:1"]).unwrap()["Partition"],
+        "debug"
+    );
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_changed_policy_applies_and_a_broken_one_keeps_the_last_good() {
+    let c = Cluster::from_env();
+    let two = ["--multiplex=app=itest-policy", "--gres=gpu:2"];
+    assert!(held(&c, &two).unwrap_err().contains("at most 1 here"));
+
+    let _policy = c.policy("max_gpus = 2\n");
+    assert_eq!(
+        held(&c, &two).unwrap()["TresPerNode"],
+        "gres:shard:2",
+        "the new policy is in force"
+    );
+
+    let path = c.path("etc/job_submit_multiplex.toml");
+    std::fs::write(&path, "# a typo\nmax_gpus = two\n").unwrap();
+    std::thread::sleep(multiplex_tests::POLICY_SETTLE);
+    for _ in 0..3 {
+        assert_eq!(
+            held(&c, &two).unwrap()["TresPerNode"],
+            "gres:shard:2",
+            "the last good policy stays"
+        );
+    }
+    c.scontrol(&["ping"]).expect("slurmctld is up");
+    let reports = c.ctld_log_lines(&format!(
+        "job_submit/multiplex: {}: line 2, column 12: ",
+        path.display()
+    ));
+    assert_eq!(reports.len(), 1, "reported once: {reports:?}");
+    assert!(reports[0].contains("keeping the previous policy"), "{reports:?}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn only_the_users_and_accounts_of_the_policy_multiplex() {
+    let c = Cluster::from_env();
+    let _policy = c.policy("users = [\"nobody\"]\naccounts = [\"ml\"]\n");
+    let err = held(&c, &["--multiplex", "--gres=gpu:1"]).unwrap_err();
+    assert!(
+        err.contains("multiplex: uid 0 may not share GPUs here; GPU sharing is open to users nobody and accounts ml"),
+        "{err}"
+    );
+    let rec = held(&c, &["--multiplex", "--account=ml", "--gres=gpu:1"]).unwrap();
+    assert_eq!(rec["Partition"], "shared");
+    // Jobs without the flag are not the policy's business.
+    assert_eq!(held(&c, &["--gres=gpu:1"]).unwrap()["Partition"], "debug");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_multiplexed_job_cannot_be_updated_into_what_submission_rejects() {
+    let c = Cluster::from_env();
+    let job = c.submit(&[
+        "-H",
+        "--multiplex=app=itest-update",
+        "--gres=gpu:1",
+        "--output=/dev/null",
+        "--wrap",
+        "true",
+    ]);
+    let id = job.to_string();
+    let refused = [
+        ("Partition=debug", "Invalid partition name", "not debug"),
+        ("TresPerNode=gres:gpu:1", "Invalid generic resource", "not whole GPUs"),
+        (
+            "TresPerNode=gres:shard:2",
+            "Invalid generic resource",
+            "at most 1 shard here, not 2",
+        ),
+    ];
+    for (change, scontrol_says, log_says) in refused {
+        let err = c.scontrol(&["update", "job", &id, change]).unwrap_err();
+        assert!(err.contains(scontrol_says), "{change}: {err}");
+        let logged = c.ctld_log_lines(&format!(
+            "job_submit/multiplex: refused to update job {id} for uid 0: multiplex: "
+        ));
+        assert!(logged.iter().any(|l| l.contains(log_says)), "{change}: {logged:?}");
+    }
+    c.scontrol(&["update", "job", &id, "TimeLimit=7"])
+        .expect("other updates pass");
+    let rec = c.show_job(job);
+    assert_eq!(
+        (
+            rec["Partition"].as_str(),
+            rec["TresPerNode"].as_str(),
+            rec["TimeLimit"].as_str()
+        ),
+        ("shared", "gres:shard:1", "00:07:00")
+    );
+    std::process::Command::new("scancel").arg(&id).status().unwrap();
+
+    let plain = c.submit(&["-H", "--gres=gpu:1", "--output=/dev/null", "--wrap", "true"]);
+    let err = c
+        .scontrol(&["update", "job", &plain.to_string(), "Partition=shared"])
+        .unwrap_err();
+    assert!(err.contains("Invalid partition name"), "{err}");
+    std::process::Command::new("scancel")
+        .arg(plain.to_string())
+        .status()
+        .unwrap();
+}

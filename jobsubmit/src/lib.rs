@@ -1,17 +1,19 @@
 //! `job_submit/multiplex`: the slurmctld plugin. This file is only the FFI shell: it copies
 //! the job description into a [`rewrite::JobView`], asks [`rewrite::decide`], and writes the
 //! answer back with Slurm's allocator. It runs with slurmctld's locks held: no I/O here
-//! besides the policy read at `init`.
+//! besides a `stat` of the policy file once a second, and
+//! reading it when it changed.
 
 pub mod policy;
 pub mod rewrite;
 
 use libc::{c_char, c_int};
-use policy::Policy;
+use policy::{Change, Policy, Watcher};
 use rewrite::{JobView, Outcome, RejectKind};
 use slurm_ffi::bindings::{self, job_desc_msg_t};
 use slurm_ffi::{c_str, host, log};
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 slurm_ffi::slurm_plugin!(
     "Multiplex: route --multiplex jobs to shared GPUs",
@@ -20,38 +22,62 @@ slurm_ffi::slurm_plugin!(
 
 const PREFIX: &str = "job_submit/multiplex";
 
-/// The policy in force; `None` after a broken policy file with no earlier good one.
-static POLICY: RwLock<Option<Policy>> = RwLock::new(None);
+/// How often job_submit looks at the policy file for changes (one `stat`).
+const POLICY_CHECK: Duration = Duration::from_secs(1);
 
-/// Called when slurmctld loads the plugin (start and reconfigure).
+/// The policy in force (`None` after a broken policy file with no earlier good one) and the
+/// watcher of its file. Calls may come concurrently (23.02+); the lock is held for a clock
+/// read, and for a `stat` once a second.
+struct State {
+    policy: Option<Arc<Policy>>,
+    watcher: Watcher,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+fn state() -> MutexGuard<'static, Option<State>> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The policy to apply now, after reading the file if it changed.
+fn current_policy(force: bool) -> Option<Arc<Policy>> {
+    let mut guard = state();
+    let st = guard.get_or_insert_with(|| State {
+        policy: None,
+        watcher: Watcher::new(Policy::path(), POLICY_CHECK),
+    });
+    let change = st.watcher.poll(Instant::now(), force, &policy::system_user);
+    let path = st.watcher.path().display().to_string();
+    match change {
+        Change::Unchanged => {}
+        Change::Loaded(Some((p, warnings))) => {
+            log::info(&format!("{PREFIX}: policy from {path}: {}", p.summary()));
+            for w in warnings {
+                log::error(&format!("{PREFIX}: {path}: {w}"));
+            }
+            st.policy = Some(Arc::new(p));
+        }
+        Change::Loaded(None) => {
+            let p = Policy::default();
+            log::info(&format!(
+                "{PREFIX}: no policy file at {path}; using the defaults: {}",
+                p.summary()
+            ));
+            st.policy = Some(Arc::new(p));
+        }
+        Change::Broken(e) if st.policy.is_some() => log::error(&format!("{PREFIX}: {e}; keeping the previous policy")),
+        Change::Broken(e) => log::error(&format!(
+            "{PREFIX}: {e}; multiplexed jobs pass unchanged until it is fixed"
+        )),
+    }
+    st.policy.clone()
+}
+
+/// Called when slurmctld loads the plugin (start and reconfigure): reads the policy.
 #[no_mangle]
 pub extern "C" fn init() -> c_int {
     slurm_ffi::guard(PREFIX, "init", bindings::SLURM_SUCCESS as c_int, || {
-        let path = Policy::path();
-        let mut slot = POLICY.write().unwrap_or_else(|p| p.into_inner());
-        match Policy::load(&path) {
-            Ok(Some(p)) => {
-                log::info(&format!(
-                    "{PREFIX}: policy from {}: partition={} gres={} max_gpus={}",
-                    path.display(),
-                    p.partition,
-                    p.gres,
-                    p.max_gpus
-                ));
-                *slot = Some(p);
-            }
-            Ok(None) => {
-                log::info(&format!(
-                    "{PREFIX}: no policy file at {}; using the defaults",
-                    path.display()
-                ));
-                *slot = Some(Policy::default());
-            }
-            Err(e) if slot.is_some() => log::error(&format!("{PREFIX}: {e}; keeping the previous policy")),
-            Err(e) => log::error(&format!(
-                "{PREFIX}: {e}; multiplexed jobs pass unchanged until it is fixed"
-            )),
-        }
+        current_policy(true);
         bindings::SLURM_SUCCESS as c_int
     })
 }
@@ -84,8 +110,7 @@ pub unsafe extern "C" fn job_submit(
 fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char) -> c_int {
     // SAFETY: the pointers in `desc` are Slurm's strings and string array, valid during the call.
     let view = unsafe { view_of(desc) };
-    let policy = POLICY.read().unwrap_or_else(|p| p.into_inner()).clone();
-    let Some(policy) = policy else {
+    let Some(policy) = current_policy(false) else {
         if rewrite::decide(&view, &Policy::default()) != Outcome::Untouched {
             log::error(&format!(
                 "{PREFIX}: no valid policy; multiplexed job of uid {submit_uid} passes unchanged"
@@ -133,6 +158,8 @@ fn reject_code(kind: RejectKind) -> c_int {
         RejectKind::NoGpu | RejectKind::TooManyGpus | RejectKind::MixedGres => bindings::ESLURM_INVALID_GRES,
         RejectKind::TooManyNodes => bindings::ESLURM_INVALID_NODE_COUNT,
         RejectKind::Exclusive => bindings::ESLURM_NOT_SUPPORTED,
+        RejectKind::NotAllowed => bindings::ESLURM_ACCESS_DENIED,
+        RejectKind::SharedPartition => bindings::ESLURM_INVALID_PARTITION_NAME,
     }) as c_int
 }
 
@@ -172,6 +199,7 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             user_id: desc.user_id,
             name: c_str(desc.name),
             partition: c_str(desc.partition),
+            account: c_str(desc.account),
             admin_comment: c_str(desc.admin_comment),
             tres_per_node: c_str(desc.tres_per_node),
             tres_per_job: c_str(desc.tres_per_job),
@@ -187,10 +215,72 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
     }
 }
 
-fn modify(_job_desc: *mut job_desc_msg_t, _submit_uid: u32, _err_msg: *mut *mut c_char) -> c_int {
-    // Checks on modifications of multiplexed jobs come with the job_submit issue; until then
-    // modifications pass as they would without the plugin.
-    bindings::SLURM_SUCCESS as c_int
+/// `job_record_t`'s magic cookie (slurmctld's private header; 22.05 and later).
+const JOB_MAGIC: u32 = 0xf0b7392c;
+
+/// The admin_comment of slurmctld's job record, or `Err` when the record does not have the
+/// layout this was checked against (magic cookie, then `char *account`, `char *admin_comment`:
+/// 22.05 through 24.11).
+///
+/// # Safety
+/// `job_ptr` must be NULL or slurmctld's `job_record_t *`, valid during the call.
+unsafe fn job_admin_comment(job_ptr: *const libc::c_void) -> Result<Option<String>, ()> {
+    if job_ptr.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: a job record is far larger than these three words (caller's contract).
+    unsafe {
+        if *(job_ptr as *const u32) != JOB_MAGIC {
+            return Err(());
+        }
+        Ok(c_str(*(job_ptr as *const *const c_char).add(2)))
+    }
+}
+
+fn modify(
+    job_desc: *mut job_desc_msg_t,
+    job_ptr: *mut libc::c_void,
+    submit_uid: u32,
+    err_msg: *mut *mut c_char,
+) -> c_int {
+    slurm_ffi::guard(PREFIX, "job_modify", bindings::SLURM_SUCCESS as c_int, || {
+        if job_desc.is_null() {
+            return bindings::SLURM_SUCCESS as c_int;
+        }
+        let Some(policy) = current_policy(false) else {
+            return bindings::SLURM_SUCCESS as c_int;
+        };
+        // SAFETY: slurmctld passes its job record and the update request, valid during the call.
+        let (tag, desc) = unsafe { (job_admin_comment(job_ptr), &*job_desc) };
+        let Ok(tag) = tag else {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                log::error(&format!(
+                    "{PREFIX}: this slurmctld's job records have an unknown layout; updates of multiplexed jobs are not checked"
+                ))
+            });
+            return bindings::SLURM_SUCCESS as c_int;
+        };
+        // SAFETY: as in job_submit.
+        let update = unsafe { view_of(desc) };
+        match rewrite::check_modify(&update, tag.as_deref(), &policy) {
+            Ok(()) => bindings::SLURM_SUCCESS as c_int,
+            Err((kind, message)) => {
+                // SAFETY: NULL or Slurm's string, valid during the call.
+                let job = unsafe { c_str(desc.job_id_str) }
+                    .or_else(|| count(desc.job_id).map(|id| id.to_string()))
+                    .unwrap_or_else(|| "?".into());
+                log::error(&format!(
+                    "{PREFIX}: refused to update job {job} for uid {submit_uid}: {message}"
+                ));
+                if !err_msg.is_null() {
+                    // SAFETY: err_msg points to Slurm's `char *` (23.02+), freed with xfree.
+                    unsafe { *err_msg = host::xstrdup(&message) };
+                }
+                reject_code(kind)
+            }
+        }
+    })
 }
 
 slurm_ffi::export_job_modify!(modify);

@@ -1,7 +1,10 @@
-//! The site's multiplexing policy, a TOML file read when slurmctld loads the plugin.
+//! The site's multiplexing policy: a TOML file read when slurmctld loads the plugin and again
+//! whenever the file changes (see [`Watcher`]).
 
 use serde::Deserialize;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Where the policy is read from unless `MULTIPLEX_JOB_SUBMIT_CONF` names another file.
 pub const DEFAULT_PATH: &str = "/etc/slurm/job_submit_multiplex.toml";
@@ -12,58 +15,143 @@ pub const PATH_ENV: &str = "MULTIPLEX_JOB_SUBMIT_CONF";
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
-    partition: Option<String>,
+    partitions: Option<Vec<String>>,
     gres: Option<String>,
+    gres_per_gpu: Option<u32>,
     max_gpus: Option<u32>,
+    unflagged_on_shared: Option<bool>,
+    users: Option<Vec<String>>,
+    accounts: Option<Vec<String>>,
 }
 
 /// What the rewrite needs to know about the site.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
-    /// The partition of shared GPUs multiplexed jobs go to.
-    pub partition: String,
-    /// The gres that stands for one slot of a shared GPU.
+    /// The partitions of shared GPUs. Multiplexed jobs go to the first, or stay in another of
+    /// these when they asked for it.
+    pub partitions: Vec<String>,
+    /// The gres that stands for a slot of a shared GPU.
     pub gres: String,
+    /// How many units of `gres` a multiplexed job takes for each GPU it asks for.
+    pub gres_per_gpu: u32,
     /// Most GPUs a multiplexed job may ask for.
     pub max_gpus: u32,
+    /// Whether jobs without --multiplex may run in the shared partitions.
+    pub unflagged_on_shared: bool,
+    /// Who may multiplex: `None` = everybody; otherwise users (by uid) and accounts.
+    pub allowed: Option<Allowed>,
+}
+
+/// The users and accounts allowed to multiplex (a job needs to match either).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Allowed {
+    pub uids: HashSet<u32>,
+    /// User names as written, for messages.
+    pub user_names: Vec<String>,
+    pub accounts: Vec<String>,
 }
 
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            partition: "shared".into(),
+            partitions: vec!["shared".into()],
             gres: "shard".into(),
+            gres_per_gpu: 1,
             max_gpus: 1,
+            unflagged_on_shared: false,
+            allowed: None,
         }
     }
 }
 
+/// Looks a user name up (the system's user database); `None` when there is no such user.
+pub type UserLookup<'a> = &'a dyn Fn(&str) -> Option<u32>;
+
 impl Policy {
-    /// Parses policy text; the error carries TOML's line and column.
-    pub fn parse(text: &str) -> Result<Policy, String> {
-        let raw: RawPolicy = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
+    /// Parses policy text. Errors carry TOML's line and column; the warnings are for user
+    /// names that do not resolve (they are left out, the rest of the policy stands).
+    pub fn parse(text: &str, lookup: UserLookup) -> Result<(Policy, Vec<String>), String> {
+        let raw: RawPolicy = toml::from_str(text).map_err(|e| one_line(&e))?;
         let d = Policy::default();
-        let policy = Policy {
-            partition: raw.partition.unwrap_or(d.partition),
-            gres: raw.gres.unwrap_or(d.gres),
-            max_gpus: raw.max_gpus.unwrap_or(d.max_gpus),
-        };
-        if policy.partition.is_empty() || policy.partition.contains(',') {
+        let partitions = raw.partitions.unwrap_or(d.partitions);
+        if partitions.is_empty() {
+            return Err("partitions = []: name at least one partition".into());
+        }
+        if let Some(p) = partitions.iter().find(|p| p.is_empty() || p.contains([',', ' '])) {
             return Err(format!(
-                "partition = {:?}: must be one partition name",
-                policy.partition
+                "partitions: {p:?} is not a partition name (one name per list entry)"
             ));
         }
-        if policy.gres.is_empty() || policy.gres.contains([':', ',', '/']) {
+        let gres = raw.gres.unwrap_or(d.gres);
+        if gres.is_empty() || gres.contains([':', ',', '/']) || gres == "gpu" {
             return Err(format!(
-                "gres = {:?}: must be a gres name such as \"shard\"",
-                policy.gres
+                "gres = {gres:?}: must be the shared-GPU gres name, such as \"shard\""
             ));
         }
-        if policy.max_gpus == 0 {
+        let gres_per_gpu = raw.gres_per_gpu.unwrap_or(d.gres_per_gpu);
+        if gres_per_gpu == 0 {
+            return Err("gres_per_gpu = 0: must be at least 1".into());
+        }
+        let max_gpus = raw.max_gpus.unwrap_or(d.max_gpus);
+        if max_gpus == 0 {
             return Err("max_gpus = 0: must be at least 1".into());
         }
-        Ok(policy)
+        let mut warnings = Vec::new();
+        let users = raw.users.unwrap_or_default();
+        let accounts = raw.accounts.unwrap_or_default();
+        let allowed = if users.is_empty() && accounts.is_empty() {
+            None
+        } else {
+            let mut uids = HashSet::new();
+            for u in &users {
+                match u.parse::<u32>().ok().or_else(|| lookup(u)) {
+                    Some(uid) => {
+                        uids.insert(uid);
+                    }
+                    None => warnings.push(format!("users: no user named {u:?}; left out")),
+                }
+            }
+            Some(Allowed {
+                uids,
+                user_names: users,
+                accounts,
+            })
+        };
+        let policy = Policy {
+            partitions,
+            gres,
+            gres_per_gpu,
+            max_gpus,
+            unflagged_on_shared: raw.unflagged_on_shared.unwrap_or(d.unflagged_on_shared),
+            allowed,
+        };
+        Ok((policy, warnings))
+    }
+
+    /// The partition multiplexed jobs are moved to.
+    pub fn target_partition(&self) -> &str {
+        &self.partitions[0]
+    }
+
+    /// Whether `partition` (one name) is a shared partition.
+    pub fn is_shared(&self, partition: &str) -> bool {
+        self.partitions.iter().any(|p| p == partition)
+    }
+
+    /// A one-line summary for the log.
+    pub fn summary(&self) -> String {
+        let who = match &self.allowed {
+            None => "everybody".to_string(),
+            Some(a) => format!("users {:?} accounts {:?}", a.user_names, a.accounts),
+        };
+        format!(
+            "partitions={} gres={} gres_per_gpu={} max_gpus={} unflagged_on_shared={} may multiplex: {who}",
+            self.partitions.join(","),
+            self.gres,
+            self.gres_per_gpu,
+            self.max_gpus,
+            self.unflagged_on_shared
+        )
     }
 
     /// The policy file's path: `MULTIPLEX_JOB_SUBMIT_CONF` or [`DEFAULT_PATH`].
@@ -73,9 +161,9 @@ impl Policy {
 
     /// Reads the policy at `path`. A missing file means the defaults (`Ok(None)` tells the
     /// caller to say so); an unreadable or invalid one is an error naming the file.
-    pub fn load(path: &Path) -> Result<Option<Policy>, String> {
+    pub fn load(path: &Path, lookup: UserLookup) -> Result<Option<(Policy, Vec<String>)>, String> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Policy::parse(&text)
+            Ok(text) => Policy::parse(&text, lookup)
                 .map(Some)
                 .map_err(|e| format!("{}: {e}", path.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -84,34 +172,232 @@ impl Policy {
     }
 }
 
+/// A TOML error on one log line: `line L, column C: what` (TOML's own text draws the line
+/// with a caret over several lines).
+fn one_line(e: &toml::de::Error) -> String {
+    let what = e.message().split_whitespace().collect::<Vec<_>>().join(" ");
+    match e.span() {
+        Some(span) => {
+            let rendered = e.to_string();
+            // The rendered error starts "TOML parse error at line L, column C".
+            let at = rendered
+                .lines()
+                .next()
+                .and_then(|l| l.strip_prefix("TOML parse error at "))
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("byte {}", span.start));
+            format!("{at}: {what}")
+        }
+        None => what,
+    }
+}
+
+/// The system's user database (getpwnam_r), for [`Policy::parse`].
+pub fn system_user(name: &str) -> Option<u32> {
+    let cname = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids).
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut out: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; buf's length is passed.
+    let rc = unsafe { libc::getpwnam_r(cname.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+    (rc == 0 && !out.is_null()).then_some(pw.pw_uid)
+}
+
+/// What a look at the policy file found.
+#[derive(Debug, PartialEq)]
+pub enum Change {
+    /// Same file as last time (or not looked at: too soon).
+    Unchanged,
+    /// A new valid policy (`None` = the file is gone: the defaults), with its warnings.
+    Loaded(Option<(Policy, Vec<String>)>),
+    /// The file changed and is broken; reported once per change.
+    Broken(String),
+}
+
+/// Notices changes of the policy file, looking at most once per `every` (a `stat`, so that
+/// job_submit under slurmctld's locks never reads a file it has read before).
+#[derive(Debug)]
+pub struct Watcher {
+    path: PathBuf,
+    every: Duration,
+    last_look: Option<Instant>,
+    seen: Option<Stamp>,
+}
+
+/// What identifies one version of the file: modification time, size and inode (an editor
+/// that renames a new file into place changes the inode within the same second).
+#[derive(Debug, Clone, PartialEq)]
+enum Stamp {
+    Missing,
+    File {
+        mtime: Option<SystemTime>,
+        len: u64,
+        ino: u64,
+    },
+    Unreadable(String),
+}
+
+impl Watcher {
+    pub fn new(path: PathBuf, every: Duration) -> Watcher {
+        Watcher {
+            path,
+            every,
+            last_look: None,
+            seen: None,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Looks at the file if `every` has passed since the last look (or always when `force`),
+    /// and reads it only when it changed.
+    pub fn poll(&mut self, now: Instant, force: bool, lookup: UserLookup) -> Change {
+        if !force && self.last_look.is_some_and(|t| now.duration_since(t) < self.every) {
+            return Change::Unchanged;
+        }
+        self.last_look = Some(now);
+        let stamp = match std::fs::metadata(&self.path) {
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                Stamp::File {
+                    mtime: m.modified().ok(),
+                    len: m.len(),
+                    ino: m.ino(),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Stamp::Missing,
+            Err(e) => Stamp::Unreadable(e.to_string()),
+        };
+        if !force && self.seen.as_ref() == Some(&stamp) {
+            return Change::Unchanged;
+        }
+        self.seen = Some(stamp);
+        match Policy::load(&self.path, lookup) {
+            Ok(p) => Change::Loaded(p),
+            Err(e) => Change::Broken(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn users(name: &str) -> Option<u32> {
+        match name {
+            "alice" => Some(1001),
+            "bob" => Some(1002),
+            _ => None,
+        }
+    }
+
+    fn parse(text: &str) -> Result<(Policy, Vec<String>), String> {
+        Policy::parse(text, &users)
+    }
+
     #[test]
-    fn example_file_parses() {
+    fn example_file_parses_to_the_defaults() {
         let text =
             std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/job_submit_multiplex.toml")).unwrap();
-        assert_eq!(Policy::parse(&text).unwrap(), Policy::default());
+        assert_eq!(parse(&text).unwrap(), (Policy::default(), vec![]));
+    }
+
+    #[test]
+    fn a_full_policy() {
+        let (p, warnings) = parse(
+            r#"
+            partitions = ["gpu-shared", "gpu-shared-long"]
+            gres = "mps"
+            gres_per_gpu = 50
+            max_gpus = 2
+            unflagged_on_shared = true
+            users = ["alice", "2000", "nobody-here"]
+            accounts = ["ml"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(p.target_partition(), "gpu-shared");
+        assert!(p.is_shared("gpu-shared-long") && !p.is_shared("gpu"));
+        assert_eq!((p.gres.as_str(), p.gres_per_gpu, p.max_gpus), ("mps", 50, 2));
+        assert!(p.unflagged_on_shared);
+        let a = p.allowed.unwrap();
+        assert_eq!(a.uids, HashSet::from([1001, 2000]));
+        assert_eq!(a.accounts, vec!["ml".to_string()]);
+        assert_eq!(
+            warnings,
+            vec!["users: no user named \"nobody-here\"; left out".to_string()]
+        );
     }
 
     #[test]
     fn bad_policies_are_named() {
         for (text, want) in [
-            ("partitions = \"x\"", "unknown field `partitions`"),
-            ("partition = \"a,b\"", "one partition name"),
-            ("gres = \"gpu:1\"", "gres name"),
+            ("partition = \"x\"", "unknown field `partition`"),
+            ("partitions = []", "at least one partition"),
+            ("partitions = [\"a,b\"]", "\"a,b\" is not a partition name"),
+            ("partitions = \"a\"", "invalid type"),
+            ("gres = \"gpu:1\"", "shared-GPU gres name"),
+            ("gres = \"gpu\"", "shared-GPU gres name"),
+            ("gres_per_gpu = 0", "at least 1"),
             ("max_gpus = 0", "at least 1"),
             ("max_gpus = -1", "invalid value"),
-            ("\n\nmax_gpus = ", "line 3"),
+            ("unflagged_on_shared = \"no\"", "invalid type"),
+            ("\n\nmax_gpus = ", "line 3, column 12: "),
         ] {
-            let err = Policy::parse(text).unwrap_err();
+            let err = parse(text).unwrap_err();
             assert!(err.contains(want), "{text:?}: {err}");
+            assert!(!err.contains('\n'), "one log line: {err:?}");
         }
     }
 
     #[test]
     fn missing_file_means_defaults() {
-        assert_eq!(Policy::load(Path::new("/nonexistent/policy.toml")), Ok(None));
+        assert_eq!(Policy::load(Path::new("/nonexistent/policy.toml"), &users), Ok(None));
+    }
+
+    #[test]
+    fn root_resolves_on_this_system() {
+        assert_eq!(system_user("root"), Some(0));
+        assert_eq!(system_user("no-such-user-here-surely"), None);
+    }
+
+    #[test]
+    fn the_watcher_reads_only_changes_and_not_too_often() {
+        let dir = std::env::temp_dir().join(format!("js-policy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.toml");
+        let _ = std::fs::remove_file(&path);
+        let mut w = Watcher::new(path.clone(), Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert_eq!(w.poll(t0, false, &users), Change::Loaded(None), "no file: defaults");
+        std::fs::write(&path, "max_gpus = 2\n").unwrap();
+        assert_eq!(w.poll(t0, false, &users), Change::Unchanged, "too soon to look");
+        let t1 = t0 + Duration::from_secs(2);
+        match w.poll(t1, false, &users) {
+            Change::Loaded(Some((p, _))) => assert_eq!(p.max_gpus, 2),
+            other => panic!("{other:?}"),
+        }
+        let t2 = t1 + Duration::from_secs(2);
+        assert_eq!(w.poll(t2, false, &users), Change::Unchanged, "same file");
+        std::fs::write(&path, "max_gpus = oops\n").unwrap();
+        let t3 = t2 + Duration::from_secs(2);
+        match w.poll(t3, false, &users) {
+            Change::Broken(e) => assert!(e.contains("policy.toml") && e.contains("line 1"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        let t4 = t3 + Duration::from_secs(2);
+        assert_eq!(
+            w.poll(t4, false, &users),
+            Change::Unchanged,
+            "a broken file is reported once"
+        );
+        assert!(
+            matches!(w.poll(t4, true, &users), Change::Broken(_)),
+            "forced: read again"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,6 +12,8 @@ pub struct JobView {
     pub user_id: u32,
     pub name: Option<String>,
     pub partition: Option<String>,
+    /// `--account`, when given (slurmctld fills in the default account after job_submit).
+    pub account: Option<String>,
     pub admin_comment: Option<String>,
     pub tres_per_node: Option<String>,
     pub tres_per_job: Option<String>,
@@ -52,6 +54,10 @@ pub enum RejectKind {
     TooManyNodes,
     Exclusive,
     MixedGres,
+    /// The user and account are not among those the policy lets multiplex.
+    NotAllowed,
+    /// A job without --multiplex aimed at a shared partition.
+    SharedPartition,
 }
 
 /// The outcome for one job.
@@ -124,16 +130,18 @@ fn is_gpu(e: &TresEntry) -> bool {
 pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     let prefix = format!("{SPANK_ENV_VAR}=");
     let Some(value) = job.spank_env.iter().find_map(|e| e.strip_prefix(&prefix)) else {
-        return Outcome::Untouched;
-    };
-    let reject = |kind, message: String| Outcome::Reject {
-        kind,
-        message: format!("multiplex: {message}"),
+        return match unflagged_on_shared(job.partition.as_deref(), policy) {
+            Some(message) => reject(RejectKind::SharedPartition, message),
+            None => Outcome::Untouched,
+        };
     };
     let spec = match Spec::parse(Some(value)) {
         Ok(s) => s,
         Err(e) => return reject(RejectKind::BadOption, format!("invalid --multiplex value: {e}")),
     };
+    if let Some(message) = not_allowed(job, policy) {
+        return reject(RejectKind::NotAllowed, message);
+    }
     if job.exclusive {
         return reject(
             RejectKind::Exclusive,
@@ -203,7 +211,8 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .find(|e| is_gpu(e))
         .and_then(|e| e.sep)
         .unwrap_or(':');
-    let shared = format!("gres{sep}{}:{gpus}", policy.gres);
+    let units = gpus * u64::from(policy.gres_per_gpu);
+    let shared = format!("gres{sep}{}:{units}", policy.gres);
     let keep = |i: usize| {
         parsed[i]
             .iter()
@@ -212,21 +221,39 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
             .collect::<Vec<_>>()
     };
     let tres_per_node = join(keep(0).into_iter().chain(std::iter::once(shared)));
-    let per_gpu = |f: &Option<String>| {
-        f.as_deref().and_then(|s| {
-            join(parse_tres(s).into_iter().map(|e| {
-                if is_gpu(&e) {
-                    format!(
-                        "gres{}{}:{}",
-                        e.sep.unwrap_or(':'),
-                        policy.gres,
-                        e.text.rsplit(':').next().unwrap_or("0")
-                    )
-                } else {
-                    e.text
-                }
-            }))
-        })
+    // --cpus-per-gpu / --mem-per-gpu become per unit of the shared gres.
+    let per_gpu = |f: &Option<String>, option: &str| -> Result<Option<String>, String> {
+        let Some(s) = f.as_deref() else { return Ok(None) };
+        let mut out = Vec::new();
+        for e in parse_tres(s) {
+            if !is_gpu(&e) {
+                out.push(e.text);
+                continue;
+            }
+            let value = e.text.rsplit(':').next().unwrap_or("");
+            let Ok(n) = value.parse::<u64>() else {
+                return Err(format!(
+                    "{option}={value} is not a number this plugin can split over {}",
+                    policy.gres
+                ));
+            };
+            let per = u64::from(policy.gres_per_gpu);
+            if n % per != 0 {
+                return Err(format!(
+                    "{option}={n} cannot be split evenly over the {per} {} units of a shared GPU: use a multiple of {per}, or --cpus-per-task / --mem instead",
+                    policy.gres
+                ));
+            }
+            out.push(format!("gres{}{}:{}", e.sep.unwrap_or(':'), policy.gres, n / per));
+        }
+        Ok(join(out.into_iter()))
+    };
+    let (cpus_per_tres, mem_per_tres) = match (
+        per_gpu(&job.cpus_per_tres, "--cpus-per-gpu"),
+        per_gpu(&job.mem_per_tres, "--mem-per-gpu"),
+    ) {
+        (Ok(c), Ok(m)) => (c, m),
+        (Err(e), _) | (_, Err(e)) => return reject(RejectKind::BadOption, e),
     };
     let app = spec
         .app
@@ -242,16 +269,166 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         None => tag,
     };
     Outcome::Rewrite(Rewrite {
-        partition: policy.partition.clone(),
+        partition: shared_partition(job.partition.as_deref(), policy),
         admin_comment,
         tres_per_node,
         tres_per_job: join(keep(1).into_iter()),
         tres_per_task: join(keep(2).into_iter()),
         tres_per_socket: join(keep(3).into_iter()),
-        cpus_per_tres: per_gpu(&job.cpus_per_tres),
-        mem_per_tres: per_gpu(&job.mem_per_tres),
+        cpus_per_tres,
+        mem_per_tres,
         app,
     })
+}
+
+fn reject(kind: RejectKind, message: String) -> Outcome {
+    Outcome::Reject {
+        kind,
+        message: format!("multiplex: {message}"),
+    }
+}
+
+fn refuse(kind: RejectKind, message: String) -> (RejectKind, String) {
+    (kind, format!("multiplex: {message}"))
+}
+
+fn partition_names(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim).filter(|p| !p.is_empty())
+}
+
+/// The partition(s) a multiplexed job runs in: the shared ones it asked for, else the
+/// policy's first.
+fn shared_partition(asked: Option<&str>, policy: &Policy) -> String {
+    let kept: Vec<&str> = asked
+        .map(|a| partition_names(a).filter(|p| policy.is_shared(p)).collect())
+        .unwrap_or_default();
+    if kept.is_empty() {
+        policy.target_partition().to_string()
+    } else {
+        kept.join(",")
+    }
+}
+
+/// The sentence for a job without --multiplex that asks for a shared partition, when the
+/// policy keeps those partitions for multiplexed jobs.
+fn unflagged_on_shared(asked: Option<&str>, policy: &Policy) -> Option<String> {
+    if policy.unflagged_on_shared {
+        return None;
+    }
+    let shared = partition_names(asked?).find(|p| policy.is_shared(p))?;
+    Some(format!(
+        "partition {shared} is for jobs that share GPUs: add --multiplex, or ask for another partition \
+         (a job there without it could be given a GPU whole while others use slots of it)"
+    ))
+}
+
+/// The sentence for a user the policy does not let multiplex.
+fn not_allowed(job: &JobView, policy: &Policy) -> Option<String> {
+    let allowed = policy.allowed.as_ref()?;
+    if allowed.uids.contains(&job.user_id) {
+        return None;
+    }
+    if let Some(account) = job.account.as_deref() {
+        if allowed.accounts.iter().any(|a| a == account) {
+            return None;
+        }
+    }
+    let mut who = Vec::new();
+    if !allowed.user_names.is_empty() {
+        who.push(format!("users {}", allowed.user_names.join(", ")));
+    }
+    if !allowed.accounts.is_empty() {
+        who.push(format!("accounts {}", allowed.accounts.join(", ")));
+    }
+    let hint = match (allowed.accounts.first(), job.account.as_deref()) {
+        (Some(a), None) => format!(": if you belong to one of those accounts, submit with --account={a}"),
+        _ => String::new(),
+    };
+    Some(format!(
+        "uid {}{} may not share GPUs here; GPU sharing is open to {}{hint}",
+        job.user_id,
+        job.account
+            .as_deref()
+            .map(|a| format!(" (account {a})"))
+            .unwrap_or_default(),
+        who.join(" and ")
+    ))
+}
+
+/// Checks an update of an existing job (`scontrol update`): a multiplexed job (tagged in
+/// `current_tag`, its admin_comment) cannot be modified into what the rewrite would have
+/// rejected, and a job without the flag cannot be moved into a shared partition the policy
+/// keeps for multiplexed jobs. `update` holds only the fields being changed.
+pub fn check_modify(update: &JobView, current_tag: Option<&str>, policy: &Policy) -> Result<(), (RejectKind, String)> {
+    let multiplexed = current_tag.is_some_and(|t| t.starts_with("multiplex:"))
+        // An update that also drops the tag (an admin taking the job out of multiplexing) is
+        // judged as for a plain job.
+        && update.admin_comment.as_deref().is_none_or(|c| c.starts_with("multiplex:"));
+    if !multiplexed {
+        return match unflagged_on_shared(update.partition.as_deref(), policy) {
+            Some(message) => Err(refuse(RejectKind::SharedPartition, message)),
+            None => Ok(()),
+        };
+    }
+    let why = "a multiplexed job shares its GPU: ";
+    if update.exclusive {
+        return Err(refuse(
+            RejectKind::Exclusive,
+            format!("{why}it cannot be made --exclusive"),
+        ));
+    }
+    if let Some(n) = [update.min_nodes, update.max_nodes]
+        .into_iter()
+        .flatten()
+        .find(|&n| n > 1)
+    {
+        return Err(refuse(
+            RejectKind::TooManyNodes,
+            format!("{why}it runs on one node and cannot be given {n}"),
+        ));
+    }
+    if let Some(partition) = update.partition.as_deref() {
+        if let Some(p) = partition_names(partition).find(|p| !policy.is_shared(p)) {
+            return Err(refuse(
+                RejectKind::SharedPartition,
+                format!(
+                    "{why}it stays in the shared partition{} ({}), not {p}",
+                    if policy.partitions.len() > 1 { "s" } else { "" },
+                    policy.partitions.join(", ")
+                ),
+            ));
+        }
+    }
+    let fields = [
+        &update.tres_per_node,
+        &update.tres_per_job,
+        &update.tres_per_task,
+        &update.tres_per_socket,
+    ];
+    let entries: Vec<TresEntry> = fields
+        .iter()
+        .filter_map(|f| f.as_deref())
+        .flat_map(parse_tres)
+        .collect();
+    if entries.iter().any(is_gpu) {
+        return Err(refuse(
+            RejectKind::MixedGres,
+            format!("{why}it holds {} slots, not whole GPUs", policy.gres),
+        ));
+    }
+    let units: u64 = entries
+        .iter()
+        .filter(|e| e.sep.is_some() && e.name == policy.gres)
+        .map(|e| e.count)
+        .sum();
+    let limit = u64::from(policy.max_gpus) * u64::from(policy.gres_per_gpu);
+    if units > limit {
+        return Err(refuse(
+            RejectKind::TooManyGpus,
+            format!("{why}it may hold at most {limit} {} here, not {units}", policy.gres),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -407,19 +584,235 @@ mod tests {
         }
     }
 
+    fn site() -> Policy {
+        Policy {
+            partitions: vec!["gpu-shared".into(), "gpu-shared-long".into()],
+            gres: "mps".into(),
+            gres_per_gpu: 50,
+            max_gpus: 2,
+            unflagged_on_shared: false,
+            allowed: None,
+        }
+    }
+
     #[test]
     fn policy_limits_apply() {
-        let policy = Policy {
-            partition: "gpu-shared".into(),
-            gres: "mps".into(),
-            max_gpus: 2,
-        };
-        match decide(&job(Some("(null)"), Some("gres:gpu:2")), &policy) {
+        match decide(&job(Some("(null)"), Some("gres:gpu:2")), &site()) {
             Outcome::Rewrite(r) => {
-                assert_eq!(r.tres_per_node.as_deref(), Some("gres:mps:2"));
+                assert_eq!(r.tres_per_node.as_deref(), Some("gres:mps:100"));
                 assert_eq!(r.partition, "gpu-shared");
             }
             other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            decide(&job(Some("(null)"), Some("gres:gpu:3")), &site()),
+            Outcome::Reject {
+                kind: RejectKind::TooManyGpus,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_shared_partition_the_job_asked_for_is_kept() {
+        for (asked, want) in [
+            (None, "gpu-shared"),
+            (Some("gpu"), "gpu-shared"),
+            (Some("gpu-shared-long"), "gpu-shared-long"),
+            (Some("gpu,gpu-shared-long"), "gpu-shared-long"),
+            (Some("gpu-shared-long,gpu-shared"), "gpu-shared-long,gpu-shared"),
+        ] {
+            let mut j = job(Some("(null)"), Some("gres:gpu:1"));
+            j.partition = asked.map(String::from);
+            match decide(&j, &site()) {
+                Outcome::Rewrite(r) => assert_eq!(r.partition, want, "{asked:?}"),
+                other => panic!("{asked:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn per_gpu_options_are_split_over_the_units_of_a_gpu() {
+        let mut j = job(Some("(null)"), Some("gres:gpu:1"));
+        j.cpus_per_tres = Some("gres:gpu:100".into());
+        match decide(&j, &site()) {
+            Outcome::Rewrite(r) => assert_eq!(r.cpus_per_tres.as_deref(), Some("gres:mps:2")),
+            other => panic!("{other:?}"),
+        }
+        j.cpus_per_tres = Some("gres:gpu:4".into());
+        match decide(&j, &site()) {
+            Outcome::Reject { kind, message } => {
+                assert_eq!(kind, RejectKind::BadOption);
+                assert!(
+                    message.contains("--cpus-per-gpu=4 cannot be split evenly over the 50 mps units"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn plain_jobs_are_kept_out_of_the_shared_partitions_unless_the_site_allows_it() {
+        let mut plain = job(None, Some("gres:gpu:1"));
+        plain.partition = Some("debug,gpu-shared-long".into());
+        match decide(&plain, &site()) {
+            Outcome::Reject { kind, message } => {
+                assert_eq!(kind, RejectKind::SharedPartition);
+                assert!(
+                    message.starts_with(
+                        "multiplex: partition gpu-shared-long is for jobs that share GPUs: add --multiplex"
+                    ),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let open = Policy {
+            unflagged_on_shared: true,
+            ..site()
+        };
+        assert_eq!(decide(&plain, &open), Outcome::Untouched);
+        plain.partition = Some("debug".into());
+        assert_eq!(decide(&plain, &site()), Outcome::Untouched);
+        plain.partition = None;
+        assert_eq!(
+            decide(&plain, &site()),
+            Outcome::Untouched,
+            "no partition asked: slurmctld's default"
+        );
+    }
+
+    #[test]
+    fn only_allowed_users_and_accounts_multiplex() {
+        let policy = Policy {
+            allowed: Some(crate::policy::Allowed {
+                uids: [1001].into(),
+                user_names: vec!["alice".into()],
+                accounts: vec!["ml".into(), "vision".into()],
+            }),
+            ..Policy::default()
+        };
+        let mut j = job(Some("(null)"), Some("gres:gpu:1"));
+        j.user_id = 1001;
+        assert!(matches!(decide(&j, &policy), Outcome::Rewrite(_)), "allowed user");
+        j.user_id = 1002;
+        j.account = Some("vision".into());
+        assert!(matches!(decide(&j, &policy), Outcome::Rewrite(_)), "allowed account");
+        j.account = None;
+        match decide(&j, &policy) {
+            Outcome::Reject { kind, message } => {
+                assert_eq!(kind, RejectKind::NotAllowed);
+                assert_eq!(
+                    message,
+                    "multiplex: uid 1002 may not share GPUs here; GPU sharing is open to users alice and accounts ml, vision: \
+                     if you belong to one of those accounts, submit with --account=ml"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        j.account = Some("physics".into());
+        match decide(&j, &policy) {
+            Outcome::Reject { message, .. } => {
+                assert!(message.contains("uid 1002 (account physics) may not"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Jobs without the flag are nobody's business here.
+        assert_eq!(decide(&job(None, Some("gres:gpu:1")), &policy), Outcome::Untouched);
+    }
+
+    #[test]
+    fn updates_of_a_multiplexed_job_stay_within_what_submission_allows() {
+        let tag = Some("multiplex:app=bert");
+        let update = |f: &dyn Fn(&mut JobView)| {
+            let mut u = JobView::default();
+            f(&mut u);
+            u
+        };
+        let cases: Vec<(JobView, Option<&str>, Option<RejectKind>, &str)> = vec![
+            (
+                update(&|_| {}),
+                tag,
+                None,
+                "a time limit or a name changes nothing here",
+            ),
+            (
+                update(&|u| u.partition = Some("gpu-shared-long".into())),
+                tag,
+                None,
+                "another shared partition",
+            ),
+            (
+                update(&|u| u.tres_per_node = Some("gres:mps:100".into())),
+                tag,
+                None,
+                "within max_gpus",
+            ),
+            (
+                update(&|u| u.partition = Some("gpu".into())),
+                tag,
+                Some(RejectKind::SharedPartition),
+                "stays in the shared partitions (gpu-shared, gpu-shared-long), not gpu",
+            ),
+            (
+                update(&|u| u.tres_per_node = Some("gres:gpu:1".into())),
+                tag,
+                Some(RejectKind::MixedGres),
+                "holds mps slots, not whole GPUs",
+            ),
+            (
+                update(&|u| u.tres_per_job = Some("gres/mps:150".into())),
+                tag,
+                Some(RejectKind::TooManyGpus),
+                "at most 100 mps here, not 150",
+            ),
+            (
+                update(&|u| u.exclusive = true),
+                tag,
+                Some(RejectKind::Exclusive),
+                "cannot be made --exclusive",
+            ),
+            (
+                update(&|u| u.min_nodes = Some(2)),
+                tag,
+                Some(RejectKind::TooManyNodes),
+                "cannot be given 2",
+            ),
+            (
+                update(&|u| {
+                    u.partition = Some("gpu".into());
+                    u.admin_comment = Some("moved out by hand".into());
+                }),
+                tag,
+                None,
+                "an admin dropping the tag takes the job out of multiplexing",
+            ),
+            (
+                update(&|u| u.partition = Some("gpu".into())),
+                None,
+                None,
+                "a plain job moves where it likes",
+            ),
+            (
+                update(&|u| u.partition = Some("gpu-shared".into())),
+                Some("ticket 42"),
+                Some(RejectKind::SharedPartition),
+                "partition gpu-shared is for jobs that share GPUs",
+            ),
+        ];
+        for (u, tag, want, why) in cases {
+            match (check_modify(&u, tag, &site()), want) {
+                (Ok(()), None) => {}
+                (Err((kind, message)), Some(k)) => {
+                    assert_eq!(kind, k, "{message}");
+                    assert!(
+                        message.starts_with("multiplex: ") && message.contains(why),
+                        "{message:?} lacks {why:?}"
+                    );
+                }
+                (got, _) => panic!("{why}: got {got:?}, wanted {want:?}"),
+            }
         }
     }
 }

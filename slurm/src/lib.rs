@@ -94,7 +94,7 @@ pub unsafe fn c_str(p: *const libc::c_char) -> Option<String> {
 }
 
 /// Exports `job_modify` with the signature of the Slurm the crate was built against (23.02
-/// added `char **err_msg`), calling `$f(job_desc, submit_uid, err_msg)`; `err_msg` is NULL
+/// added `char **err_msg`), calling `$f(job_desc, job_ptr, submit_uid, err_msg)`; `err_msg` is NULL
 /// where the host has none.
 #[cfg(slurm_job_modify_err_msg)]
 #[macro_export]
@@ -103,17 +103,17 @@ macro_rules! export_job_modify {
         #[no_mangle]
         pub extern "C" fn job_modify(
             job_desc: *mut $crate::bindings::job_desc_msg_t,
-            _job_ptr: *mut ::libc::c_void,
+            job_ptr: *mut ::libc::c_void,
             submit_uid: u32,
             err_msg: *mut *mut ::libc::c_char,
         ) -> ::libc::c_int {
-            $f(job_desc, submit_uid, err_msg)
+            $f(job_desc, job_ptr, submit_uid, err_msg)
         }
     };
 }
 
 /// Exports `job_modify` with the signature of the Slurm the crate was built against (before
-/// 23.02: no `err_msg`), calling `$f(job_desc, submit_uid, err_msg)` with a NULL `err_msg`.
+/// 23.02: no `err_msg`), calling `$f(job_desc, job_ptr, submit_uid, err_msg)` with a NULL `err_msg`.
 #[cfg(not(slurm_job_modify_err_msg))]
 #[macro_export]
 macro_rules! export_job_modify {
@@ -121,10 +121,10 @@ macro_rules! export_job_modify {
         #[no_mangle]
         pub extern "C" fn job_modify(
             job_desc: *mut $crate::bindings::job_desc_msg_t,
-            _job_ptr: *mut ::libc::c_void,
+            job_ptr: *mut ::libc::c_void,
             submit_uid: u32,
         ) -> ::libc::c_int {
-            $f(job_desc, submit_uid, ::std::ptr::null_mut())
+            $f(job_desc, job_ptr, submit_uid, ::std::ptr::null_mut())
         }
     };
 }

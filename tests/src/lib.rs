@@ -151,7 +151,45 @@ impl Cluster {
         let mut words = line.split_whitespace();
         let (kind, so) = (words.next().unwrap(), words.next().unwrap());
         std::fs::write(&path, format!("{kind} {so} {args}\n")).expect("write plugstack.conf");
-        Restore { path, original }
+        Restore {
+            path,
+            original,
+            settle: Duration::ZERO,
+        }
+    }
+
+    /// Replaces job_submit/multiplex's policy file until the guard is dropped. The plugin looks
+    /// for changes once a second, so this (and the drop) waits until the change is in force.
+    pub fn policy(&self, text: &str) -> Restore {
+        let path = self.path("etc/job_submit_multiplex.toml");
+        let original = std::fs::read_to_string(&path).expect("read the policy file");
+        std::fs::write(&path, text).expect("write the policy file");
+        std::thread::sleep(POLICY_SETTLE);
+        Restore {
+            path,
+            original,
+            settle: POLICY_SETTLE,
+        }
+    }
+
+    /// Lines of slurmctld's log that contain `needle`.
+    pub fn ctld_log_lines(&self, needle: &str) -> Vec<String> {
+        std::fs::read_to_string(self.path("log/slurmctld.log"))
+            .expect("read slurmctld.log")
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(String::from)
+            .collect()
+    }
+
+    /// Runs `scontrol ARGS`; Ok(stdout) or Err(stderr).
+    pub fn scontrol(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new("scontrol").args(args).output().expect("run scontrol");
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
     }
 
     /// The state of node `node` as `sinfo` prints it (`idle`, `mix`, `drain`, ...).
@@ -219,10 +257,15 @@ impl Drop for DaemonStopped {
     }
 }
 
-/// A file changed for a test; dropping this puts the original back.
+/// How long a change of the policy file takes to be in force: job_submit/multiplex looks at
+/// the file at most once a second.
+pub const POLICY_SETTLE: Duration = Duration::from_millis(1300);
+
+/// A file changed for a test; dropping this puts the original back (and waits `settle`).
 pub struct Restore {
     path: PathBuf,
     original: String,
+    settle: Duration,
 }
 
 impl Drop for Restore {
@@ -230,6 +273,7 @@ impl Drop for Restore {
         if let Err(e) = std::fs::write(&self.path, &self.original) {
             eprintln!("could not restore {}: {e}", self.path.display());
         }
+        std::thread::sleep(self.settle);
     }
 }
 
