@@ -556,3 +556,50 @@ fn a_multiplexed_job_cannot_be_updated_into_what_submission_rejects() {
         .status()
         .unwrap();
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn slurm_fills_an_idle_node_before_it_pairs_jobs() {
+    let c = Cluster::from_env();
+    let weight = |node: &str| {
+        let out = c.scontrol(&["show", "node", node]).unwrap();
+        multiplex_tests::parse_show(&out)["Weight"].clone()
+    };
+    // Each daemon publishes its node's load as the node's Weight: 1 idle, 26 with one of its
+    // four slots taken. With equal weights Slurm would put both jobs on n1.
+    assert!(
+        wait_until(WAIT, || weight("n1") == "1" && weight("n2") == "1"),
+        "idle nodes weigh 1"
+    );
+    let sleeper = |tag: &str| {
+        c.submit(&[
+            &format!("--multiplex=app=itest-{tag}"),
+            "--gres=gpu:1",
+            "--output=/dev/null",
+            "--wrap",
+            "sleep 30",
+        ])
+    };
+    let first = sleeper("spread-a");
+    assert!(wait_until(WAIT, || c.show_job(first)["JobState"] == "RUNNING"));
+    let node = c.show_job(first)["NodeList"].clone();
+    assert!(
+        wait_until(Duration::from_secs(10), || weight(&node) == "26"),
+        "{node} published its load: Weight={}",
+        weight(&node)
+    );
+    let second = sleeper("spread-b");
+    assert!(wait_until(WAIT, || c.show_job(second)["JobState"] == "RUNNING"));
+    let other = c.show_job(second)["NodeList"].clone();
+    for job in [first, second] {
+        std::process::Command::new("scancel")
+            .arg(job.to_string())
+            .status()
+            .unwrap();
+    }
+    assert_ne!(other, node, "the second job went to the idle node");
+    assert!(
+        wait_until(Duration::from_secs(20), || weight("n1") == "1" && weight("n2") == "1"),
+        "weights fall back when the jobs end"
+    );
+}

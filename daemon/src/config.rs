@@ -1,5 +1,6 @@
 //! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
 
+use crate::weight::WeightConfig;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -20,6 +21,17 @@ struct RawConfig {
     gpu: Vec<RawGpu>,
     #[serde(default)]
     policy: RawPolicy,
+    #[serde(default)]
+    weight: RawWeight,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWeight {
+    publish: Option<bool>,
+    base: Option<u32>,
+    republish_s: Option<u64>,
+    scontrol: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +88,7 @@ pub struct Config {
     pub mps: bool,
     pub gpus: GpuSource,
     pub policy: PolicyConfig,
+    pub weight: WeightConfig,
 }
 
 /// A configuration that cannot be used; the text names the file and the problem.
@@ -141,7 +154,20 @@ impl Config {
                 "policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"
             ));
         }
+        let dw = WeightConfig::default();
+        let base = raw.weight.base.unwrap_or(dw.base);
+        if base == 0 || base > 1_000_000 {
+            return Err(format!("weight.base = {base}: must be between 1 and 1000000"));
+        }
+        let weight = WeightConfig {
+            publish: raw.weight.publish.unwrap_or(dw.publish),
+            base,
+            republish_s: raw.weight.republish_s.unwrap_or(dw.republish_s),
+            scontrol: raw.weight.scontrol.unwrap_or(dw.scontrol),
+            retry: dw.retry,
+        };
         Ok(Config {
+            weight,
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
@@ -204,6 +230,8 @@ mod tests {
             ),
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             ("[policy]\nexplore = true", "unknown field `explore`"),
+            ("[weight]\nbase = 0", "weight.base = 0"),
+            ("[weight]\npublish = 1", "invalid type"),
         ];
         for (text, want) in cases {
             let err = Config::parse(text).unwrap_err();

@@ -7,3 +7,4 @@ pub mod history;
 pub mod node;
 pub mod placement;
 pub mod server;
+pub mod weight;

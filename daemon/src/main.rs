@@ -5,6 +5,7 @@ use multiplex_protocol::{client, Request, Response};
 use multiplexd::config::{Config, DEFAULT_CONFIG};
 use multiplexd::node::{wall_clock, Node};
 use multiplexd::server::{self, Access};
+use multiplexd::weight::{weight_for, Publisher};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,6 +61,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
             tracing_subscriber::EnvFilter::try_from_env("MULTIPLEXD_LOG").unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = Config::load(config_path).map_err(|e| e.to_string())?;
     let gpus = multiplexd::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
@@ -68,10 +70,21 @@ fn serve(config_path: &Path) -> Result<(), String> {
     };
     let socket = config.socket.clone();
     let node_name = config.node.clone();
-    let node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
+    let weight = config.weight.clone();
+    let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
     // Block the stop signals before any thread starts, so only the waiting thread sees them.
     let signals = stop_signals();
+    if weight.publish {
+        let base = weight.base;
+        let publisher = Publisher::start(node_name.clone(), weight);
+        node.on_load(Box::new(move |used, total| {
+            publisher.set(weight_for(used, total, base))
+        }))
+        .map_err(|e| e.to_string())?;
+    } else {
+        tracing::info!("not publishing the node's weight (weight.publish = false)");
+    }
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
     let shutdown = Arc::new(AtomicBool::new(false));

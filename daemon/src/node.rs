@@ -18,12 +18,16 @@ pub fn wall_clock() -> Clock {
     })
 }
 
+/// Told the node's load, `(slots taken, slots in all)`, after every change.
+pub type LoadListener = Box<dyn Fn(u32, u32) + Send>;
+
 /// The daemon's state for its node.
 pub struct Node {
     config: Config,
     gpus: Vec<GpuSpec>,
     history: History,
     clock: Clock,
+    on_load: Option<LoadListener>,
 }
 
 impl Node {
@@ -35,6 +39,7 @@ impl Node {
             gpus,
             history,
             clock,
+            on_load: None,
         };
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
@@ -52,6 +57,29 @@ impl Node {
         &self.history
     }
 
+    /// Slots taken and slots in all on this node's shared GPUs.
+    pub fn load(&self) -> Result<(u32, u32), HistoryError> {
+        let total = self.gpus.len() as u32 * self.config.jobs_per_gpu;
+        Ok((self.active()?.len() as u32, total))
+    }
+
+    /// Calls `listener` with the load now and after every placement and finish.
+    pub fn on_load(&mut self, listener: LoadListener) -> Result<(), HistoryError> {
+        let (used, total) = self.load()?;
+        listener(used, total);
+        self.on_load = Some(listener);
+        Ok(())
+    }
+
+    fn report_load(&self) {
+        if let Some(listener) = &self.on_load {
+            match self.load() {
+                Ok((used, total)) => listener(used, total),
+                Err(e) => tracing::warn!(error = %e, "cannot count this node's load"),
+            }
+        }
+    }
+
     fn active(&self) -> Result<Vec<ActiveJob>, HistoryError> {
         self.history.active_jobs(&self.config.node)
     }
@@ -59,6 +87,12 @@ impl Node {
     /// Decides where a job step runs and records it. A step of a job that already holds a GPU
     /// here joins that GPU; asking twice for the same step gives the same answer.
     pub fn place(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
+        let r = self.place_step(req);
+        self.report_load();
+        r
+    }
+
+    fn place_step(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
         if req.node != self.config.node {
             return Ok(Response::Error {
                 message: format!("this multiplexd serves node {}, not {}", self.config.node, req.node),
@@ -198,6 +232,12 @@ impl Node {
 
     /// Records a step's end. The step that was placed first releases the job's GPU slot.
     pub fn finish(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
+        let r = self.finish_step(req);
+        self.report_load();
+        r
+    }
+
+    fn finish_step(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
         let now = (self.clock)();
         let active = self.active()?;
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {

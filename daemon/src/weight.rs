@@ -1,0 +1,265 @@
+//! Publishing the node's load as its Slurm `Weight`, so that Slurm (which prefers the node of
+//! lowest weight among those that fit) fills idle shared GPUs on other nodes before it pairs
+//! jobs on one. Without it Slurm packs the first node while the others idle: in the reference
+//! simulation that alone made average JCT about 50% worse than exclusive GPUs at half load.
+//!
+//! `scontrol update NodeName=N Weight=W` runs in a thread of its own, never in a request: a
+//! slow or absent slurmctld delays the weight, not a job. The weight is published again every
+//! `republish_s` (slurmctld forgets it on restart and reconfigure), and retried after failures.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How the daemon publishes its node's weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightConfig {
+    pub publish: bool,
+    /// The weight of the idle node; a busy one gets up to `base + 100`.
+    pub base: u32,
+    /// Publish again this often even without a change (0: never).
+    pub republish_s: u64,
+    /// The scontrol to run.
+    pub scontrol: PathBuf,
+    /// How soon a failed publication is tried again.
+    pub retry: Duration,
+}
+
+impl Default for WeightConfig {
+    fn default() -> Self {
+        WeightConfig {
+            publish: true,
+            base: 1,
+            republish_s: 60,
+            scontrol: PathBuf::from("scontrol"),
+            retry: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The weight of a node with `used` of its `total` shared-GPU slots taken: `base` when idle,
+/// rising with the share of slots taken (rounded up, so any load weighs more than none).
+pub fn weight_for(used: u32, total: u32, base: u32) -> u32 {
+    if total == 0 {
+        return base;
+    }
+    let used = used.min(total);
+    base.saturating_add((100 * used).div_ceil(total))
+}
+
+/// How long one scontrol call may take before it is killed.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct Want {
+    weight: Option<u32>,
+    stop: bool,
+}
+
+/// The publishing thread. Dropping this stops it.
+pub struct Publisher {
+    shared: Arc<(Mutex<Want>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Publisher {
+    /// Starts publishing for node `node` (nothing is published until [`Publisher::set`]).
+    pub fn start(node: String, config: WeightConfig) -> Publisher {
+        let shared = Arc::new((Mutex::new(Want::default()), Condvar::new()));
+        let thread = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("weight".into())
+                .spawn(move || run(&node, &config, &shared))
+                .expect("spawn the weight publisher")
+        };
+        Publisher {
+            shared,
+            thread: Some(thread),
+        }
+    }
+
+    /// Asks for `weight` to be published (the latest wins; no call blocks on Slurm).
+    pub fn set(&self, weight: u32) {
+        let (lock, cv) = &*self.shared;
+        lock.lock().unwrap_or_else(|p| p.into_inner()).weight = Some(weight);
+        cv.notify_one();
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.shared;
+        lock.lock().unwrap_or_else(|p| p.into_inner()).stop = true;
+        cv.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(node: &str, config: &WeightConfig, shared: &(Mutex<Want>, Condvar)) {
+    let (lock, cv) = shared;
+    let republish = (config.republish_s > 0).then(|| Duration::from_secs(config.republish_s));
+    let mut published: Option<u32> = None;
+    // When the next call is due regardless of changes (republish or retry).
+    let mut due: Option<Instant> = None;
+    let mut last_error: Option<String> = None;
+    loop {
+        let weight = {
+            let mut want = lock.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                if want.stop {
+                    return;
+                }
+                let now = Instant::now();
+                let changed = want.weight.is_some() && want.weight != published;
+                let is_due = want.weight.is_some() && due.is_some_and(|d| now >= d);
+                if changed || is_due {
+                    break;
+                }
+                want = match due {
+                    Some(d) => cv.wait_timeout(want, d - now).unwrap_or_else(|p| p.into_inner()).0,
+                    None => cv.wait(want).unwrap_or_else(|p| p.into_inner()),
+                };
+            }
+            want.weight.expect("checked above")
+        };
+        match update_weight(&config.scontrol, node, weight) {
+            Ok(()) => {
+                if published != Some(weight) {
+                    tracing::info!(node, weight, "published node weight");
+                }
+                if last_error.take().is_some() {
+                    tracing::info!(node, weight, "publishing the node weight works again");
+                }
+                published = Some(weight);
+                due = republish.map(|r| Instant::now() + r);
+            }
+            Err(e) => {
+                if last_error.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(node, weight, error = %e, "cannot publish the node weight; retrying every {:?}", config.retry);
+                    last_error = Some(e);
+                }
+                published = None;
+                due = Some(Instant::now() + config.retry);
+            }
+        }
+    }
+}
+
+/// Runs `scontrol update NodeName=node Weight=weight`, killing it after [`CALL_TIMEOUT`].
+fn update_weight(scontrol: &std::path::Path, node: &str, weight: u32) -> Result<(), String> {
+    let mut child = Command::new(scontrol)
+        .args(["update", &format!("NodeName={node}"), &format!("Weight={weight}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", scontrol.display()))?;
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = e.read_to_string(&mut err);
+                }
+                return Err(format!("{} exited with {status}: {}", scontrol.display(), err.trim()));
+            }
+            Ok(None) if start.elapsed() > CALL_TIMEOUT => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{} did not finish within {} s",
+                    scontrol.display(),
+                    CALL_TIMEOUT.as_secs()
+                ));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("waiting for {}: {e}", scontrol.display())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_rises_with_load_and_idle_is_base() {
+        assert_eq!(weight_for(0, 4, 1), 1);
+        assert_eq!(weight_for(1, 4, 1), 26);
+        assert_eq!(weight_for(1, 3, 1), 35, "rounded up");
+        assert_eq!(weight_for(4, 4, 1), 101);
+        assert_eq!(weight_for(9, 4, 1), 101, "never above full");
+        assert_eq!(weight_for(0, 0, 7), 7);
+        assert!(weight_for(1, 1000, 1) > 1, "any load weighs more than none");
+    }
+
+    /// A stand-in scontrol that appends its arguments to a file (or fails while `fail` exists).
+    fn fake_scontrol(dir: &std::path::Path) -> PathBuf {
+        let script = dir.join("scontrol");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\n[ -e {d}/fail ] && {{ echo 'Unable to contact slurm controller' >&2; exit 1; }}\necho \"$*\" >>{d}/calls\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script
+    }
+
+    fn calls(dir: &std::path::Path) -> Vec<String> {
+        std::fs::read_to_string(dir.join("calls"))
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect()
+    }
+
+    fn eventually(what: &str, f: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !f() {
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn publishes_changes_retries_failures_and_republishes() {
+        let dir = std::env::temp_dir().join(format!("weight-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("fail"), "").unwrap();
+        let config = WeightConfig {
+            scontrol: fake_scontrol(&dir),
+            republish_s: 1,
+            retry: Duration::from_millis(200),
+            ..WeightConfig::default()
+        };
+        let p = Publisher::start("n7".into(), config);
+        p.set(26);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(calls(&dir).is_empty(), "slurmctld down: nothing published yet");
+        std::fs::remove_file(dir.join("fail")).unwrap();
+        eventually("retried after the failure", || !calls(&dir).is_empty());
+        assert_eq!(calls(&dir)[0], "update NodeName=n7 Weight=26");
+        p.set(51);
+        p.set(1);
+        eventually("the latest weight is published", || {
+            calls(&dir).last().map(String::as_str) == Some("update NodeName=n7 Weight=1")
+        });
+        let n = calls(&dir).len();
+        eventually("published again without a change", || calls(&dir).len() > n);
+        assert!(calls(&dir)[n..].iter().all(|c| c == "update NodeName=n7 Weight=1"));
+        drop(p);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
