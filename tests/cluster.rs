@@ -52,6 +52,15 @@ fn multiplexed_job_runs_where_the_daemon_decided() {
         .expect("the daemon recorded the job");
     assert_eq!((app.as_str(), db_gpu, exit), ("itest-bert", gpu, Some(0)));
     assert!(finished.is_some(), "the step's end was reported");
+    // It ran alone and succeeded: the daemon learned the application's solo runtime.
+    let runs: i64 = db
+        .query_row(
+            "SELECT s.observations FROM solo_baselines s JOIN applications a ON a.id = s.app_id WHERE a.name = 'itest-bert'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("a solo baseline for itest-bert");
+    assert!(runs >= 1);
 }
 
 #[test]

@@ -63,7 +63,39 @@ const MIGRATIONS: &[&str] = &[
         oom INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (gpu_model, app_id, other_id)
      );",
+    // 2: learning. How long an application's job takes alone, per GPU model.
+    "CREATE TABLE solo_baselines (
+        gpu_model TEXT NOT NULL,
+        app_id INTEGER NOT NULL REFERENCES applications(id),
+        runtime_s REAL NOT NULL,
+        observations INTEGER NOT NULL,
+        PRIMARY KEY (gpu_model, app_id)
+     );
+     CREATE INDEX jobs_by_app ON jobs(app_id, gpu_model, finished_at);",
 ];
+
+/// How many of an application's latest finished jobs its speeds are fitted from.
+const LEARN_WINDOW: i64 = 200;
+/// The solo baseline is a running mean over at most this many runs (later runs weigh more).
+const SOLO_WINDOW: i64 = 20;
+
+/// What one finished job taught the history.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Learned {
+    /// Nothing: the job failed, or was not found.
+    Nothing(&'static str),
+    /// It ran alone: the application's solo runtime is now `runtime_s` (from `runs` runs),
+    /// and its speeds beside others were fitted again.
+    Solo {
+        runtime_s: f64,
+        runs: i64,
+        fits: Vec<crate::learn::Fit>,
+    },
+    /// It shared its GPU: the application's speeds beside its partners.
+    Shared { fits: Vec<crate::learn::Fit> },
+    /// It shared, but the application has no solo runtime yet to compare with.
+    NoBaseline,
+}
 
 /// A history problem; the text says which file and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -281,6 +313,104 @@ impl History {
         Ok(())
     }
 
+    /// Learns from the finished job `job_row`: its solo runtime if it ran alone, and the
+    /// pairwise speeds of its application from its latest jobs (see [`crate::learn`]).
+    /// Estimates are written for both sides of each pair. Jobs that failed teach nothing (their
+    /// runtime is not one run's work), nor do stretches with more than one partner at once.
+    pub fn learn_from(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
+        let tx = self.conn.transaction()?;
+        type JobRow = (i64, String, f64, Option<f64>, Option<i32>);
+        let job: Option<JobRow> = tx
+            .query_row(
+                "SELECT app_id, gpu_model, started_at, finished_at, exit_status FROM jobs WHERE id = ?1",
+                [job_row],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .optional()?;
+        let Some((app_id, model, started, Some(finished), exit)) = job else {
+            return Ok(Learned::Nothing("the job has not finished here"));
+        };
+        if exit != Some(0) {
+            return Ok(Learned::Nothing("the job failed"));
+        }
+        let equation = equation_of(&tx, job_row)?;
+        let mut solo = None;
+        if let Some(eq) = &equation {
+            if eq.shared.is_empty() {
+                let runtime = finished - started;
+                let old: Option<(f64, i64)> = tx
+                    .query_row(
+                        "SELECT runtime_s, observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                        params![model, app_id],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )
+                    .optional()?;
+                let (mean, runs) = match old {
+                    Some((m, n)) => {
+                        let w = n.min(SOLO_WINDOW - 1) as f64;
+                        ((m * w + runtime) / (w + 1.0), n + 1)
+                    }
+                    None => (runtime, 1),
+                };
+                tx.execute(
+                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                    params![model, app_id, mean, runs],
+                )?;
+                solo = Some((mean, runs));
+            }
+        }
+        let baseline: Option<f64> = tx
+            .query_row(
+                "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                params![model, app_id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(baseline) = baseline else {
+            tx.commit()?;
+            return Ok(Learned::NoBaseline);
+        };
+        let rows: Vec<i64> = tx
+            .prepare_cached(
+                "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2 AND finished_at IS NOT NULL
+                 AND exit_status = 0 ORDER BY finished_at DESC LIMIT ?3",
+            )?
+            .query_map(params![app_id, model, LEARN_WINDOW], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        let mut equations = Vec::new();
+        for row in rows {
+            if let Some(eq) = equation_of(&tx, row)? {
+                equations.push(eq);
+            }
+        }
+        let fits = crate::learn::fit(&equations, baseline, prior);
+        for f in &fits {
+            let other_id: i64 = tx.query_row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
+                r.get(0)
+            })?;
+            tx.execute(
+                "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
+                params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
+            )?;
+            // The partner's row sees this side as `other_speed`.
+            tx.execute(
+                "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5,
+                   observations = max(observations, ?6)",
+                params![model, other_id, app_id, prior, f.speed, f.observations],
+            )?;
+        }
+        tx.commit()?;
+        Ok(match solo {
+            Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
+            None => Learned::Shared { fits },
+        })
+    }
+
     /// The connection, for read-only queries by tools and tests.
     pub fn connection(&self) -> &Connection {
         &self.conn
@@ -310,6 +440,47 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
         }
     }
     Ok(())
+}
+
+/// The learning equation of a finished job: seconds alone and seconds beside each partner
+/// application; `None` when a stretch had several partners at once (the linear model does not
+/// hold there) or an interval is still open.
+fn equation_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Option<crate::learn::Equation>> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT i.started_at, i.ended_at, a.name FROM intervals i
+         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+         WHERE i.job_row = ?1 ORDER BY i.started_at",
+    )?;
+    let rows: Vec<(f64, Option<f64>, Option<String>)> = stmt
+        .query_map([job_row], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    let mut eq = crate::learn::Equation {
+        alone_s: 0.0,
+        shared: Vec::new(),
+    };
+    // Partner rows of one stretch share its start: two of them mean two partners at once.
+    let mut last_partner_start = f64::NAN;
+    for (start, end, partner) in rows {
+        let Some(end) = end else { return Ok(None) };
+        if end <= start {
+            continue; // membership changed twice at one instant
+        }
+        if partner.is_some() {
+            if start == last_partner_start {
+                return Ok(None);
+            }
+            last_partner_start = start;
+        }
+        let t = (end - start).max(0.0);
+        match partner {
+            None => eq.alone_s += t,
+            Some(p) => match eq.shared.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, acc)) => *acc += t,
+                None => eq.shared.push((p, t)),
+            },
+        }
+    }
+    Ok(Some(eq))
 }
 
 impl PairHistory for History {

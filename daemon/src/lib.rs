@@ -4,6 +4,7 @@
 pub mod config;
 pub mod gpus;
 pub mod history;
+pub mod learn;
 pub mod node;
 pub mod placement;
 pub mod server;

@@ -2,7 +2,7 @@
 //! finish and status requests. The server calls this; tests call it directly.
 
 use crate::config::{Config, GpuSpec};
-use crate::history::{ActiveJob, History, HistoryError, NewJob};
+use crate::history::{ActiveJob, History, HistoryError, Learned, NewJob};
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer};
 use multiplex_protocol::{FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, Response, TaskStatus};
 
@@ -256,6 +256,9 @@ impl Node {
             .collect();
         self.history
             .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
+        if releases {
+            self.learn(job);
+        }
         tracing::info!(
             job = req.job_id,
             step = req.step_id,
@@ -264,6 +267,31 @@ impl Node {
             "finished"
         );
         Ok(Response::Finished)
+    }
+
+    /// Learns from a job that ended. Learning failing is logged, never the job's problem.
+    fn learn(&mut self, job: &ActiveJob) {
+        let prior = self.config.policy.unknown_pair_speed;
+        match self.history.learn_from(job.row, prior) {
+            Ok(Learned::Solo { runtime_s, runs, fits }) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                solo_s = format!("{runtime_s:.1}"),
+                runs,
+                pairs = %describe(&fits),
+                "learned the solo runtime"
+            ),
+            Ok(Learned::Shared { fits }) => {
+                tracing::info!(job = job.job_id, app = %job.app, pairs = %describe(&fits), "learned pair speeds")
+            }
+            Ok(Learned::NoBaseline) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                "shared its GPU, but this application has no solo runtime yet to compare with"
+            ),
+            Ok(Learned::Nothing(why)) => tracing::debug!(job = job.job_id, why, "nothing learned"),
+            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from the job failed"),
+        }
     }
 
     /// What runs where.
@@ -293,4 +321,11 @@ impl Node {
                 .collect(),
         })
     }
+}
+
+fn describe(fits: &[crate::learn::Fit]) -> String {
+    fits.iter()
+        .map(|f| format!("{}:{:.2}({})", f.partner, f.speed, f.observations))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

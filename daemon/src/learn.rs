@@ -1,0 +1,209 @@
+//! Learning pairwise speeds from start and end times alone (design: "Learning interference
+//! without touching the job"). Pure: the history feeds it equations, it returns estimates.
+//!
+//! A finished job of application A that ran `alone_s` seconds alone and `t_B` seconds beside
+//! each partner application B did the work of one solo run of A, which takes `solo_s`:
+//!
+//! ```text
+//!     alone_s + sum over B of t_B * s(A, B) = solo_s
+//! ```
+//!
+//! Many such jobs give a least-squares problem for the speeds s(A, B). It is solved with a
+//! small ridge term towards the prior, so that a partner seen in one mixed equation only gets a
+//! sensible value instead of an arbitrary one, and speeds are kept in [`MIN_SPEED`, 1].
+
+/// One finished job's equation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Equation {
+    /// Seconds the job ran with its GPU to itself.
+    pub alone_s: f64,
+    /// Seconds it ran beside each partner application.
+    pub shared: Vec<(String, f64)>,
+}
+
+/// A learned speed of the application beside one partner application.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub partner: String,
+    /// Speed relative to running alone.
+    pub speed: f64,
+    /// Jobs whose equation involves this partner.
+    pub observations: u32,
+    /// A rough variance of the speed (residual variance over the partner's shared time).
+    pub variance: f64,
+}
+
+/// No job slows down to less than this (a floor against noise and nonsense).
+pub const MIN_SPEED: f64 = 0.05;
+
+/// Relative weight of the prior (ridge term, scaled by the data).
+const RIDGE: f64 = 1e-3;
+
+/// Fits the speeds of an application whose solo runtime is `solo_s`, from its jobs' equations.
+pub fn fit(equations: &[Equation], solo_s: f64, prior: f64) -> Vec<Fit> {
+    let mut partners: Vec<String> = equations
+        .iter()
+        .flat_map(|e| e.shared.iter().filter(|(_, t)| *t > 0.0).map(|(p, _)| p.clone()))
+        .collect();
+    partners.sort();
+    partners.dedup();
+    let n = partners.len();
+    if n == 0 || solo_s <= 0.0 {
+        return Vec::new();
+    }
+    let col = |p: &str| {
+        partners
+            .binary_search_by(|q| q.as_str().cmp(p))
+            .expect("collected above")
+    };
+    // Normal equations (A^T A + λI) s = A^T r + λ prior.
+    let mut m = vec![vec![0.0; n]; n];
+    let mut v = vec![0.0; n];
+    let mut obs = vec![0u32; n];
+    let mut rows: Vec<(Vec<(usize, f64)>, f64)> = Vec::new();
+    for e in equations {
+        let mut row: Vec<(usize, f64)> = Vec::new();
+        for (p, t) in &e.shared {
+            if *t > 0.0 {
+                let c = col(p);
+                match row.iter_mut().find(|(k, _)| *k == c) {
+                    Some((_, acc)) => *acc += t,
+                    None => row.push((c, *t)),
+                }
+            }
+        }
+        if row.is_empty() {
+            continue;
+        }
+        let r = solo_s - e.alone_s;
+        for &(i, ti) in &row {
+            obs[i] += 1;
+            v[i] += ti * r;
+            for &(j, tj) in &row {
+                m[i][j] += ti * tj;
+            }
+        }
+        rows.push((row, r));
+    }
+    let scale = (0..n).map(|i| m[i][i]).sum::<f64>() / n as f64;
+    let lambda = RIDGE * scale.max(f64::MIN_POSITIVE);
+    for i in 0..n {
+        m[i][i] += lambda;
+        v[i] += lambda * prior;
+    }
+    let speeds = solve(m.clone(), v).unwrap_or_else(|| vec![prior; n]);
+    let speeds: Vec<f64> = speeds.into_iter().map(|s| s.clamp(MIN_SPEED, 1.0)).collect();
+    let dof = rows.len().saturating_sub(n).max(1) as f64;
+    let rss: f64 = rows
+        .iter()
+        .map(|(row, r)| {
+            let predicted: f64 = row.iter().map(|&(i, t)| t * speeds[i]).sum();
+            (predicted - r).powi(2)
+        })
+        .sum();
+    partners
+        .into_iter()
+        .enumerate()
+        .map(|(i, partner)| Fit {
+            partner,
+            speed: speeds[i],
+            observations: obs[i],
+            variance: rss / dof / (m[i][i] - lambda).max(f64::MIN_POSITIVE),
+        })
+        .collect()
+}
+
+/// Solves `m x = v` by Gaussian elimination with partial pivoting; `None` if singular.
+fn solve(mut m: Vec<Vec<f64>>, mut v: Vec<f64>) -> Option<Vec<f64>> {
+    let n = v.len();
+    for c in 0..n {
+        let p = (c..n).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
+        if m[p][c].abs() < 1e-12 {
+            return None;
+        }
+        m.swap(c, p);
+        v.swap(c, p);
+        for r in c + 1..n {
+            let f = m[r][c] / m[c][c];
+            if f != 0.0 {
+                let (top, bottom) = m.split_at_mut(r);
+                for (x, p) in bottom[0][c..].iter_mut().zip(&top[c][c..]) {
+                    *x -= f * p;
+                }
+                v[r] -= f * v[c];
+            }
+        }
+    }
+    let mut x = vec![0.0; n];
+    for c in (0..n).rev() {
+        let s: f64 = (c + 1..n).map(|k| m[c][k] * x[k]).sum();
+        x[c] = (v[c] - s) / m[c][c];
+    }
+    Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eq(alone_s: f64, shared: &[(&str, f64)]) -> Equation {
+        Equation {
+            alone_s,
+            shared: shared.iter().map(|(p, t)| (p.to_string(), *t)).collect(),
+        }
+    }
+
+    #[test]
+    fn one_job_beside_one_partner_by_hand() {
+        // Solo 100 s. It ran 20 s alone and 100 s beside b: 20 + 100 s = 100, s = 0.8.
+        let f = fit(&[eq(20.0, &[("b", 100.0)])], 100.0, 0.7);
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].partner.as_str(), f[0].observations), ("b", 1));
+        assert!((f[0].speed - 0.8).abs() < 1e-3, "{f:?}");
+    }
+
+    #[test]
+    fn several_partners_are_separated_by_least_squares() {
+        // True speeds beside b, c, d: 0.9, 0.5, 0.65. Jobs mix them in different proportions.
+        let truth = [("b", 0.9), ("c", 0.5), ("d", 0.65)];
+        let solo = 3600.0;
+        let mixes: [[f64; 3]; 5] = [
+            [1.0, 0.0, 0.0],
+            [0.3, 0.7, 0.0],
+            [0.0, 0.4, 0.6],
+            [0.2, 0.2, 0.6],
+            [0.5, 0.0, 0.5],
+        ];
+        // A job runs alone for a while; the rest of its work (in solo seconds) is done beside
+        // each partner in the mix's proportions, taking work / speed seconds there.
+        let eqs: Vec<Equation> = mixes
+            .iter()
+            .enumerate()
+            .map(|(k, mix)| {
+                let alone = 100.0 * k as f64;
+                let work = solo - alone;
+                let shared: Vec<(&str, f64)> = mix.iter().zip(truth).map(|(w, (p, s))| (p, w * work / s)).collect();
+                eq(alone, &shared)
+            })
+            .collect();
+        let f = fit(&eqs, solo, 0.7);
+        for ((p, s), got) in truth.iter().zip(&f) {
+            assert_eq!(&got.partner, p);
+            assert!((got.speed - s).abs() < 0.01, "{p}: {} vs {s}", got.speed);
+        }
+    }
+
+    #[test]
+    fn underdetermined_and_degenerate_inputs_stay_sane() {
+        // One equation, two partners: both get a value in range, not nonsense.
+        let f = fit(&[eq(0.0, &[("b", 60.0), ("c", 60.0)])], 100.0, 0.7);
+        assert_eq!(f.len(), 2);
+        assert!(f.iter().all(|x| (MIN_SPEED..=1.0).contains(&x.speed)), "{f:?}");
+        // A job faster than solo beside a partner (noise): capped at 1.
+        let f = fit(&[eq(0.0, &[("b", 50.0)])], 100.0, 0.7);
+        assert_eq!(f[0].speed, 1.0);
+        // Nothing shared, or no baseline: nothing to learn.
+        assert!(fit(&[eq(100.0, &[])], 100.0, 0.7).is_empty());
+        assert!(fit(&[eq(0.0, &[("b", 50.0)])], 0.0, 0.7).is_empty());
+    }
+}

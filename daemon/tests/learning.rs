@@ -1,0 +1,135 @@
+//! Learning end to end through the node's own API on a real SQLite file, with a clock the test
+//! moves: a solo run sets the baseline, shared runs give pair speeds, and the next placement
+//! reads them.
+
+use multiplex_protocol::{FinishRequest, PlaceRequest, Response};
+use multiplexd::config::{Config, GpuSpec};
+use multiplexd::node::Node;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+struct World {
+    node: Node,
+    now: Arc<AtomicU64>,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    fn new() -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::parse(&format!(
+            "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n",
+            d = dir.path().display()
+        ))
+        .unwrap();
+        let gpus = vec![GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+        }];
+        let now = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let clock = {
+            let now = Arc::clone(&now);
+            Box::new(move || f64::from_bits(now.load(Ordering::SeqCst)))
+        };
+        World {
+            node: Node::open(config, gpus, clock).unwrap(),
+            now,
+            _dir: dir,
+        }
+    }
+
+    fn at(&mut self, t: f64) -> &mut Node {
+        self.now.store(t.to_bits(), Ordering::SeqCst);
+        &mut self.node
+    }
+
+    fn start(&mut self, t: f64, job_id: u32, app: &str) -> Response {
+        self.at(t)
+            .place(&PlaceRequest {
+                job_id,
+                step_id: 0xffff_fffb,
+                uid: 1000,
+                app: app.into(),
+                mem_mb: None,
+                node: "n1".into(),
+                slurm_cuda_visible_devices: Some("0".into()),
+                slurm_job_gpus: Some("0".into()),
+                slurm_shards_on_node: Some("1".into()),
+            })
+            .unwrap()
+    }
+
+    fn end(&mut self, t: f64, job_id: u32, exit_status: i32) {
+        self.at(t)
+            .finish(&FinishRequest {
+                job_id,
+                step_id: 0xffff_fffb,
+                exit_status,
+            })
+            .unwrap();
+    }
+
+    fn estimate(&self, app: &str, other: &str) -> Option<(f64, f64, u32)> {
+        use multiplexd::placement::PairHistory;
+        self.node
+            .history()
+            .pair("v100", app, other)
+            .map(|e| (e.speed, e.other_speed, e.observations))
+    }
+}
+
+#[test]
+fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
+    let mut w = World::new();
+    // bert alone: 100 s; resnet alone: 50 s.
+    w.start(0.0, 1, "bert");
+    w.end(100.0, 1, 0);
+    w.start(100.0, 2, "resnet");
+    w.end(150.0, 2, 0);
+    // Together: bert 200..325 beside resnet 200..275, then alone 275..325.
+    // bert: 50 s alone + 75 s beside resnet = 100 s of work: s(bert, resnet) = 50/75 = 0.667.
+    // resnet: 75 s beside bert = 50 s of work: s(resnet, bert) = 50/75 = 0.667.
+    w.start(200.0, 3, "bert");
+    w.start(200.0, 4, "resnet");
+    w.end(275.0, 4, 0);
+    w.end(325.0, 3, 0);
+    let (bert, resnet_side, n) = w.estimate("bert", "resnet").expect("learned");
+    assert!((bert - 2.0 / 3.0).abs() < 0.01, "{bert}");
+    assert!((resnet_side - 2.0 / 3.0).abs() < 0.01, "{resnet_side}");
+    assert_eq!(n, 1);
+    let (resnet, bert_side, _) = w.estimate("resnet", "bert").expect("both sides");
+    assert!((resnet - bert_side).abs() < 1e-9 || (bert_side - bert).abs() < 0.01);
+    assert!((resnet - 2.0 / 3.0).abs() < 0.01, "{resnet}");
+
+    // The next bert beside a running resnet is predicted from what was learned.
+    w.start(400.0, 5, "resnet");
+    match w.start(400.0, 6, "bert") {
+        Response::Placed(p) => {
+            assert!((p.predicted_speed - 2.0 / 3.0).abs() < 0.01, "{p:?}");
+            assert!(p.reason.contains("from 1 observations"), "{}", p.reason);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn failed_jobs_and_missing_baselines_teach_nothing() {
+    let mut w = World::new();
+    // Shared before any solo run: no baseline, nothing learned yet.
+    w.start(0.0, 1, "a");
+    w.start(0.0, 2, "b");
+    w.end(80.0, 2, 0);
+    w.end(100.0, 1, 0);
+    assert_eq!(w.estimate("a", "b"), None);
+    // A failed solo run is not a baseline.
+    w.start(200.0, 3, "a");
+    w.end(210.0, 3, 256);
+    assert_eq!(w.estimate("a", "b"), None);
+    // A good solo run of a (60 s) makes the earlier shared job count: 20 s alone + 80 s
+    // beside b = 60 s of work: s(a, b) = 0.5.
+    w.start(300.0, 4, "a");
+    w.end(360.0, 4, 0);
+    let (a, _, _) = w.estimate("a", "b").expect("learned from the earlier job");
+    assert!((a - 0.5).abs() < 0.01, "{a}");
+}
