@@ -612,3 +612,40 @@ fn slurm_fills_an_idle_node_before_it_pairs_jobs() {
         "weights fall back when the jobs end"
     );
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_that_ends_while_its_daemon_is_down_frees_its_slot_later() {
+    let c = Cluster::from_env();
+    let job = c.submit(&[
+        "--multiplex=app=itest-missed",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 3",
+    ]);
+    let recorded = |c: &Cluster| -> Option<Option<f64>> {
+        c.history("n1")
+            .query_row("SELECT finished_at FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
+            .ok()
+    };
+    assert!(wait_until(WAIT, || recorded(&c).is_some()), "the daemon placed the job");
+    let stopped = c.stop_daemon("n1");
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    assert_eq!(recorded(&c), Some(None), "its end was missed");
+    drop(stopped);
+    // The restarted daemon asks Slurm (squeue) and frees the slot.
+    assert!(
+        wait_until(Duration::from_secs(30), || matches!(recorded(&c), Some(Some(_)))),
+        "the slot was freed"
+    );
+    let log = std::fs::read_to_string(c.path("log/multiplexd-n1.log")).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&format!("job={job}")) && l.contains("its end was never reported")),
+        "the daemon said why"
+    );
+}

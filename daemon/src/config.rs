@@ -1,5 +1,6 @@
 //! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
 
+use crate::reconcile::ReconcileConfig;
 use crate::weight::WeightConfig;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,16 @@ struct RawConfig {
     policy: RawPolicy,
     #[serde(default)]
     weight: RawWeight,
+    #[serde(default)]
+    reconcile: RawReconcile,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReconcile {
+    interval_s: Option<u64>,
+    squeue: Option<PathBuf>,
+    grace_s: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -89,6 +100,7 @@ pub struct Config {
     pub gpus: GpuSource,
     pub policy: PolicyConfig,
     pub weight: WeightConfig,
+    pub reconcile: ReconcileConfig,
 }
 
 /// A configuration that cannot be used; the text names the file and the problem.
@@ -166,8 +178,18 @@ impl Config {
             scontrol: raw.weight.scontrol.unwrap_or(dw.scontrol),
             retry: dw.retry,
         };
+        let dr = ReconcileConfig::default();
+        let reconcile = ReconcileConfig {
+            interval_s: raw.reconcile.interval_s.unwrap_or(dr.interval_s),
+            squeue: raw.reconcile.squeue.unwrap_or(dr.squeue),
+            grace_s: raw.reconcile.grace_s.unwrap_or(dr.grace_s),
+        };
+        if reconcile.grace_s.is_nan() || reconcile.grace_s < 1.0 {
+            return Err(format!("reconcile.grace_s = {}: must be at least 1", reconcile.grace_s));
+        }
         Ok(Config {
             weight,
+            reconcile,
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
@@ -231,6 +253,7 @@ mod tests {
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             ("[policy]\nexplore = true", "unknown field `explore`"),
             ("[weight]\nbase = 0", "weight.base = 0"),
+            ("[reconcile]\ngrace_s = 0.5", "reconcile.grace_s = 0.5"),
             ("[weight]\npublish = 1", "invalid type"),
         ];
         for (text, want) in cases {

@@ -293,11 +293,36 @@ impl History {
         remaining: &[i64],
         now: f64,
     ) -> Result<(), HistoryError> {
+        self.end(job_row, Some((step_id, exit_status)), releases, remaining, now)
+    }
+
+    /// Records that a job is gone without its end being reported (it ended while the daemon
+    /// was down, or its node's slurmstepd died): its slot is freed, its exit status stays
+    /// unknown, and nothing is learned from it.
+    pub fn record_gone(&mut self, job_row: i64, remaining: &[i64], now: f64) -> Result<(), HistoryError> {
+        self.end(job_row, None, true, remaining, now)
+    }
+
+    fn end(
+        &mut self,
+        job_row: i64,
+        step: Option<(u32, i32)>,
+        releases: bool,
+        remaining: &[i64],
+        now: f64,
+    ) -> Result<(), HistoryError> {
+        let exit_status = step.map(|(_, e)| e);
         let tx = self.conn.transaction()?;
-        tx.execute(
-            "UPDATE steps SET finished_at = ?3, exit_status = ?4 WHERE job_row = ?1 AND step_id = ?2 AND finished_at IS NULL",
-            params![job_row, step_id, now, exit_status],
-        )?;
+        match step {
+            Some((step_id, exit)) => tx.execute(
+                "UPDATE steps SET finished_at = ?3, exit_status = ?4 WHERE job_row = ?1 AND step_id = ?2 AND finished_at IS NULL",
+                params![job_row, step_id, now, exit],
+            )?,
+            None => tx.execute(
+                "UPDATE steps SET finished_at = ?2 WHERE job_row = ?1 AND finished_at IS NULL",
+                params![job_row, now],
+            )?,
+        };
         if releases {
             tx.execute(
                 "UPDATE jobs SET finished_at = ?2, exit_status = ?3 WHERE id = ?1 AND finished_at IS NULL",

@@ -1,11 +1,13 @@
 //! `multiplexd`: the per-node daemon that decides which shared GPU each multiplexed job joins,
 //! keeps the interference history, and learns from every finished job.
 
+pub mod command;
 pub mod config;
 pub mod gpus;
 pub mod history;
 pub mod learn;
 pub mod node;
 pub mod placement;
+pub mod reconcile;
 pub mod server;
 pub mod weight;

@@ -71,6 +71,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
     let socket = config.socket.clone();
     let node_name = config.node.clone();
     let weight = config.weight.clone();
+    let reconcile = config.reconcile.clone();
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
     // Block the stop signals before any thread starts, so only the waiting thread sees them.
@@ -98,7 +99,9 @@ fn serve(config_path: &Path) -> Result<(), String> {
             let _ = std::os::unix::net::UnixStream::connect(&socket);
         });
     }
-    server::run(listener, Arc::new(Mutex::new(node)), access, shutdown);
+    let node = Arc::new(Mutex::new(node));
+    multiplexd::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    server::run(listener, node, access, shutdown);
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
     Ok(())

@@ -294,6 +294,42 @@ impl Node {
         }
     }
 
+    /// Frees the slots of jobs that Slurm no longer runs on this node (their end was never
+    /// reported: the daemon was down, or slurmstepd died). `running` is what Slurm says runs
+    /// here; jobs placed less than `grace_s` ago are left alone. Returns the freed job ids.
+    pub fn reconcile(
+        &mut self,
+        running: &std::collections::HashSet<u32>,
+        grace_s: f64,
+    ) -> Result<Vec<u32>, HistoryError> {
+        let now = (self.clock)();
+        let active = self.active()?;
+        let mut gone = Vec::new();
+        for job in &active {
+            if running.contains(&job.job_id) || now - job.started_at < grace_s {
+                continue;
+            }
+            let remaining: Vec<i64> = self
+                .active()?
+                .iter()
+                .filter(|o| o.gpu == job.gpu && o.row != job.row)
+                .map(|o| o.row)
+                .collect();
+            self.history.record_gone(job.row, &remaining, now)?;
+            tracing::warn!(
+                job = job.job_id,
+                gpu = job.gpu,
+                app = %job.app,
+                "Slurm no longer runs this job here and its end was never reported; its slot is free again"
+            );
+            gone.push(job.job_id);
+        }
+        if !gone.is_empty() {
+            self.report_load();
+        }
+        Ok(gone)
+    }
+
     /// What runs where.
     pub fn status(&self) -> Result<NodeStatus, HistoryError> {
         let active = self.active()?;

@@ -8,7 +8,6 @@
 //! `republish_s` (slurmctld forgets it on restart and reconfigure), and retried after failures.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -151,38 +150,12 @@ fn run(node: &str, config: &WeightConfig, shared: &(Mutex<Want>, Condvar)) {
 
 /// Runs `scontrol update NodeName=node Weight=weight`, killing it after [`CALL_TIMEOUT`].
 fn update_weight(scontrol: &std::path::Path, node: &str, weight: u32) -> Result<(), String> {
-    let mut child = Command::new(scontrol)
-        .args(["update", &format!("NodeName={node}"), &format!("Weight={weight}")])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", scontrol.display()))?;
-    let start = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) if status.success() => return Ok(()),
-            Ok(Some(status)) => {
-                let mut err = String::new();
-                if let Some(mut e) = child.stderr.take() {
-                    use std::io::Read;
-                    let _ = e.read_to_string(&mut err);
-                }
-                return Err(format!("{} exited with {status}: {}", scontrol.display(), err.trim()));
-            }
-            Ok(None) if start.elapsed() > CALL_TIMEOUT => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "{} did not finish within {} s",
-                    scontrol.display(),
-                    CALL_TIMEOUT.as_secs()
-                ));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("waiting for {}: {e}", scontrol.display())),
-        }
-    }
+    let args = [
+        "update".to_string(),
+        format!("NodeName={node}"),
+        format!("Weight={weight}"),
+    ];
+    crate::command::run(scontrol, &args, CALL_TIMEOUT).map(|_| ())
 }
 
 #[cfg(test)]

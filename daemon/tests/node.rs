@@ -1,6 +1,6 @@
-//! Learning end to end through the node's own API on a real SQLite file, with a clock the test
-//! moves: a solo run sets the baseline, shared runs give pair speeds, and the next placement
-//! reads them.
+//! The node's own API on a real SQLite file, with a clock the test moves: learning end to end
+//! (a solo run sets the baseline, shared runs give pair speeds, the next placement reads them),
+//! and reconciling with what Slurm runs.
 
 use multiplex_protocol::{FinishRequest, PlaceRequest, Response};
 use multiplexd::config::{Config, GpuSpec};
@@ -132,4 +132,41 @@ fn failed_jobs_and_missing_baselines_teach_nothing() {
     w.end(360.0, 4, 0);
     let (a, _, _) = w.estimate("a", "b").expect("learned from the earlier job");
     assert!((a - 0.5).abs() < 0.01, "{a}");
+}
+
+#[test]
+fn jobs_slurm_no_longer_runs_free_their_slots_and_teach_nothing() {
+    let mut w = World::new();
+    w.start(0.0, 1, "a");
+    w.start(0.0, 2, "b");
+    let running: std::collections::HashSet<u32> = [2].into();
+    assert_eq!(w.at(100.0).reconcile(&running, 30.0).unwrap(), vec![1]);
+    let jobs_here = |w: &World| {
+        let mut ids: Vec<u32> = w
+            .node
+            .status()
+            .unwrap()
+            .gpus
+            .iter()
+            .flat_map(|g| g.tasks.iter().map(|t| t.job_id))
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(jobs_here(&w), vec![2]);
+    let exit: Option<i32> = w
+        .node
+        .history()
+        .connection()
+        .query_row("SELECT exit_status FROM jobs WHERE job_id = 1", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(exit, None, "its exit status is unknown");
+    // A late report of its end changes nothing, and teaches nothing.
+    w.end(105.0, 1, 0);
+    assert_eq!(w.estimate("a", "b"), None);
+    // The freed slot takes a new job; one placed moments ago is left alone though Slurm does
+    // not list it yet.
+    assert!(matches!(w.start(110.0, 3, "c"), Response::Placed(_)));
+    assert!(w.at(120.0).reconcile(&running, 30.0).unwrap().is_empty());
+    assert_eq!(jobs_here(&w), vec![2, 3]);
 }
