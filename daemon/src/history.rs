@@ -71,7 +71,11 @@ const MIGRATIONS: &[&str] = &[
         observations INTEGER NOT NULL,
         PRIMARY KEY (gpu_model, app_id)
      );
-     CREATE INDEX jobs_by_app ON jobs(app_id, gpu_model, finished_at);",
+     CREATE INDEX jobs_by_app ON jobs(app_id, gpu_model, finished_at);
+     -- Learning reads every interval of a job.
+     CREATE INDEX intervals_by_job ON intervals(job_row);
+     -- What runs now, read on every request: without this, a scan of the whole history.
+     CREATE INDEX jobs_running ON jobs(node) WHERE finished_at IS NULL;",
 ];
 
 /// How many of an application's latest finished jobs its speeds are fitted from.
@@ -358,9 +362,9 @@ impl History {
         if exit != Some(0) {
             return Ok(Learned::Nothing("the job failed"));
         }
-        let equation = equation_of(&tx, job_row)?;
+        let this = equation(intervals_of(&tx, job_row)?.into_iter());
         let mut solo = None;
-        if let Some(eq) = &equation {
+        if let Some(eq) = &this {
             if eq.shared.is_empty() {
                 let runtime = finished - started;
                 let old: Option<(f64, i64)> = tx
@@ -396,20 +400,30 @@ impl History {
             tx.commit()?;
             return Ok(Learned::NoBaseline);
         };
-        let rows: Vec<i64> = tx
+        // Every interval of the application's latest jobs, in one query.
+        let rows: Vec<(i64, IntervalRow)> = tx
             .prepare_cached(
-                "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2 AND finished_at IS NOT NULL
-                 AND exit_status = 0 ORDER BY finished_at DESC LIMIT ?3",
+                "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
+                 LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+                 WHERE i.job_row IN (SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+                                     AND finished_at IS NOT NULL AND exit_status = 0
+                                     ORDER BY finished_at DESC LIMIT ?3)
+                 ORDER BY i.job_row, i.started_at",
             )?
-            .query_map(params![app_id, model, LEARN_WINDOW], |r| r.get(0))?
+            .query_map(params![app_id, model, LEARN_WINDOW], |r| {
+                Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
+            })?
             .collect::<Result<_, _>>()?;
-        let mut equations = Vec::new();
-        for row in rows {
-            if let Some(eq) = equation_of(&tx, row)? {
-                equations.push(eq);
-            }
-        }
-        let fits = crate::learn::fit(&equations, baseline, prior);
+        let equations: Vec<crate::learn::Equation> = rows
+            .chunk_by(|a, b| a.0 == b.0)
+            .filter_map(|job| equation(job.iter().map(|(_, r)| r.clone())))
+            .collect();
+        // A new solo runtime changes every speed; a shared run only those linked to its partners.
+        let partners: Option<Vec<String>> = match (&solo, &this) {
+            (None, Some(eq)) => Some(eq.shared.iter().map(|(p, _)| p.clone()).collect()),
+            _ => None,
+        };
+        let fits = crate::learn::fit(&equations, baseline, prior, partners.as_deref());
         for f in &fits {
             let other_id: i64 = tx.query_row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
                 r.get(0)
@@ -467,18 +481,24 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
     Ok(())
 }
 
-/// The learning equation of a finished job: seconds alone and seconds beside each partner
-/// application; `None` when a stretch had several partners at once (the linear model does not
-/// hold there) or an interval is still open.
-fn equation_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Option<crate::learn::Equation>> {
+/// One interval of a job: start, end (`None` while open), partner application (`None`: alone).
+type IntervalRow = (f64, Option<f64>, Option<String>);
+
+/// The intervals of the job `job_row`, in time order.
+fn intervals_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Vec<IntervalRow>> {
     let mut stmt = tx.prepare_cached(
         "SELECT i.started_at, i.ended_at, a.name FROM intervals i
          LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
          WHERE i.job_row = ?1 ORDER BY i.started_at",
     )?;
-    let rows: Vec<(f64, Option<f64>, Option<String>)> = stmt
-        .query_map([job_row], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-        .collect::<Result<_, _>>()?;
+    let rows = stmt.query_map([job_row], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    rows.collect()
+}
+
+/// The learning equation of a finished job from its intervals in time order: seconds alone
+/// and seconds beside each partner application; `None` when a stretch had several partners at
+/// once (the linear model does not hold there) or an interval is still open.
+fn equation(rows: impl Iterator<Item = IntervalRow>) -> Option<crate::learn::Equation> {
     let mut eq = crate::learn::Equation {
         alone_s: 0.0,
         shared: Vec::new(),
@@ -486,17 +506,17 @@ fn equation_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Opt
     // Partner rows of one stretch share its start: two of them mean two partners at once.
     let mut last_partner_start = f64::NAN;
     for (start, end, partner) in rows {
-        let Some(end) = end else { return Ok(None) };
+        let end = end?;
         if end <= start {
             continue; // membership changed twice at one instant
         }
         if partner.is_some() {
             if start == last_partner_start {
-                return Ok(None);
+                return None;
             }
             last_partner_start = start;
         }
-        let t = (end - start).max(0.0);
+        let t = end - start;
         match partner {
             None => eq.alone_s += t,
             Some(p) => match eq.shared.iter_mut().find(|(q, _)| *q == p) {
@@ -505,7 +525,7 @@ fn equation_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Opt
             },
         }
     }
-    Ok(Some(eq))
+    Some(eq)
 }
 
 impl PairHistory for History {
@@ -598,6 +618,28 @@ mod tests {
         drop(h);
         let h = History::open(&path).unwrap();
         assert_eq!(h.active_jobs("n1").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn equations_from_intervals() {
+        let row = |a: f64, b: Option<f64>, p: Option<&str>| (a, b, p.map(String::from));
+        // Alone 0-10, beside b 10-40, an instant beside c, alone 40-50.
+        let eq = equation(
+            [
+                row(0.0, Some(10.0), None),
+                row(10.0, Some(40.0), Some("b")),
+                row(40.0, Some(40.0), Some("c")),
+                row(40.0, Some(50.0), None),
+            ]
+            .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(eq.alone_s, 20.0);
+        assert_eq!(eq.shared, vec![("b".to_string(), 30.0)]);
+        // Two partners at once: the linear model does not hold, no equation.
+        assert!(equation([row(0.0, Some(5.0), Some("b")), row(0.0, Some(5.0), Some("c"))].into_iter()).is_none());
+        // Still open: no equation.
+        assert!(equation([row(0.0, None, None)].into_iter()).is_none());
     }
 
     #[test]

@@ -40,7 +40,12 @@ pub const MIN_SPEED: f64 = 0.05;
 const RIDGE: f64 = 1e-3;
 
 /// Fits the speeds of an application whose solo runtime is `solo_s`, from its jobs' equations.
-pub fn fit(equations: &[Equation], solo_s: f64, prior: f64) -> Vec<Fit> {
+///
+/// Partners that never appear in one equation together do not interact, so the problem splits
+/// into independent components (with two jobs per GPU, every partner is its own): each is
+/// solved on its own, and with `only` just the components of those partners are (the others
+/// cannot have changed when the solo runtime did not).
+pub fn fit(equations: &[Equation], solo_s: f64, prior: f64, only: Option<&[String]>) -> Vec<Fit> {
     let mut partners: Vec<String> = equations
         .iter()
         .flat_map(|e| e.shared.iter().filter(|(_, t)| *t > 0.0).map(|(p, _)| p.clone()))
@@ -51,21 +56,16 @@ pub fn fit(equations: &[Equation], solo_s: f64, prior: f64) -> Vec<Fit> {
     if n == 0 || solo_s <= 0.0 {
         return Vec::new();
     }
-    let col = |p: &str| {
-        partners
-            .binary_search_by(|q| q.as_str().cmp(p))
-            .expect("collected above")
-    };
-    // Normal equations (A^T A + λI) s = A^T r + λ prior.
-    let mut m = vec![vec![0.0; n]; n];
-    let mut v = vec![0.0; n];
-    let mut obs = vec![0u32; n];
+    let col = |p: &str| partners.binary_search_by(|q| q.as_str().cmp(p)).ok();
+    // Each equation as (column, seconds) pairs and its right-hand side.
     let mut rows: Vec<(Vec<(usize, f64)>, f64)> = Vec::new();
+    let mut obs = vec![0u32; n];
+    let mut diag = vec![0.0; n];
     for e in equations {
         let mut row: Vec<(usize, f64)> = Vec::new();
         for (p, t) in &e.shared {
             if *t > 0.0 {
-                let c = col(p);
+                let c = col(p).expect("collected above");
                 match row.iter_mut().find(|(k, _)| *k == c) {
                     Some((_, acc)) => *acc += t,
                     None => row.push((c, *t)),
@@ -75,42 +75,90 @@ pub fn fit(equations: &[Equation], solo_s: f64, prior: f64) -> Vec<Fit> {
         if row.is_empty() {
             continue;
         }
-        let r = solo_s - e.alone_s;
-        for &(i, ti) in &row {
+        for &(i, t) in &row {
             obs[i] += 1;
-            v[i] += ti * r;
-            for &(j, tj) in &row {
-                m[i][j] += ti * tj;
+            diag[i] += t * t;
+        }
+        rows.push((row, solo_s - e.alone_s));
+    }
+    let lambda = RIDGE * (diag.iter().sum::<f64>() / n as f64).max(f64::MIN_POSITIVE);
+
+    // Components of partners linked by shared equations (union-find).
+    let mut parent: Vec<usize> = (0..n).collect();
+    fn root(parent: &mut [usize], mut x: usize) -> usize {
+        while parent[x] != x {
+            parent[x] = parent[parent[x]];
+            x = parent[x];
+        }
+        x
+    }
+    for (row, _) in &rows {
+        for w in row.windows(2) {
+            let (a, b) = (root(&mut parent, w[0].0), root(&mut parent, w[1].0));
+            parent[a] = b;
+        }
+    }
+    let roots: Vec<usize> = (0..n).map(|c| root(&mut parent, c)).collect();
+    let wanted: Option<std::collections::HashSet<usize>> =
+        only.map(|o| o.iter().filter_map(|p| col(p)).map(|c| roots[c]).collect());
+    let mut members: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for (c, &r) in roots.iter().enumerate() {
+        if wanted.as_ref().is_none_or(|w| w.contains(&r)) {
+            members.entry(r).or_default().push(c);
+        }
+    }
+    let mut comp_rows: std::collections::HashMap<usize, Vec<usize>> = Default::default();
+    for (k, (row, _)) in rows.iter().enumerate() {
+        comp_rows.entry(roots[row[0].0]).or_default().push(k);
+    }
+
+    let mut fits = Vec::new();
+    for (r, cols) in members {
+        let k = cols.len();
+        let local = |c: usize| cols.binary_search(&c).expect("a member");
+        // Normal equations (A^T A + λI) s = A^T r + λ prior, for this component.
+        let mut m = vec![vec![0.0; k]; k];
+        let mut v = vec![0.0; k];
+        let these = comp_rows.get(&r).map(Vec::as_slice).unwrap_or(&[]);
+        for &ri in these {
+            let (row, rhs) = &rows[ri];
+            for &(i, ti) in row {
+                let li = local(i);
+                v[li] += ti * rhs;
+                for &(j, tj) in row {
+                    m[li][local(j)] += ti * tj;
+                }
             }
         }
-        rows.push((row, r));
+        for i in 0..k {
+            m[i][i] += lambda;
+            v[i] += lambda * prior;
+        }
+        let speeds: Vec<f64> = solve(m, v)
+            .unwrap_or_else(|| vec![prior; k])
+            .into_iter()
+            .map(|s| s.clamp(MIN_SPEED, 1.0))
+            .collect();
+        let dof = these.len().saturating_sub(k).max(1) as f64;
+        let rss: f64 = these
+            .iter()
+            .map(|&ri| {
+                let (row, rhs) = &rows[ri];
+                let predicted: f64 = row.iter().map(|&(i, t)| t * speeds[local(i)]).sum();
+                (predicted - rhs).powi(2)
+            })
+            .sum();
+        for (li, &c) in cols.iter().enumerate() {
+            fits.push(Fit {
+                partner: partners[c].clone(),
+                speed: speeds[li],
+                observations: obs[c],
+                variance: rss / dof / diag[c].max(f64::MIN_POSITIVE),
+            });
+        }
     }
-    let scale = (0..n).map(|i| m[i][i]).sum::<f64>() / n as f64;
-    let lambda = RIDGE * scale.max(f64::MIN_POSITIVE);
-    for i in 0..n {
-        m[i][i] += lambda;
-        v[i] += lambda * prior;
-    }
-    let speeds = solve(m.clone(), v).unwrap_or_else(|| vec![prior; n]);
-    let speeds: Vec<f64> = speeds.into_iter().map(|s| s.clamp(MIN_SPEED, 1.0)).collect();
-    let dof = rows.len().saturating_sub(n).max(1) as f64;
-    let rss: f64 = rows
-        .iter()
-        .map(|(row, r)| {
-            let predicted: f64 = row.iter().map(|&(i, t)| t * speeds[i]).sum();
-            (predicted - r).powi(2)
-        })
-        .sum();
-    partners
-        .into_iter()
-        .enumerate()
-        .map(|(i, partner)| Fit {
-            partner,
-            speed: speeds[i],
-            observations: obs[i],
-            variance: rss / dof / (m[i][i] - lambda).max(f64::MIN_POSITIVE),
-        })
-        .collect()
+    fits.sort_by(|a, b| a.partner.cmp(&b.partner));
+    fits
 }
 
 /// Solves `m x = v` by Gaussian elimination with partial pivoting; `None` if singular.
@@ -156,7 +204,7 @@ mod tests {
     #[test]
     fn one_job_beside_one_partner_by_hand() {
         // Solo 100 s. It ran 20 s alone and 100 s beside b: 20 + 100 s = 100, s = 0.8.
-        let f = fit(&[eq(20.0, &[("b", 100.0)])], 100.0, 0.7);
+        let f = fit(&[eq(20.0, &[("b", 100.0)])], 100.0, 0.7, None);
         assert_eq!(f.len(), 1);
         assert_eq!((f[0].partner.as_str(), f[0].observations), ("b", 1));
         assert!((f[0].speed - 0.8).abs() < 1e-3, "{f:?}");
@@ -186,7 +234,7 @@ mod tests {
                 eq(alone, &shared)
             })
             .collect();
-        let f = fit(&eqs, solo, 0.7);
+        let f = fit(&eqs, solo, 0.7, None);
         for ((p, s), got) in truth.iter().zip(&f) {
             assert_eq!(&got.partner, p);
             assert!((got.speed - s).abs() < 0.01, "{p}: {} vs {s}", got.speed);
@@ -194,16 +242,38 @@ mod tests {
     }
 
     #[test]
+    fn independent_partners_are_solved_apart_and_only_on_request() {
+        // b and c appear together; d alone. Asking for d solves only d's component.
+        let eqs = [
+            eq(0.0, &[("b", 50.0), ("c", 50.0)]),
+            eq(0.0, &[("b", 100.0), ("c", 25.0)]),
+            eq(50.0, &[("d", 100.0)]),
+        ];
+        let all = fit(&eqs, 100.0, 0.7, None);
+        assert_eq!(
+            all.iter().map(|f| f.partner.as_str()).collect::<Vec<_>>(),
+            ["b", "c", "d"]
+        );
+        let only_d = fit(&eqs, 100.0, 0.7, Some(&["d".to_string()]));
+        assert_eq!(only_d.len(), 1);
+        assert_eq!(only_d[0], all[2]);
+        assert!((only_d[0].speed - 0.5).abs() < 1e-3);
+        // Components give the same answer as one joint solve would: b, c from two equations.
+        // 50 b + 50 c = 100 and 100 b + 25 c = 100: b = 0.667, c = 1.333 -> clamped to 1.
+        assert!((all[0].speed - 2.0 / 3.0).abs() < 0.01, "{all:?}");
+    }
+
+    #[test]
     fn underdetermined_and_degenerate_inputs_stay_sane() {
         // One equation, two partners: both get a value in range, not nonsense.
-        let f = fit(&[eq(0.0, &[("b", 60.0), ("c", 60.0)])], 100.0, 0.7);
+        let f = fit(&[eq(0.0, &[("b", 60.0), ("c", 60.0)])], 100.0, 0.7, None);
         assert_eq!(f.len(), 2);
         assert!(f.iter().all(|x| (MIN_SPEED..=1.0).contains(&x.speed)), "{f:?}");
         // A job faster than solo beside a partner (noise): capped at 1.
-        let f = fit(&[eq(0.0, &[("b", 50.0)])], 100.0, 0.7);
+        let f = fit(&[eq(0.0, &[("b", 50.0)])], 100.0, 0.7, None);
         assert_eq!(f[0].speed, 1.0);
         // Nothing shared, or no baseline: nothing to learn.
-        assert!(fit(&[eq(100.0, &[])], 100.0, 0.7).is_empty());
-        assert!(fit(&[eq(0.0, &[("b", 50.0)])], 0.0, 0.7).is_empty());
+        assert!(fit(&[eq(100.0, &[])], 100.0, 0.7, None).is_empty());
+        assert!(fit(&[eq(0.0, &[("b", 50.0)])], 0.0, 0.7, None).is_empty());
     }
 }
