@@ -454,6 +454,11 @@ impl History {
     pub fn connection(&self) -> &Connection {
         &self.conn
     }
+
+    /// The connection, for the import of another node's history.
+    pub(crate) fn connection_mut(&mut self) -> &mut Connection {
+        &mut self.conn
+    }
 }
 
 /// Closes the open intervals of `members` (the jobs now on one GPU) and opens new ones: one per

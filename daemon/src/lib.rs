@@ -9,5 +9,6 @@ pub mod learn;
 pub mod node;
 pub mod placement;
 pub mod reconcile;
+pub mod report;
 pub mod server;
 pub mod weight;

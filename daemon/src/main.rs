@@ -1,9 +1,12 @@
-//! `multiplexd serve` runs the node daemon; `multiplexd status` asks a running one.
+//! `multiplexd serve` runs the node daemon; `multiplexd status` asks a running one;
+//! `history`, `explain`, `export` and `import` read (and seed) the node's history database.
 
 use clap::{Parser, Subcommand};
 use multiplex_protocol::{client, Request, Response};
 use multiplexd::config::{Config, DEFAULT_CONFIG};
+use multiplexd::history::History;
 use multiplexd::node::{wall_clock, Node};
+use multiplexd::report;
 use multiplexd::server::{self, Access};
 use multiplexd::weight::{weight_for, Publisher};
 use std::path::{Path, PathBuf};
@@ -38,6 +41,38 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show what the history learned: solo runtimes and pair speeds.
+    History {
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Explain why a job got its GPU, who shared it, and what was learned.
+    Explain {
+        /// The Slurm job id.
+        job_id: u32,
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write what the history learned (solo runtimes, pair speeds) as JSON, to seed another node.
+    Export {
+        /// The file to write, or - for standard output.
+        file: PathBuf,
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
+    /// Merge another node's export into this node's history (more observations win).
+    Import {
+        /// The file to read, or - for standard input.
+        file: PathBuf,
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -45,6 +80,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve { config } => serve(&config),
         Command::Status { config, socket, json } => status(&config, socket.as_deref(), json),
+        Command::History { config, json } => history(&config, json),
+        Command::Explain { job_id, config, json } => explain(&config, job_id, json),
+        Command::Export { file, config } => export(&config, &file),
+        Command::Import { file, config } => import(&config, &file),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -170,5 +209,137 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
         };
         println!("{:<4} {:<16} {:>7} MiB  {}", g.index, g.model, g.memory_mb, jobs);
     }
+    Ok(())
+}
+
+/// The history database named by the config, opened (never created by a tool: a wrong path
+/// is an error, not a new empty history).
+fn open_history(config_path: &Path) -> Result<History, String> {
+    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    if !config.database.exists() {
+        return Err(format!(
+            "no history database at {} (named by {})",
+            config.database.display(),
+            config_path.display()
+        ));
+    }
+    History::open(&config.database).map_err(|e| e.to_string())
+}
+
+fn json_out<T: serde::Serialize>(v: &T) -> Result<(), String> {
+    println!("{}", serde_json::to_string_pretty(v).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn history(config_path: &Path, json: bool) -> Result<(), String> {
+    let h = open_history(config_path)?;
+    let data = report::export(&h).map_err(|e| e.to_string())?;
+    if json {
+        return json_out(&data);
+    }
+    println!("solo runtimes ({})", data.solo.len());
+    println!("{:<10} {:<32} {:>12} {:>6}", "model", "app", "runtime s", "runs");
+    for s in &data.solo {
+        println!("{:<10} {:<32} {:>12.1} {:>6}", s.gpu_model, s.app, s.runtime_s, s.runs);
+    }
+    println!();
+    println!(
+        "pair speeds ({}): APP's speed beside OTHER, and OTHER's beside APP",
+        data.pairs.len()
+    );
+    println!(
+        "{:<10} {:<24} {:<24} {:>6} {:>6} {:>5} {:>4}",
+        "model", "app", "other", "speed", "other", "obs", "oom"
+    );
+    for p in &data.pairs {
+        println!(
+            "{:<10} {:<24} {:<24} {:>6.2} {:>6.2} {:>5} {:>4}",
+            p.gpu_model,
+            p.app,
+            p.other,
+            p.speed,
+            p.other_speed,
+            p.observations,
+            if p.oom { "yes" } else { "" }
+        );
+    }
+    Ok(())
+}
+
+fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
+    let h = open_history(config_path)?;
+    let e = report::explain(&h, job_id)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("job {job_id} is not in this node's history"))?;
+    if json {
+        return json_out(&e);
+    }
+    println!(
+        "job {} ({}) on {} GPU {} ({})",
+        e.job_id, e.app, e.node, e.gpu, e.gpu_model
+    );
+    println!("decision: {}", e.decision);
+    println!("predicted speed: {:.2}", e.predicted_speed);
+    let state = match (e.finished_at, e.exit_status) {
+        (None, _) => "still running".to_string(),
+        (Some(f), Some(x)) => format!("ended after {:.0} s, exit status {x}", f - e.started_at),
+        (Some(f), None) => format!(
+            "ended after {:.0} s or less; its end was not reported",
+            f - e.started_at
+        ),
+    };
+    println!("{state}; {:.0} s alone", e.seconds_alone);
+    for p in &e.partners {
+        println!("shared with job {} ({}) for {:.0} s", p.job_id, p.app, p.seconds);
+    }
+    for l in &e.learned {
+        println!(
+            "learned: {} beside {}: {:.2} (and {:.2} the other way), from {} observations",
+            l.app, l.other, l.speed, l.other_speed, l.observations
+        );
+    }
+    Ok(())
+}
+
+fn export(config_path: &Path, file: &Path) -> Result<(), String> {
+    let h = open_history(config_path)?;
+    let data = report::export(&h).map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&data).map_err(|e| e.to_string())?;
+    if file == Path::new("-") {
+        println!("{text}");
+    } else {
+        // Written beside and renamed into place: a failed export never leaves half a file.
+        let tmp = file.with_extension("partial");
+        std::fs::write(&tmp, text + "\n").map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, file).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        eprintln!(
+            "multiplexd: exported {} solo runtimes and {} pair speeds to {}",
+            data.solo.len(),
+            data.pairs.len(),
+            file.display()
+        );
+    }
+    Ok(())
+}
+
+fn import(config_path: &Path, file: &Path) -> Result<(), String> {
+    let text = if file == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?
+    } else {
+        std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?
+    };
+    let data: report::Export =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
+    let mut h = open_history(config_path)?;
+    let done = report::import(&mut h, &data).map_err(|e| format!("{}: {e}", file.display()))?;
+    eprintln!(
+        "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; {} kept (ours had as many observations)",
+        file.display(),
+        done.solo_added,
+        done.solo_replaced,
+        done.pairs_added,
+        done.pairs_replaced,
+        done.kept
+    );
     Ok(())
 }

@@ -170,3 +170,56 @@ fn jobs_slurm_no_longer_runs_free_their_slots_and_teach_nothing() {
     assert!(w.at(120.0).reconcile(&running, 30.0).unwrap().is_empty());
     assert_eq!(jobs_here(&w), vec![2, 3]);
 }
+
+#[test]
+fn explain_export_and_import_say_and_carry_what_was_learned() {
+    use multiplexd::report;
+    let mut w = World::new();
+    w.start(0.0, 1, "bert");
+    w.end(100.0, 1, 0);
+    w.start(100.0, 2, "resnet");
+    w.end(150.0, 2, 0);
+    w.start(200.0, 3, "bert");
+    w.start(200.0, 4, "resnet");
+    w.end(275.0, 4, 0);
+    w.end(325.0, 3, 0);
+
+    let e = report::explain(w.node.history(), 3).unwrap().expect("job 3 is known");
+    assert_eq!(
+        (e.app.as_str(), e.exit_status, e.seconds_alone),
+        ("bert", Some(0), 50.0)
+    );
+    assert_eq!(e.partners.len(), 1);
+    assert_eq!(
+        (e.partners[0].job_id, e.partners[0].app.as_str(), e.partners[0].seconds),
+        (4, "resnet", 75.0)
+    );
+    assert_eq!(e.learned.len(), 1);
+    assert!((e.learned[0].speed - 2.0 / 3.0).abs() < 0.01);
+    assert!(report::explain(w.node.history(), 99).unwrap().is_none());
+
+    // Seed a new node with what this one learned.
+    let data = report::export(w.node.history()).unwrap();
+    assert_eq!((data.solo.len(), data.pairs.len()), (2, 2));
+    let mut fresh = World::new();
+    let mut bad = data.clone();
+    bad.pairs[0].speed = 1.5;
+    let err = report::import(fresh.node.history_mut(), &bad).unwrap_err();
+    assert!(
+        err.contains("speeds must be in (0, 1]") && err.contains("nothing was imported"),
+        "{err}"
+    );
+    assert_eq!(fresh.estimate("bert", "resnet"), None, "nothing was imported");
+    let done = report::import(fresh.node.history_mut(), &data).unwrap();
+    assert_eq!((done.solo_added, done.pairs_added, done.kept), (2, 2, 0));
+    assert_eq!(fresh.estimate("bert", "resnet"), w.estimate("bert", "resnet"));
+    // The seeded node predicts from the import at once.
+    fresh.start(0.0, 10, "resnet");
+    match fresh.start(0.0, 11, "bert") {
+        Response::Placed(p) => assert!(p.reason.contains("from 1 observations"), "{}", p.reason),
+        other => panic!("{other:?}"),
+    }
+    // Importing the same again changes nothing.
+    let again = report::import(fresh.node.history_mut(), &data).unwrap();
+    assert_eq!((again.pairs_added, again.pairs_replaced, again.kept), (0, 0, 4));
+}

@@ -1,0 +1,320 @@
+//! What the history knows, for people and for other nodes: the pair estimates (`history`), why
+//! a job got its GPU (`explain`), and `export`/`import` of what was learned, to seed a new
+//! node from another.
+
+use crate::history::{History, HistoryError};
+use rusqlite::{params, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+/// One learned pair.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairRow {
+    pub gpu_model: String,
+    pub app: String,
+    pub other: String,
+    /// Speed of `app` beside `other`, relative to alone.
+    pub speed: f64,
+    /// Speed of `other` beside `app`.
+    pub other_speed: f64,
+    pub observations: u32,
+    pub variance: Option<f64>,
+    pub oom: bool,
+}
+
+/// One application's solo runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SoloRow {
+    pub gpu_model: String,
+    pub app: String,
+    pub runtime_s: f64,
+    pub runs: u32,
+}
+
+/// What `export` writes and `import` reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Export {
+    /// Always [`EXPORT_FORMAT`].
+    pub format: String,
+    pub version: u32,
+    pub solo: Vec<SoloRow>,
+    pub pairs: Vec<PairRow>,
+}
+
+pub const EXPORT_FORMAT: &str = "multiplexd-history";
+pub const EXPORT_VERSION: u32 = 1;
+
+/// Who shared a job's GPU, and for how long.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Partner {
+    pub job_id: u32,
+    pub app: String,
+    pub seconds: f64,
+}
+
+/// Why a job got its GPU and what came of it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Explanation {
+    pub job_id: u32,
+    pub node: String,
+    pub app: String,
+    pub gpu: u32,
+    pub gpu_model: String,
+    pub decision: String,
+    pub predicted_speed: f64,
+    pub started_at: f64,
+    pub finished_at: Option<f64>,
+    pub exit_status: Option<i32>,
+    pub seconds_alone: f64,
+    pub partners: Vec<Partner>,
+    /// What the history now says of the job's application beside each partner's.
+    pub learned: Vec<PairRow>,
+}
+
+/// What an import changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Imported {
+    pub solo_added: usize,
+    pub solo_replaced: usize,
+    pub pairs_added: usize,
+    pub pairs_replaced: usize,
+    pub kept: usize,
+}
+
+fn pair_rows(history: &History, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<PairRow>, HistoryError> {
+    let sql = format!(
+        "SELECT e.gpu_model, a.name, o.name, e.speed, e.other_speed, e.observations, e.variance, e.oom
+         FROM pair_estimates e JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
+         {filter} ORDER BY e.gpu_model, a.name, o.name"
+    );
+    let mut stmt = history.connection().prepare(&sql)?;
+    let rows = stmt.query_map(args, |r| {
+        Ok(PairRow {
+            gpu_model: r.get(0)?,
+            app: r.get(1)?,
+            other: r.get(2)?,
+            speed: r.get(3)?,
+            other_speed: r.get(4)?,
+            observations: r.get(5)?,
+            variance: r.get(6)?,
+            oom: r.get(7)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// Every pair estimate.
+pub fn pairs(history: &History) -> Result<Vec<PairRow>, HistoryError> {
+    pair_rows(history, "", &[])
+}
+
+/// Every solo runtime.
+pub fn solos(history: &History) -> Result<Vec<SoloRow>, HistoryError> {
+    let mut stmt = history.connection().prepare(
+        "SELECT s.gpu_model, a.name, s.runtime_s, s.observations FROM solo_baselines s
+         JOIN applications a ON a.id = s.app_id ORDER BY s.gpu_model, a.name",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok(SoloRow {
+            gpu_model: r.get(0)?,
+            app: r.get(1)?,
+            runtime_s: r.get(2)?,
+            runs: r.get(3)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// Everything learned, for another node.
+pub fn export(history: &History) -> Result<Export, HistoryError> {
+    Ok(Export {
+        format: EXPORT_FORMAT.into(),
+        version: EXPORT_VERSION,
+        solo: solos(history)?,
+        pairs: pairs(history)?,
+    })
+}
+
+/// The latest run of job `job_id` here, explained; `None` if the history has no such job.
+pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
+    let conn = history.connection();
+    let row = conn
+        .query_row(
+            "SELECT j.id, j.node, a.name, j.gpu, j.gpu_model, j.decision, j.predicted_speed, j.started_at,
+                    j.finished_at, j.exit_status, j.app_id
+             FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.job_id = ?1 ORDER BY j.id DESC LIMIT 1",
+            [job_id],
+            |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    Explanation {
+                        job_id,
+                        node: r.get(1)?,
+                        app: r.get(2)?,
+                        gpu: r.get(3)?,
+                        gpu_model: r.get(4)?,
+                        decision: r.get(5)?,
+                        predicted_speed: r.get(6)?,
+                        started_at: r.get(7)?,
+                        finished_at: r.get(8)?,
+                        exit_status: r.get(9)?,
+                        seconds_alone: 0.0,
+                        partners: Vec::new(),
+                        learned: Vec::new(),
+                    },
+                    r.get::<_, i64>(10)?,
+                ))
+            },
+        )
+        .optional()?;
+    let Some((row, mut e, app_id)) = row else {
+        return Ok(None);
+    };
+    let end = e.finished_at;
+    let mut stmt = conn.prepare(
+        "SELECT p.job_id, a.name, i.started_at, i.ended_at, i.partner_row FROM intervals i
+         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+         WHERE i.job_row = ?1 ORDER BY i.started_at",
+    )?;
+    let rows = stmt.query_map([row], |r| {
+        Ok((
+            r.get::<_, Option<u32>>(0)?,
+            r.get::<_, Option<String>>(1)?,
+            r.get::<_, f64>(2)?,
+            r.get::<_, Option<f64>>(3)?,
+        ))
+    })?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    for r in rows {
+        let (partner_job, partner_app, start, stop) = r?;
+        let seconds = (stop.or(end).unwrap_or(now) - start).max(0.0);
+        match (partner_job, partner_app) {
+            (Some(j), Some(a)) => match e.partners.iter_mut().find(|p| p.job_id == j) {
+                Some(p) => p.seconds += seconds,
+                None => e.partners.push(Partner {
+                    job_id: j,
+                    app: a,
+                    seconds,
+                }),
+            },
+            _ => e.seconds_alone += seconds,
+        }
+    }
+    e.learned = pair_rows(
+        history,
+        "WHERE e.app_id = ?1 AND e.gpu_model = ?2",
+        &[&app_id, &e.gpu_model],
+    )?
+    .into_iter()
+    .filter(|p| e.partners.iter().any(|q| q.app == p.other))
+    .collect();
+    Ok(Some(e))
+}
+
+/// Merges another node's export: a row is added when it is new here and replaces ours when it
+/// rests on more observations; an out-of-memory mark is never dropped.
+pub fn import(history: &mut History, data: &Export) -> Result<Imported, String> {
+    if data.format != EXPORT_FORMAT {
+        return Err(format!("not a multiplexd history export (format {:?})", data.format));
+    }
+    if data.version != EXPORT_VERSION {
+        return Err(format!(
+            "export version {} is not supported (this multiplexd reads version {EXPORT_VERSION})",
+            data.version
+        ));
+    }
+    for p in &data.pairs {
+        let speed = |x: f64| x > 0.0 && x <= 1.0;
+        if !speed(p.speed) || !speed(p.other_speed) {
+            return Err(format!(
+                "pair {} / {} on {}: speeds must be in (0, 1], not {} / {}; nothing was imported",
+                p.app, p.other, p.gpu_model, p.speed, p.other_speed
+            ));
+        }
+    }
+    if let Some(s) = data.solo.iter().find(|s| s.runtime_s.is_nan() || s.runtime_s <= 0.0) {
+        return Err(format!(
+            "solo runtime of {} on {} must be positive, not {}; nothing was imported",
+            s.app, s.gpu_model, s.runtime_s
+        ));
+    }
+    let mut done = Imported::default();
+    let sql = |e: rusqlite::Error| e.to_string();
+    let tx = history.connection_mut().transaction().map_err(sql)?;
+    let app = |tx: &rusqlite::Transaction, name: &str| -> rusqlite::Result<i64> {
+        tx.execute(
+            "INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING",
+            [name],
+        )?;
+        tx.query_row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
+    };
+    for s in &data.solo {
+        let id = app(&tx, &s.app).map_err(sql)?;
+        let have: Option<u32> = tx
+            .query_row(
+                "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                params![s.gpu_model, id],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(sql)?;
+        match have {
+            Some(n) if n >= s.runs => done.kept += 1,
+            _ => {
+                tx.execute(
+                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                    params![s.gpu_model, id, s.runtime_s, s.runs],
+                )
+                .map_err(sql)?;
+                if have.is_some() {
+                    done.solo_replaced += 1;
+                } else {
+                    done.solo_added += 1;
+                }
+            }
+        }
+    }
+    for p in &data.pairs {
+        let (a, o) = (app(&tx, &p.app).map_err(sql)?, app(&tx, &p.other).map_err(sql)?);
+        let have: Option<(u32, bool)> = tx
+            .query_row(
+                "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                params![p.gpu_model, a, o],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(sql)?;
+        match have {
+            Some((n, oom)) if n >= p.observations => {
+                if p.oom && !oom {
+                    tx.execute(
+                        "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                        params![p.gpu_model, a, o],
+                    )
+                    .map_err(sql)?;
+                }
+                done.kept += 1;
+            }
+            _ => {
+                let oom = p.oom || have.is_some_and(|(_, oom)| oom);
+                tx.execute(
+                    "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                     ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
+                       observations = ?6, variance = ?7, oom = ?8",
+                    params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
+                )
+                .map_err(sql)?;
+                if have.is_some() {
+                    done.pairs_replaced += 1;
+                } else {
+                    done.pairs_added += 1;
+                }
+            }
+        }
+    }
+    tx.commit().map_err(sql)?;
+    Ok(done)
+}
