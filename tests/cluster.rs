@@ -649,3 +649,48 @@ fn a_job_that_ends_while_its_daemon_is_down_frees_its_slot_later() {
         "the daemon said why"
     );
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_reports_its_progress_and_running_out_of_memory_from_inside() {
+    let c = Cluster::from_env();
+    let tool = c.path("plugins/multiplexd");
+    let script = format!(
+        "echo socket=$MULTIPLEX_SOCKET; {t} report --progress 120 && {t} report --oom; {t} report --job 1 --progress 1 2>&1 | sed 's/^/other: /'",
+        t = tool.display()
+    );
+    let job = c.submit(&[
+        "--multiplex=app=itest-report",
+        "--gres=gpu:1",
+        "-w",
+        "n2",
+        &out_arg(&c, "report"),
+        "--wrap",
+        &script,
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let out = c.output(&rec);
+    assert!(
+        out.contains(&format!("socket={}", c.path("multiplexd/n2.sock").display())),
+        "{out}"
+    );
+    assert!(out.contains(&format!("progress of job {job} recorded: 120")), "{out}");
+    assert!(
+        out.contains(&format!("job {job} ran out of memory alone on GPU")),
+        "{out}"
+    );
+    assert!(
+        out.contains("other: multiplexd: job 1 is not running on node n2"),
+        "{out}"
+    );
+    let kinds: Vec<String> = c
+        .history("n2")
+        .prepare("SELECT o.kind FROM observations o JOIN jobs j ON j.id = o.job_row WHERE j.job_id = ?1 ORDER BY o.id")
+        .unwrap()
+        .query_map([job], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(kinds, ["progress", "oom"]);
+}

@@ -76,6 +76,17 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX intervals_by_job ON intervals(job_row);
      -- What runs now, read on every request: without this, a scan of the whole history.
      CREATE INDEX jobs_running ON jobs(node) WHERE finished_at IS NULL;",
+    // 3: what jobs report about themselves (progress, running out of memory).
+    "CREATE TABLE observations (
+        id INTEGER PRIMARY KEY,
+        job_row INTEGER NOT NULL REFERENCES jobs(id),
+        at REAL NOT NULL,
+        kind TEXT NOT NULL,
+        value REAL,
+        -- The jobs sharing the GPU at that moment, comma-separated job rows.
+        partners TEXT NOT NULL
+     );
+     CREATE INDEX observations_by_job ON observations(job_row);",
 ];
 
 /// How many of an application's latest finished jobs its speeds are fitted from.
@@ -448,6 +459,51 @@ impl History {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
         })
+    }
+
+    /// Records a job's report. `kind` is `progress` (with `value`) or `oom`; an out-of-memory
+    /// report also marks the pair of the job's application with each partner's (both ways) so
+    /// that placement never puts them together again. Returns the partners' applications.
+    pub fn record_report(
+        &mut self,
+        job_row: i64,
+        kind: &str,
+        value: Option<f64>,
+        partners: &[i64],
+        prior: f64,
+        now: f64,
+    ) -> Result<Vec<String>, HistoryError> {
+        let tx = self.conn.transaction()?;
+        let list = partners.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        tx.execute(
+            "INSERT INTO observations(job_row, at, kind, value, partners) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![job_row, now, kind, value, list],
+        )?;
+        let mut names = Vec::new();
+        if kind == "oom" {
+            let (app, model): (i64, String) =
+                tx.query_row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?;
+            for &p in partners {
+                let (other, name): (i64, String) = tx.query_row(
+                    "SELECT j.app_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
+                    [p],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )?;
+                for (x, y) in [(app, other), (other, app)] {
+                    tx.execute(
+                        "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, oom)
+                         VALUES (?1, ?2, ?3, ?4, ?4, 0, 1)
+                         ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET oom = 1",
+                        params![model, x, y, prior],
+                    )?;
+                }
+                names.push(name);
+            }
+        }
+        tx.commit()?;
+        Ok(names)
     }
 
     /// The connection, for read-only queries by tools and tests.

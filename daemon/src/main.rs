@@ -41,6 +41,25 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Report from inside a job: its progress, or that it ran out of GPU memory (so that this
+    /// node never pairs it with its co-runners again).
+    Report {
+        /// The job (default: $SLURM_JOB_ID).
+        #[arg(long)]
+        job: Option<u32>,
+        /// Work done so far, in the job's own unit (iterations, samples), from its start.
+        #[arg(long, required_unless_present = "oom", conflicts_with = "oom")]
+        progress: Option<f64>,
+        /// The job ran out of GPU memory.
+        #[arg(long)]
+        oom: bool,
+        /// The daemon's socket (default: $MULTIPLEX_SOCKET, set in multiplexed jobs, else
+        /// the config's).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
     /// Show what the history learned: solo runtimes and pair speeds.
     History {
         #[arg(long, default_value = DEFAULT_CONFIG)]
@@ -80,6 +99,13 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve { config } => serve(&config),
         Command::Status { config, socket, json } => status(&config, socket.as_deref(), json),
+        Command::Report {
+            job,
+            progress,
+            oom,
+            socket,
+            config,
+        } => report_cmd(job, progress, oom, socket, &config),
         Command::History { config, json } => history(&config, json),
         Command::Explain { job_id, config, json } => explain(&config, job_id, json),
         Command::Export { file, config } => export(&config, &file),
@@ -342,4 +368,37 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
         done.kept
     );
     Ok(())
+}
+
+fn report_cmd(
+    job: Option<u32>,
+    progress: Option<f64>,
+    oom: bool,
+    socket: Option<PathBuf>,
+    config: &Path,
+) -> Result<(), String> {
+    let job_id = match job {
+        Some(j) => j,
+        None => std::env::var("SLURM_JOB_ID")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .ok_or("no --job given and SLURM_JOB_ID is not set: run this inside the job or name it")?,
+    };
+    let socket = match socket.or_else(|| std::env::var_os("MULTIPLEX_SOCKET").map(PathBuf::from)) {
+        Some(s) => s,
+        None => Config::load(config).map_err(|e| e.to_string())?.socket,
+    };
+    let kind = match progress {
+        Some(done) if !oom => multiplex_protocol::ReportKind::Progress { done },
+        _ => multiplex_protocol::ReportKind::OutOfMemory,
+    };
+    let request = Request::Report(multiplex_protocol::ReportRequest { job_id, kind });
+    match client::call(&socket, Duration::from_secs(5), request).map_err(|e| e.to_string())? {
+        Response::Reported { message } => {
+            println!("{message}");
+            Ok(())
+        }
+        Response::Error { message } => Err(message),
+        other => Err(format!("unexpected answer: {other:?}")),
+    }
 }

@@ -4,7 +4,9 @@
 use crate::config::{Config, GpuSpec};
 use crate::history::{ActiveJob, History, HistoryError, Learned, NewJob};
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer};
-use multiplex_protocol::{FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, Response, TaskStatus};
+use multiplex_protocol::{
+    FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response, TaskStatus,
+};
 
 /// Seconds since the Unix epoch.
 pub type Clock = Box<dyn Fn() -> f64 + Send>;
@@ -297,6 +299,61 @@ impl Node {
             Ok(Learned::Nothing(why)) => tracing::debug!(job = job.job_id, why, "nothing learned"),
             Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from the job failed"),
         }
+    }
+
+    /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
+    /// `privileged`, it must be the job's own user.
+    pub fn report(&mut self, req: &ReportRequest, uid: u32, privileged: bool) -> Result<Response, HistoryError> {
+        let active = self.active()?;
+        let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
+            return Ok(Response::Error {
+                message: format!("job {} is not running on node {}", req.job_id, self.config.node),
+            });
+        };
+        if !privileged && uid != job.uid {
+            return Ok(Response::Error {
+                message: format!("uid {uid} may not report for job {} of uid {}", job.job_id, job.uid),
+            });
+        }
+        let partners: Vec<i64> = active
+            .iter()
+            .filter(|o| o.gpu == job.gpu && o.row != job.row)
+            .map(|o| o.row)
+            .collect();
+        let now = (self.clock)();
+        let prior = self.config.policy.unknown_pair_speed;
+        let message = match &req.kind {
+            ReportKind::Progress { done } if done.is_finite() && *done >= 0.0 => {
+                self.history
+                    .record_report(job.row, "progress", Some(*done), &partners, prior, now)?;
+                format!("progress of job {} recorded: {done}", job.job_id)
+            }
+            ReportKind::Progress { done } => {
+                return Ok(Response::Error {
+                    message: format!("progress must be a finite number of at least 0, not {done}"),
+                })
+            }
+            ReportKind::OutOfMemory => {
+                let names = self
+                    .history
+                    .record_report(job.row, "oom", None, &partners, prior, now)?;
+                tracing::warn!(job = job.job_id, app = %job.app, partners = ?names, "job ran out of GPU memory");
+                if names.is_empty() {
+                    format!(
+                        "job {} ran out of memory alone on GPU {}: recorded",
+                        job.job_id, job.gpu
+                    )
+                } else {
+                    format!(
+                        "job {} ({}) ran out of memory beside {}: this node will not pair them again",
+                        job.job_id,
+                        job.app,
+                        names.join(", ")
+                    )
+                }
+            }
+        };
+        Ok(Response::Reported { message })
     }
 
     /// Frees the slots of jobs that Slurm no longer runs on this node (their end was never

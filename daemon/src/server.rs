@@ -167,6 +167,7 @@ pub(crate) fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, acces
         Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req),
         Request::Finish(_) => return denied("finish tasks"),
         Request::Status => node.status().map(Response::Status),
+        Request::Report(req) => node.report(&req, cred.uid, access.may_place(cred.uid)),
     };
     result.unwrap_or_else(|e| {
         tracing::error!("{e}");

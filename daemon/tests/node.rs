@@ -223,3 +223,66 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     let again = report::import(fresh.node.history_mut(), &data).unwrap();
     assert_eq!((again.pairs_added, again.pairs_replaced, again.kept), (0, 0, 4));
 }
+
+#[test]
+fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_report() {
+    use multiplex_protocol::{ReportKind, ReportRequest};
+    let mut w = World::new();
+    w.start(0.0, 1, "big-a");
+    w.start(0.0, 2, "big-b");
+    let report = |job_id, kind| ReportRequest { job_id, kind };
+    // Another user may not report for the job; its own user (uid 1000 in World) may.
+    let r = w
+        .at(10.0)
+        .report(&report(2, ReportKind::OutOfMemory), 1001, false)
+        .unwrap();
+    assert_eq!(
+        r,
+        Response::Error {
+            message: "uid 1001 may not report for job 2 of uid 1000".into()
+        }
+    );
+    let r = w
+        .at(10.0)
+        .report(&report(2, ReportKind::Progress { done: -1.0 }), 1000, false)
+        .unwrap();
+    assert!(matches!(r, Response::Error { .. }), "{r:?}");
+    let r = w
+        .at(10.0)
+        .report(&report(2, ReportKind::Progress { done: 40.0 }), 1000, false)
+        .unwrap();
+    assert_eq!(
+        r,
+        Response::Reported {
+            message: "progress of job 2 recorded: 40".into()
+        }
+    );
+    let r = w
+        .at(20.0)
+        .report(&report(2, ReportKind::OutOfMemory), 1000, false)
+        .unwrap();
+    assert_eq!(
+        r,
+        Response::Reported {
+            message: "job 2 (big-b) ran out of memory beside big-a: this node will not pair them again".into()
+        }
+    );
+    assert!(matches!(
+        w.at(20.0).report(&report(9, ReportKind::OutOfMemory), 0, true).unwrap(),
+        Response::Error { message } if message == "job 9 is not running on node n1"
+    ));
+    // Both die; later, big-b arrives beside a running big-a: declined, not paired again.
+    w.end(30.0, 2, 256);
+    w.end(31.0, 1, 0);
+    w.start(40.0, 3, "big-a");
+    match w.start(41.0, 4, "big-b") {
+        Response::Declined { reason, retry_after_s } => {
+            assert!(
+                reason.contains("big-b beside big-a (job 3) ran out of memory before"),
+                "{reason}"
+            );
+            assert!(retry_after_s > 0);
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -37,6 +37,25 @@ pub enum Request {
     Finish(FinishRequest),
     /// What runs where on this node.
     Status,
+    /// Something a running job says about itself. (root, the Slurm user, or the job's user)
+    Report(ReportRequest),
+}
+
+/// A running job's report about itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportRequest {
+    pub job_id: u32,
+    pub kind: ReportKind,
+}
+
+/// What a job reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ReportKind {
+    /// Work done so far, in the job's own unit (iterations, samples), counted from its start.
+    Progress { done: f64 },
+    /// The job ran out of GPU memory beside its current co-runners.
+    OutOfMemory,
 }
 
 /// A job step asking for its GPU, with what Slurm allocated to it.
@@ -81,6 +100,10 @@ pub enum Response {
     },
     Finished,
     Status(NodeStatus),
+    /// The report was recorded; the text says what follows from it.
+    Reported {
+        message: String,
+    },
     Error {
         message: String,
     },

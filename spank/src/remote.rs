@@ -53,6 +53,8 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
         Ok(Response::Placed(p)) => {
             let mut env = p.environment();
             env.push(("MULTIPLEX_NODE".into(), step.node.clone()));
+            // For `multiplexd report` inside the job.
+            env.push(("MULTIPLEX_SOCKET".into(), socket.display().to_string()));
             return StepPlan::Placed { env };
         }
         Ok(Response::Declined { reason, retry_after_s }) => return StepPlan::Declined { reason, retry_after_s },
