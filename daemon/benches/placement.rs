@@ -81,10 +81,11 @@ fn populate(db: &Path, jobs: u64, apps: u64, rng: &mut Rng) {
             job += 1;
         }
         for k in 0..2 {
-            let (me, other) = (rows[k], rows[1 - k]);
+            let (me, other, other_app) = (rows[k], rows[1 - k], [b, a][k]);
             tx.execute(
-                "INSERT INTO intervals(job_row, partner_row, started_at, ended_at) VALUES (?1, ?2, ?3, ?4)",
-                params![me, other, t, t + 800.0],
+                "INSERT INTO intervals(job_row, partner_row, partner_app_id, started_at, ended_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![me, other, other_app, t, t + 800.0],
             )
             .unwrap();
             tx.execute(

@@ -87,10 +87,20 @@ const MIGRATIONS: &[&str] = &[
         partners TEXT NOT NULL
      );
      CREATE INDEX observations_by_job ON observations(job_row);",
+    // 4: bounded growth. An interval names its partner's application itself, so that old jobs
+    // can be deleted (compacted into the estimates) while the intervals of newer jobs that
+    // shared with them still say with what they shared.
+    "ALTER TABLE intervals ADD COLUMN partner_app_id INTEGER REFERENCES applications(id);
+     UPDATE intervals SET partner_app_id = (SELECT app_id FROM jobs WHERE jobs.id = intervals.partner_row)
+      WHERE partner_row IS NOT NULL;",
 ];
 
-/// How many of an application's latest finished jobs its speeds are fitted from.
-const LEARN_WINDOW: i64 = 200;
+/// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
+const WAL_LIMIT: u64 = 64 * 1024 * 1024;
+
+/// How many of an application's latest finished jobs its speeds are fitted from (and how
+/// many [`History::compact`] keeps, at least).
+pub const LEARN_WINDOW: i64 = 200;
 /// The solo baseline is a running mean over at most this many runs (later runs weigh more).
 const SOLO_WINDOW: i64 = 20;
 
@@ -415,7 +425,7 @@ impl History {
         let rows: Vec<(i64, IntervalRow)> = tx
             .prepare_cached(
                 "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
-                 LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+                 LEFT JOIN applications a ON a.id = i.partner_app_id
                  WHERE i.job_row IN (SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
                                      AND finished_at IS NOT NULL AND exit_status = 0
                                      ORDER BY finished_at DESC LIMIT ?3)
@@ -459,6 +469,34 @@ impl History {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
         })
+    }
+
+    /// Deletes the raw rows (job, steps, intervals, reports) of finished jobs beyond the latest
+    /// `keep` of each application and GPU model: what they taught lives on in the solo
+    /// runtimes and pair estimates, and learning only reads the latest jobs anyway. Intervals
+    /// of kept jobs that shared with a deleted one keep its application. Returns how many
+    /// jobs were deleted.
+    pub fn compact(&mut self, keep: i64) -> Result<usize, HistoryError> {
+        let tx = self.conn.transaction()?;
+        tx.execute_batch("CREATE TEMP TABLE IF NOT EXISTS doomed(id INTEGER PRIMARY KEY); DELETE FROM temp.doomed;")?;
+        let n = tx.execute(
+            "INSERT INTO temp.doomed(id) SELECT id FROM (
+                SELECT id, row_number() OVER (PARTITION BY app_id, gpu_model ORDER BY finished_at DESC, id DESC) AS k
+                FROM jobs WHERE finished_at IS NOT NULL) WHERE k > ?1",
+            [keep],
+        )?;
+        if n > 0 {
+            tx.execute_batch(
+                "UPDATE intervals SET partner_row = NULL WHERE partner_row IN (SELECT id FROM temp.doomed);
+                 DELETE FROM intervals WHERE job_row IN (SELECT id FROM temp.doomed);
+                 DELETE FROM steps WHERE job_row IN (SELECT id FROM temp.doomed);
+                 DELETE FROM observations WHERE job_row IN (SELECT id FROM temp.doomed);
+                 DELETE FROM jobs WHERE id IN (SELECT id FROM temp.doomed);",
+            )?;
+        }
+        tx.execute_batch("DELETE FROM temp.doomed;")?;
+        tx.commit()?;
+        Ok(n)
     }
 
     /// Records a job's report. `kind` is `progress` (with `value`) or `oom`; an out-of-memory
@@ -506,6 +544,65 @@ impl History {
         Ok(names)
     }
 
+    /// Moves WAL checkpoints (which write the database file and sync it) off the request path:
+    /// this connection stops checkpointing on commit, and a thread of its own checkpoints
+    /// every second until `shutdown`. If that thread cannot open the database, nothing changes.
+    pub fn checkpoint_in_background(
+        &self,
+        path: &Path,
+        shutdown: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<(), HistoryError> {
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|source| HistoryError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        let path_buf = path.to_path_buf();
+        std::thread::Builder::new()
+            .name("checkpoint".into())
+            .spawn(move || {
+                let path = path_buf;
+                let mut failing = false;
+                let mut wal = path.clone().into_os_string();
+                wal.push("-wal");
+                let wal = PathBuf::from(wal);
+                while !shutdown.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    // A passive checkpoint never waits for the daemon's writes, but under
+                    // unbroken load it never completes either and the WAL only grows: past
+                    // WAL_LIMIT, one checkpoint waits for a pause in the writes and truncates.
+                    let big = std::fs::metadata(&wal).is_ok_and(|m| m.len() > WAL_LIMIT);
+                    let sql = if big {
+                        "PRAGMA wal_checkpoint(TRUNCATE)"
+                    } else {
+                        "PRAGMA wal_checkpoint(PASSIVE)"
+                    };
+                    match conn.query_row(sql, [], |r| r.get::<_, i64>(0)) {
+                        Ok(_) if failing => {
+                            failing = false;
+                            tracing::info!("history checkpoints work again");
+                        }
+                        Ok(_) => {}
+                        Err(e) if !failing => {
+                            failing = true;
+                            tracing::warn!(error = %e, "history checkpoint failed; retrying every second");
+                        }
+                        Err(_) => {}
+                    }
+                }
+            })
+            .map_err(|e| HistoryError::Open {
+                path: path.to_path_buf(),
+                source: rusqlite::Error::InvalidPath(PathBuf::from(format!("checkpoint thread: {e}"))),
+            })?;
+        self.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+        Ok(())
+    }
+
     /// The connection, for read-only queries by tools and tests.
     pub fn connection(&self) -> &Connection {
         &self.conn
@@ -534,7 +631,8 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
         }
         for p in partners {
             tx.execute(
-                "INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, ?2, ?3)",
+                "INSERT INTO intervals(job_row, partner_row, partner_app_id, started_at)
+                 VALUES (?1, ?2, (SELECT app_id FROM jobs WHERE id = ?2), ?3)",
                 params![m, p, now],
             )?;
         }
@@ -549,7 +647,7 @@ type IntervalRow = (f64, Option<f64>, Option<String>);
 fn intervals_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Vec<IntervalRow>> {
     let mut stmt = tx.prepare_cached(
         "SELECT i.started_at, i.ended_at, a.name FROM intervals i
-         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+         LEFT JOIN applications a ON a.id = i.partner_app_id
          WHERE i.job_row = ?1 ORDER BY i.started_at",
     )?;
     let rows = stmt.query_map([job_row], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
@@ -701,6 +799,62 @@ mod tests {
         assert!(equation([row(0.0, Some(5.0), Some("b")), row(0.0, Some(5.0), Some("c"))].into_iter()).is_none());
         // Still open: no equation.
         assert!(equation([row(0.0, None, None)].into_iter()).is_none());
+    }
+
+    #[test]
+    fn compaction_keeps_the_latest_jobs_and_what_they_shared_with() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+        // Five rounds: an `a` job shares with a `b` job that ends first; `a` ends later.
+        // Round k: a from 100k to 100k+60, b from 100k to 100k+40.
+        let mut last_a = 0;
+        for k in 0..5u32 {
+            let t = 100.0 * f64::from(k);
+            let a = h.record_placement(&job(10 + k, "a", 0, t), &[]).unwrap();
+            let b = h.record_placement(&job(20 + k, "b", 0, t + 1.0), &[a]).unwrap();
+            h.record_finish(b, 0, 0, true, &[a], t + 40.0).unwrap();
+            h.record_finish(a, 0, 0, true, &[], t + 60.0).unwrap();
+            last_a = a;
+        }
+        let before = equation(
+            intervals_of(&h.conn.transaction().unwrap(), last_a)
+                .unwrap()
+                .into_iter(),
+        );
+        // Keep 2 of each: `b` finishes first in each round, so the newest `a` may outlive its
+        // partner's record only through the interval's own application column.
+        assert_eq!(h.compact(2).unwrap(), 6);
+        let count = |app: &str| -> i64 {
+            h.conn
+                .query_row(
+                    "SELECT count(*) FROM jobs j JOIN applications a ON a.id = j.app_id WHERE a.name = ?1",
+                    [app],
+                    |r| r.get(0),
+                )
+                .unwrap()
+        };
+        assert_eq!((count("a"), count("b")), (2, 2));
+        let after = equation(
+            intervals_of(&h.conn.transaction().unwrap(), last_a)
+                .unwrap()
+                .into_iter(),
+        );
+        assert_eq!(before, after, "the kept job's equation is unchanged");
+        assert_eq!(after.unwrap().shared[0].0, "b");
+        let orphans: i64 = h
+            .conn
+            .query_row(
+                "SELECT count(*) FROM intervals WHERE job_row NOT IN (SELECT id FROM jobs)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(orphans, 0);
+        assert_eq!(h.compact(2).unwrap(), 0, "nothing more to do");
+        // Running jobs are never compacted.
+        h.record_placement(&job(99, "a", 1, 1000.0), &[]).unwrap();
+        assert_eq!(h.compact(0).unwrap(), 4);
+        assert_eq!(h.active_jobs("n1").unwrap().len(), 1);
     }
 
     #[test]

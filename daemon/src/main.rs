@@ -164,6 +164,9 @@ fn serve(config_path: &Path) -> Result<(), String> {
             let _ = std::os::unix::net::UnixStream::connect(&socket);
         });
     }
+    if let Err(e) = node.checkpoint_in_background(Arc::clone(&shutdown)) {
+        tracing::warn!(error = %e, "checkpointing on commit instead of in the background");
+    }
     let node = Arc::new(Mutex::new(node));
     multiplexd::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
     server::run(listener, node, access, shutdown);

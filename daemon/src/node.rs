@@ -30,7 +30,11 @@ pub struct Node {
     history: History,
     clock: Clock,
     on_load: Option<LoadListener>,
+    finishes_since_compaction: u32,
 }
+
+/// Compact the history after this many finished jobs (and at start).
+const COMPACT_EVERY: u32 = 500;
 
 impl Node {
     /// Opens the node's history. `gpus` are the shared GPUs (from the config or NVML).
@@ -42,7 +46,10 @@ impl Node {
             history,
             clock,
             on_load: None,
+            finishes_since_compaction: 0,
         };
+        let mut node = node;
+        node.compact();
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
         }
@@ -57,6 +64,15 @@ impl Node {
     /// The history, for tools and tests.
     pub fn history(&self) -> &History {
         &self.history
+    }
+
+    /// Checkpoints the history from a thread of its own (see
+    /// [`History::checkpoint_in_background`]).
+    pub fn checkpoint_in_background(
+        &self,
+        shutdown: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<(), HistoryError> {
+        self.history.checkpoint_in_background(&self.config.database, shutdown)
     }
 
     /// The history, for importing another node's.
@@ -265,6 +281,10 @@ impl Node {
             .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
         if releases {
             self.learn(job);
+            self.finishes_since_compaction += 1;
+            if self.finishes_since_compaction >= COMPACT_EVERY {
+                self.compact();
+            }
         }
         tracing::info!(
             job = req.job_id,
@@ -274,6 +294,16 @@ impl Node {
             "finished"
         );
         Ok(Response::Finished)
+    }
+
+    /// Deletes raw rows of old jobs (see [`History::compact`]); failing is only logged.
+    fn compact(&mut self) {
+        self.finishes_since_compaction = 0;
+        match self.history.compact(crate::history::LEARN_WINDOW) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(jobs = n, "compacted old jobs into the estimates"),
+            Err(e) => tracing::warn!(error = %e, "cannot compact the history"),
+        }
     }
 
     /// Learns from a job that ended. Learning failing is logged, never the job's problem.

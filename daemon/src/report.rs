@@ -171,8 +171,8 @@ pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, Hi
     };
     let end = e.finished_at;
     let mut stmt = conn.prepare(
-        "SELECT p.job_id, a.name, i.started_at, i.ended_at, i.partner_row FROM intervals i
-         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = p.app_id
+        "SELECT p.job_id, a.name, i.started_at, i.ended_at FROM intervals i
+         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = i.partner_app_id
          WHERE i.job_row = ?1 ORDER BY i.started_at",
     )?;
     let rows = stmt.query_map([row], |r| {
@@ -189,16 +189,20 @@ pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, Hi
     for r in rows {
         let (partner_job, partner_app, start, stop) = r?;
         let seconds = (stop.or(end).unwrap_or(now) - start).max(0.0);
-        match (partner_job, partner_app) {
-            (Some(j), Some(a)) => match e.partners.iter_mut().find(|p| p.job_id == j) {
-                Some(p) => p.seconds += seconds,
-                None => e.partners.push(Partner {
-                    job_id: j,
-                    app: a,
-                    seconds,
-                }),
-            },
-            _ => e.seconds_alone += seconds,
+        match partner_app {
+            // job_id 0: a partner whose own record was compacted away.
+            Some(a) => {
+                let j = partner_job.unwrap_or(0);
+                match e.partners.iter_mut().find(|p| p.job_id == j && p.app == a) {
+                    Some(p) => p.seconds += seconds,
+                    None => e.partners.push(Partner {
+                        job_id: j,
+                        app: a,
+                        seconds,
+                    }),
+                }
+            }
+            None => e.seconds_alone += seconds,
         }
     }
     e.learned = pair_rows(
