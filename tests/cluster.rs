@@ -694,3 +694,28 @@ fn a_job_reports_its_progress_and_running_out_of_memory_from_inside() {
         .unwrap();
     assert_eq!(kinds, ["progress", "oom"]);
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn without_a_gpu_driver_the_daemon_says_so_once_per_start() {
+    let c = Cluster::from_env();
+    for node in ["n1", "n2"] {
+        let counts = || {
+            let log = std::fs::read_to_string(c.path(&format!("log/multiplexd-{node}.log"))).unwrap();
+            let starts = log.lines().filter(|l| l.contains("multiplexd serving")).count();
+            let said = log
+                .lines()
+                .filter(|l| l.contains("no GPU telemetry: NVML is unavailable"))
+                .count();
+            (starts, said)
+        };
+        // A daemon restarted by the test before may not have said it yet.
+        wait_until(Duration::from_secs(5), || {
+            let (starts, said) = counts();
+            starts == said
+        });
+        let (starts, said) = counts();
+        assert!(starts >= 1, "{node} started");
+        assert_eq!(said, starts, "{node}: once per start");
+    }
+}

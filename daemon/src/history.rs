@@ -93,6 +93,14 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE intervals ADD COLUMN partner_app_id INTEGER REFERENCES applications(id);
      UPDATE intervals SET partner_app_id = (SELECT app_id FROM jobs WHERE jobs.id = intervals.partner_row)
       WHERE partner_row IS NOT NULL;",
+    // 5: GPU telemetry per job (NVML): peak memory and mean SM utilisation of its processes.
+    "CREATE TABLE job_telemetry (
+        job_row INTEGER PRIMARY KEY REFERENCES jobs(id),
+        samples INTEGER NOT NULL,
+        mem_peak_mb INTEGER,
+        sm_util_sum REAL NOT NULL,
+        sm_util_samples INTEGER NOT NULL
+     );",
 ];
 
 /// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
@@ -491,12 +499,33 @@ impl History {
                  DELETE FROM intervals WHERE job_row IN (SELECT id FROM temp.doomed);
                  DELETE FROM steps WHERE job_row IN (SELECT id FROM temp.doomed);
                  DELETE FROM observations WHERE job_row IN (SELECT id FROM temp.doomed);
+                 DELETE FROM job_telemetry WHERE job_row IN (SELECT id FROM temp.doomed);
                  DELETE FROM jobs WHERE id IN (SELECT id FROM temp.doomed);",
             )?;
         }
         tx.execute_batch("DELETE FROM temp.doomed;")?;
         tx.commit()?;
         Ok(n)
+    }
+
+    /// Adds one telemetry sample of a job: the memory of its GPU processes together, and
+    /// their SM utilisation together when the driver reports it.
+    pub fn record_job_sample(
+        &mut self,
+        job_row: i64,
+        mem_mb: Option<u64>,
+        sm_util_pct: Option<u32>,
+    ) -> Result<(), HistoryError> {
+        self.conn.execute(
+            "INSERT INTO job_telemetry(job_row, samples, mem_peak_mb, sm_util_sum, sm_util_samples)
+             VALUES (?1, 1, ?2, coalesce(?3, 0), ?3 IS NOT NULL)
+             ON CONFLICT(job_row) DO UPDATE SET samples = samples + 1,
+               mem_peak_mb = max(coalesce(mem_peak_mb, 0), coalesce(?2, 0)),
+               sm_util_sum = sm_util_sum + coalesce(?3, 0),
+               sm_util_samples = sm_util_samples + (?3 IS NOT NULL)",
+            params![job_row, mem_mb.map(|m| m as i64), sm_util_pct],
+        )?;
+        Ok(())
     }
 
     /// Records a job's report. `kind` is `progress` (with `value`) or `oom`; an out-of-memory

@@ -11,4 +11,5 @@ pub mod placement;
 pub mod reconcile;
 pub mod report;
 pub mod server;
+pub mod telemetry;
 pub mod weight;

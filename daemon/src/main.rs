@@ -137,6 +137,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
     let node_name = config.node.clone();
     let weight = config.weight.clone();
     let reconcile = config.reconcile.clone();
+    let telemetry_s = config.telemetry_interval_s.max(1);
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
     // Block the stop signals before any thread starts, so only the waiting thread sees them.
@@ -169,6 +170,20 @@ fn serve(config_path: &Path) -> Result<(), String> {
     }
     let node = Arc::new(Mutex::new(node));
     multiplexd::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    match multiplexd::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
+        Ok(probe) => {
+            tracing::info!(interval_s = telemetry_s, "GPU telemetry through NVML");
+            multiplexd::telemetry::spawn(
+                Arc::clone(&node),
+                Box::new(probe),
+                Duration::from_secs(telemetry_s),
+                Arc::clone(&shutdown),
+            );
+        }
+        Err(e) => tracing::info!(
+            "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
+        ),
+    }
     server::run(listener, node, access, shutdown);
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
@@ -320,6 +335,12 @@ fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
     println!("{state}; {:.0} s alone", e.seconds_alone);
     for p in &e.partners {
         println!("shared with job {} ({}) for {:.0} s", p.job_id, p.app, p.seconds);
+    }
+    if let Some(m) = e.gpu_mem_peak_mb {
+        println!("GPU memory peak: {m} MiB");
+    }
+    if let Some(u) = e.sm_util_mean_pct {
+        println!("mean SM utilisation: {u:.0}%");
     }
     for l in &e.learned {
         println!(

@@ -386,6 +386,36 @@ impl Node {
         Ok(Response::Reported { message })
     }
 
+    /// Records one round of GPU telemetry: each process on a shared GPU is mapped to its
+    /// Slurm job by `job_of(pid)`; the jobs running here get their processes' memory and SM
+    /// utilisation added up. Processes of other jobs (or none) are ignored.
+    pub fn record_telemetry(
+        &mut self,
+        samples: &[crate::telemetry::GpuSample],
+        job_of: &dyn Fn(u32) -> Option<u32>,
+    ) -> Result<(), HistoryError> {
+        let active = self.active()?;
+        let mut per_job: std::collections::BTreeMap<i64, (Option<u64>, Option<u32>)> = Default::default();
+        for gpu in samples {
+            for p in &gpu.processes {
+                let Some(job) = job_of(p.pid).and_then(|id| active.iter().find(|j| j.job_id == id)) else {
+                    continue;
+                };
+                let e = per_job.entry(job.row).or_default();
+                if let Some(m) = p.mem_mb {
+                    e.0 = Some(e.0.unwrap_or(0) + m);
+                }
+                if let Some(u) = p.sm_util_pct {
+                    e.1 = Some(e.1.unwrap_or(0) + u);
+                }
+            }
+        }
+        for (row, (mem, util)) in per_job {
+            self.history.record_job_sample(row, mem, util)?;
+        }
+        Ok(())
+    }
+
     /// Frees the slots of jobs that Slurm no longer runs on this node (their end was never
     /// reported: the daemon was down, or slurmstepd died). `running` is what Slurm says runs
     /// here; jobs placed less than `grace_s` ago are left alone. Returns the freed job ids.

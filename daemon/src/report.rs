@@ -68,6 +68,10 @@ pub struct Explanation {
     pub partners: Vec<Partner>,
     /// What the history now says of the job's application beside each partner's.
     pub learned: Vec<PairRow>,
+    /// GPU telemetry (NVML), where the node has it: peak memory of the job's processes, MiB.
+    pub gpu_mem_peak_mb: Option<u64>,
+    /// Mean SM utilisation of the job's processes, percent.
+    pub sm_util_mean_pct: Option<f64>,
 }
 
 /// What an import changed.
@@ -160,6 +164,8 @@ pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, Hi
                         seconds_alone: 0.0,
                         partners: Vec::new(),
                         learned: Vec::new(),
+                        gpu_mem_peak_mb: None,
+                        sm_util_mean_pct: None,
                     },
                     r.get::<_, i64>(10)?,
                 ))
@@ -204,6 +210,17 @@ pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, Hi
             }
             None => e.seconds_alone += seconds,
         }
+    }
+    if let Some((peak, sum, n)) = conn
+        .query_row(
+            "SELECT mem_peak_mb, sm_util_sum, sm_util_samples FROM job_telemetry WHERE job_row = ?1",
+            [row],
+            |r| Ok((r.get::<_, Option<u64>>(0)?, r.get::<_, f64>(1)?, r.get::<_, u32>(2)?)),
+        )
+        .optional()?
+    {
+        e.gpu_mem_peak_mb = peak;
+        e.sm_util_mean_pct = (n > 0).then(|| sum / f64::from(n));
     }
     e.learned = pair_rows(
         history,

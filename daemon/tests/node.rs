@@ -286,3 +286,54 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn gpu_telemetry_is_kept_per_job() {
+    use multiplexd::telemetry::{GpuSample, ProcSample};
+    let mut w = World::new();
+    w.start(0.0, 1, "bert");
+    w.start(0.0, 2, "resnet");
+    // pid 100 and 101 belong to job 1, pid 200 to job 2, pid 300 to a job not placed here.
+    let job_of = |pid: u32| match pid {
+        100 | 101 => Some(1),
+        200 => Some(2),
+        300 => Some(99),
+        _ => None,
+    };
+    let proc = |pid, mem_mb: Option<u64>, sm: Option<u32>| ProcSample {
+        pid,
+        mem_mb,
+        sm_util_pct: sm,
+    };
+    let round = |procs: Vec<ProcSample>| {
+        vec![GpuSample {
+            index: 0,
+            util_pct: 90,
+            mem_used_mb: 9000,
+            processes: procs,
+        }]
+    };
+    w.node
+        .record_telemetry(
+            &round(vec![
+                proc(100, Some(3000), Some(40)),
+                proc(101, Some(1000), Some(10)),
+                proc(200, Some(2000), None),
+                proc(300, Some(5000), Some(90)),
+                proc(4242, Some(7), Some(1)),
+            ]),
+            &job_of,
+        )
+        .unwrap();
+    w.node
+        .record_telemetry(
+            &round(vec![proc(100, Some(3500), Some(30)), proc(200, None, None)]),
+            &job_of,
+        )
+        .unwrap();
+    let e1 = multiplexd::report::explain(w.node.history(), 1).unwrap().unwrap();
+    assert_eq!(e1.gpu_mem_peak_mb, Some(4000), "3000 + 1000 at once beats 3500 alone");
+    assert_eq!(e1.sm_util_mean_pct, Some(40.0), "(50 + 30) / 2");
+    let e2 = multiplexd::report::explain(w.node.history(), 2).unwrap().unwrap();
+    assert_eq!((e2.gpu_mem_peak_mb, e2.sm_util_mean_pct), (Some(2000), None));
+}

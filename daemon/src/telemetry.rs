@@ -1,0 +1,181 @@
+//! GPU telemetry through NVML (loaded at run time): per-GPU utilisation and memory, and each
+//! GPU process's memory and SM utilisation, mapped to its Slurm job through the process's
+//! cgroup (or, failing that, its environment). The daemon keeps per job the peak GPU memory
+//! and the mean SM utilisation of its processes. Without a GPU driver the daemon says so once
+//! and learns from the other signals (start and end times, job reports).
+
+use crate::node::Node;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One process on a GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcSample {
+    pub pid: u32,
+    /// GPU memory the process uses, MiB (`None` where the driver does not say).
+    pub mem_mb: Option<u64>,
+    /// Its share of the GPU's SM time over the last interval, percent.
+    pub sm_util_pct: Option<u32>,
+}
+
+/// One GPU at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSample {
+    pub index: u32,
+    pub util_pct: u32,
+    pub mem_used_mb: u64,
+    pub processes: Vec<ProcSample>,
+}
+
+/// Where samples come from: NVML on a GPU node, a fake in tests.
+pub trait Probe: Send {
+    fn sample(&mut self) -> Result<Vec<GpuSample>, String>;
+}
+
+/// NVML, for the node's shared GPUs.
+pub struct NvmlProbe {
+    nvml: nvml_wrapper::Nvml,
+    indices: Vec<u32>,
+    /// NVML's timestamp of the last process utilisation sample seen, per GPU.
+    last_seen: Vec<u64>,
+}
+
+impl NvmlProbe {
+    /// Loads NVML; an error says why (no driver, no library).
+    pub fn open(indices: Vec<u32>) -> Result<NvmlProbe, String> {
+        let nvml = nvml_wrapper::Nvml::init().map_err(|e| e.to_string())?;
+        let last_seen = vec![0; indices.len()];
+        Ok(NvmlProbe {
+            nvml,
+            indices,
+            last_seen,
+        })
+    }
+}
+
+impl Probe for NvmlProbe {
+    fn sample(&mut self) -> Result<Vec<GpuSample>, String> {
+        let mut out = Vec::with_capacity(self.indices.len());
+        for (k, &index) in self.indices.iter().enumerate() {
+            let dev = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| format!("GPU {index}: {e}"))?;
+            let util = dev.utilization_rates().map_err(|e| format!("GPU {index}: {e}"))?;
+            let mem = dev.memory_info().map_err(|e| format!("GPU {index}: {e}"))?;
+            let mut processes: Vec<ProcSample> = dev
+                .running_compute_processes()
+                .map_err(|e| format!("GPU {index}: {e}"))?
+                .into_iter()
+                .map(|p| ProcSample {
+                    pid: p.pid,
+                    mem_mb: match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b / (1024 * 1024)),
+                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+                    },
+                    sm_util_pct: None,
+                })
+                .collect();
+            // Per-process utilisation is not supported everywhere (pre-Maxwell, some vGPU):
+            // then processes carry memory only.
+            if let Ok(stats) = dev.process_utilization_stats(self.last_seen[k]) {
+                for s in stats {
+                    self.last_seen[k] = self.last_seen[k].max(s.timestamp);
+                    if let Some(p) = processes.iter_mut().find(|p| p.pid == s.pid) {
+                        p.sm_util_pct = Some(s.sm_util);
+                    }
+                }
+            }
+            out.push(GpuSample {
+                index,
+                util_pct: util.gpu,
+                mem_used_mb: mem.used / (1024 * 1024),
+                processes,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The Slurm job of a process, from its cgroup path (`.../job_1234/step_0/...`, cgroup v1 and
+/// v2 alike) or else its environment (`SLURM_JOB_ID`).
+pub fn job_of_pid(pid: u32) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()
+        .and_then(|c| job_from_cgroup(&c))
+        .or_else(|| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .ok()
+                .and_then(|e| job_from_environ(&e))
+        })
+}
+
+/// The job id in a `/proc/PID/cgroup` text, if Slurm put the process in a job cgroup.
+pub fn job_from_cgroup(text: &str) -> Option<u32> {
+    text.lines()
+        .flat_map(|l| l.split('/'))
+        .find_map(|seg| seg.strip_prefix("job_").and_then(|id| id.parse().ok()))
+}
+
+/// `SLURM_JOB_ID` in a `/proc/PID/environ` block.
+pub fn job_from_environ(environ: &[u8]) -> Option<u32> {
+    environ
+        .split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"SLURM_JOB_ID="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+/// Samples every `interval` until `shutdown`, recording into the node. Failures are logged
+/// once per distinct error.
+pub fn spawn(node: Arc<Mutex<Node>>, mut probe: Box<dyn Probe>, interval: Duration, shutdown: Arc<AtomicBool>) {
+    let spawned = std::thread::Builder::new().name("telemetry".into()).spawn(move || {
+        let mut last_error: Option<String> = None;
+        loop {
+            // NVML is asked outside the node's lock: placements never wait for the driver.
+            match probe.sample() {
+                Ok(samples) => {
+                    let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Err(e) = node.record_telemetry(&samples, &job_of_pid) {
+                        tracing::warn!(error = %e, "cannot record GPU telemetry");
+                    }
+                    last_error = None;
+                }
+                Err(e) => {
+                    if last_error.as_deref() != Some(e.as_str()) {
+                        tracing::warn!(error = %e, "GPU telemetry failed; trying again every interval");
+                        last_error = Some(e);
+                    }
+                }
+            }
+            let next = Instant::now() + interval;
+            while Instant::now() < next {
+                if shutdown.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!("cannot start the telemetry thread: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_from_cgroups_of_both_versions_and_from_the_environment() {
+        let v2 = "0::/system.slice/slurmstepd.scope/job_1234/step_0/user/task_0\n";
+        let v1 = "12:memory:/slurm/uid_1000/job_77/step_batch/task_0\n11:cpuset:/slurm/uid_1000/job_77/step_batch\n";
+        let none = "0::/user.slice/user-1000.slice/session-3.scope\n";
+        assert_eq!(job_from_cgroup(v2), Some(1234));
+        assert_eq!(job_from_cgroup(v1), Some(77));
+        assert_eq!(job_from_cgroup(none), None);
+        assert_eq!(job_from_environ(b"HOME=/root\0SLURM_JOB_ID=42\0X=1\0"), Some(42));
+        assert_eq!(job_from_environ(b"SLURM_JOB_ID=x\0"), None);
+        assert_eq!(job_from_environ(b""), None);
+    }
+}
