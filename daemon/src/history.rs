@@ -463,13 +463,13 @@ impl History {
                  ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
                 params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
             )?;
-            // The partner's row sees this side as `other_speed`.
+            // The partner's row sees this side as `other_speed`; its own speed stays unlearned
+            // (observations 0) until a job of the partner's application finishes.
             tx.execute(
                 "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5,
-                   observations = max(observations, ?6)",
-                params![model, other_id, app_id, prior, f.speed, f.observations],
+                 VALUES (?1, ?2, ?3, ?4, ?5, 0)
+                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
+                params![model, other_id, app_id, prior, f.speed],
             )?;
         }
         tx.commit()?;
@@ -717,6 +717,21 @@ fn equation(rows: impl Iterator<Item = IntervalRow>) -> Option<crate::learn::Equ
 }
 
 impl PairHistory for History {
+    fn app_mean(&self, model: &str, app: &str) -> Option<(f64, u32)> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT avg(e.speed), count(*) FROM pair_estimates e JOIN applications a ON a.id = e.app_id
+                 WHERE e.gpu_model = ?1 AND a.name = ?2 AND e.observations > 0 AND e.oom = 0",
+            )
+            .ok()?;
+        stmt.query_row(params![model, app], |r| {
+            Ok((r.get::<_, Option<f64>>(0)?, r.get::<_, u32>(1)?))
+        })
+        .ok()
+        .and_then(|(mean, n)| mean.map(|m| (m, n)))
+    }
+
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
         let mut stmt = self
             .conn

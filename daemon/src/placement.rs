@@ -40,6 +40,50 @@ pub struct PairEstimate {
 pub trait PairHistory {
     /// The estimate for `app` beside `other` on `model`, if any observation exists.
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate>;
+
+    /// What is known of `app` beside others in general: the mean of its learned speeds beside
+    /// other applications, and how many pairs that mean rests on.
+    fn app_mean(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
+        None
+    }
+}
+
+/// How many pairs' worth of weight the flat prior keeps against an application's own mean.
+const PRIOR_WEIGHT: f64 = 2.0;
+
+/// The speed of `app` beside `other`: learned if the pair was seen; else from what is known of
+/// `app` beside others (its mean, shrunk towards the flat prior); else the prior. The text says
+/// which.
+fn estimate(
+    history: &dyn PairHistory,
+    model: &str,
+    app: &str,
+    other: &str,
+    prior: f64,
+) -> (f64, Option<PairEstimate>, String) {
+    let pair = history.pair(model, app, other);
+    if let Some(e) = pair.filter(|e| e.observations > 0) {
+        return (
+            e.speed,
+            Some(e),
+            format!("{:.2} from {} observations", e.speed, e.observations),
+        );
+    }
+    // A row without observations of this side (only the other side was learned, or only an
+    // out-of-memory mark): its `speed` is a placeholder, but the row still counts for the rest.
+    let (s, why) = unseen(history, model, app, prior);
+    (s, pair, why)
+}
+
+fn unseen(history: &dyn PairHistory, model: &str, app: &str, prior: f64) -> (f64, String) {
+    match history.app_mean(model, app) {
+        Some((mean, n)) if n > 0 => {
+            let n = f64::from(n);
+            let s = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT);
+            (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs"))
+        }
+        _ => (prior, format!("never seen together, assumed {prior:.2}")),
+    }
 }
 
 /// The job to place.
@@ -162,32 +206,32 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
     let mut gain = 0.0;
     let mut notes = Vec::new();
     for r in &gpu.residents {
-        let est = history.pair(&gpu.model, job.app, &r.app);
+        let (mine, est, why) = estimate(history, &gpu.model, job.app, &r.app, prior);
         if est.is_some_and(|e| e.oom) {
             return Err(format!(
                 "{} beside {} (job {}) ran out of memory before",
                 job.app, r.app, r.job_id
             ));
         }
-        let (mine, theirs) = est.map_or((prior, prior), |e| (e.speed, e.other_speed));
+        let theirs = match est {
+            Some(e) => e.other_speed,
+            None => estimate(history, &gpu.model, &r.app, job.app, prior).0,
+        };
         speed *= mine;
         // The resident's speed now, from its pairs with the other residents.
         let now: f64 = gpu
             .residents
             .iter()
             .filter(|o| o.job_id != r.job_id)
-            .map(|o| history.pair(&gpu.model, &r.app, &o.app).map_or(prior, |e| e.speed))
+            .map(|o| estimate(history, &gpu.model, &r.app, &o.app, prior).0)
             .product();
         gain += now * theirs - now;
-        notes.push(match est {
+        notes.push(match est.filter(|e| e.observations > 0) {
             Some(e) => format!(
                 "beside {} (job {}): {:.2}/{:.2} from {} observations",
                 r.app, r.job_id, mine, theirs, e.observations
             ),
-            None => format!(
-                "beside {} (job {}): never seen together, assumed {:.2}",
-                r.app, r.job_id, prior
-            ),
+            None => format!("beside {} (job {}): {why}", r.app, r.job_id),
         });
     }
     gain += speed;
@@ -418,6 +462,55 @@ mod tests {
                 // a: 0.7 -> 0.7*0.9 ; b: 0.7 -> 0.7*0.6 ; plus n at 0.4
                 let want = 0.4 + (0.63 - 0.7) + (0.42 - 0.7);
                 assert!((gain - want).abs() < 1e-9, "{gain} vs {want}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A history that knows each application's mean speed beside others, and no pair.
+    struct Means(HashMap<String, (f64, u32)>);
+
+    impl PairHistory for Means {
+        fn pair(&self, _model: &str, _app: &str, _other: &str) -> Option<PairEstimate> {
+            None
+        }
+        fn app_mean(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
+            self.0.get(app).copied()
+        }
+    }
+
+    #[test]
+    fn an_unseen_pair_is_estimated_from_what_is_known_of_each_application() {
+        let h = Means(HashMap::from([
+            ("gentle".to_string(), (0.9, 4)),
+            ("greedy".to_string(), (0.4, 4)),
+        ]));
+        let newcomer = |app| Newcomer { app, mem_mb: None };
+        // Only GPU 0 has a free slot, beside `greedy`, a pair never seen: gentle's speed comes
+        // from its own other pairs, shrunk towards the prior: (4 x 0.9 + 2 x 0.7) / 6 = 0.833.
+        let gpus = [gpu(0, &[(1, "greedy")]), gpu(1, &[(2, "x"), (3, "y")])];
+        match place(&gpus, &newcomer("gentle"), &h, KNOBS) {
+            Decision::Place {
+                gpu,
+                predicted_speed,
+                reason,
+                ..
+            } => {
+                assert_eq!(gpu, 0);
+                assert!((predicted_speed - 5.0 / 6.0).abs() < 1e-9, "{predicted_speed}");
+                assert!(reason.contains("0.83 from gentle's 4 other pairs"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Nothing known of the application: the flat prior.
+        match place(&gpus, &newcomer("new"), &h, KNOBS) {
+            Decision::Place {
+                predicted_speed,
+                reason,
+                ..
+            } => {
+                assert!((predicted_speed - KNOBS.unknown_pair_speed).abs() < 1e-9);
+                assert!(reason.contains("never seen together, assumed 0.70"), "{reason}");
             }
             other => panic!("{other:?}"),
         }

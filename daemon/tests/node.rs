@@ -111,6 +111,21 @@ fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
         }
         other => panic!("{other:?}"),
     }
+    // Beside an application never seen with it, bert's speed comes from its other pairs
+    // (one: resnet, learned again from jobs 5 and 6), shrunk towards the prior 0.7 with the
+    // weight of two pairs.
+    w.end(500.0, 5, 0);
+    w.end(500.0, 6, 0);
+    let (beside_resnet, _, _) = w.estimate("bert", "resnet").unwrap();
+    w.start(600.0, 7, "gpt");
+    match w.start(600.0, 8, "bert") {
+        Response::Placed(p) => {
+            let want = (beside_resnet + 2.0 * 0.7) / 3.0;
+            assert!((p.predicted_speed - want).abs() < 1e-9, "{p:?} vs {want}");
+            assert!(p.reason.contains("from bert's 1 other pairs"), "{}", p.reason);
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
