@@ -528,6 +528,19 @@ impl History {
         Ok(())
     }
 
+    /// The highest GPU memory the latest (up to 20) measured runs of `app` used, MiB: what a
+    /// job that gives no memory hint is assumed to need.
+    pub fn app_mem_peak(&self, app: &str) -> Result<Option<u64>, HistoryError> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT max(m) FROM (SELECT t.mem_peak_mb AS m FROM jobs j JOIN job_telemetry t ON t.job_row = j.id
+             WHERE j.app_id = (SELECT id FROM applications WHERE name = ?1) AND t.mem_peak_mb IS NOT NULL
+             ORDER BY j.id DESC LIMIT 20)",
+        )?;
+        Ok(stmt
+            .query_row([app], |r| r.get::<_, Option<i64>>(0))?
+            .map(|m| m.max(0) as u64))
+    }
+
     /// Records a job's report. `kind` is `progress` (with `value`) or `oom`; an out-of-memory
     /// report also marks the pair of the job's application with each partner's (both ways) so
     /// that placement never puts them together again. Returns the partners' applications.

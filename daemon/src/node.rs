@@ -156,10 +156,16 @@ impl Node {
                 residents: active
                     .iter()
                     .filter(|j| j.gpu == g.index)
-                    .map(ActiveJob::resident)
+                    .map(|j| {
+                        let mut r = j.resident();
+                        r.mem_mb = r.mem_mb.or_else(|| self.learned_mem(&j.app));
+                        r
+                    })
                     .collect(),
             })
             .collect();
+        // Without a hint, the memory the application's earlier runs were measured to use.
+        let learned_mem = req.mem_mb.is_none().then(|| self.learned_mem(&req.app)).flatten();
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
@@ -168,7 +174,7 @@ impl Node {
             &states,
             &Newcomer {
                 app: &req.app,
-                mem_mb: req.mem_mb,
+                mem_mb: req.mem_mb.or(learned_mem),
             },
             &self.history,
             knobs,
@@ -178,9 +184,12 @@ impl Node {
                 gpu,
                 corunners,
                 predicted_speed,
-                reason,
+                mut reason,
                 ..
             } => {
+                if let Some(m) = learned_mem {
+                    reason.push_str(&format!("; needs about {m} MiB, measured on its earlier runs"));
+                }
                 let model = self
                     .gpus
                     .iter()
@@ -216,7 +225,10 @@ impl Node {
                     req.mem_mb,
                 )))
             }
-            Decision::Decline { reason, may_retry } => {
+            Decision::Decline { mut reason, may_retry } => {
+                if let Some(m) = learned_mem {
+                    reason.push_str(&format!(" (memory {m} MiB: measured on its earlier runs)"));
+                }
                 tracing::info!(job = req.job_id, app = %req.app, %reason, may_retry, "declined");
                 Ok(Response::Declined {
                     reason,
@@ -304,6 +316,14 @@ impl Node {
             Ok(n) => tracing::info!(jobs = n, "compacted old jobs into the estimates"),
             Err(e) => tracing::warn!(error = %e, "cannot compact the history"),
         }
+    }
+
+    /// The GPU memory an application's earlier runs were measured to use (NVML), if any.
+    fn learned_mem(&self, app: &str) -> Option<u64> {
+        self.history.app_mem_peak(app).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, app, "cannot read measured memory");
+            None
+        })
     }
 
     /// Learns from a job that ended. Learning failing is logged, never the job's problem.

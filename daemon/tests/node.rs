@@ -352,3 +352,46 @@ fn gpu_telemetry_is_kept_per_job() {
     let e2 = multiplexd::report::explain(w.node.history(), 2).unwrap().unwrap();
     assert_eq!((e2.gpu_mem_peak_mb, e2.sm_util_mean_pct), (Some(2000), None));
 }
+
+#[test]
+fn measured_memory_stands_in_for_a_missing_hint() {
+    use multiplexd::telemetry::{GpuSample, ProcSample};
+    let mut w = World::new();
+    // A first run of `big` is measured at 12,000 MiB.
+    w.start(0.0, 1, "big");
+    let sample = vec![GpuSample {
+        index: 0,
+        util_pct: 99,
+        mem_used_mb: 12000,
+        processes: vec![ProcSample {
+            pid: 4000,
+            mem_mb: Some(12000),
+            sm_util_pct: Some(95),
+        }],
+    }];
+    w.node
+        .record_telemetry(&sample, &|pid| (pid == 4000).then_some(1))
+        .unwrap();
+    w.end(100.0, 1, 0);
+    // Two more runs without a hint: the second cannot fit beside the first on a 16 GiB GPU.
+    match w.start(200.0, 2, "big") {
+        Response::Placed(p) => assert!(
+            p.reason.contains("needs about 12000 MiB, measured on its earlier runs"),
+            "{}",
+            p.reason
+        ),
+        other => panic!("{other:?}"),
+    }
+    match w.start(201.0, 3, "big") {
+        Response::Declined { reason, .. } => {
+            assert!(
+                reason.contains("memory: 12000 MiB asked, 12000 of 16384 MiB already promised"),
+                "{reason}"
+            );
+            assert!(reason.contains("measured on its earlier runs"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // An application never measured is placed as before.
+    assert!(matches!(w.start(202.0, 4, "small"), Response::Placed(_)));
+}
