@@ -111,6 +111,14 @@ fn populate(db: &Path, jobs: u64, apps: u64, rng: &mut Rng) {
         }
         t += 10.0;
     }
+    // The per-application means the daemon derives from the estimates as it learns.
+    tx.execute(
+        "INSERT INTO app_means(gpu_model, app_id, mean, pairs)
+         SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
+         WHERE observations > 0 AND oom = 0 GROUP BY gpu_model, app_id",
+        [],
+    )
+    .unwrap();
     tx.commit().unwrap();
     conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;").unwrap();
 }

@@ -100,6 +100,20 @@ const MIGRATIONS: &[&str] = &[
         mem_peak_mb INTEGER,
         sm_util_sum REAL NOT NULL,
         sm_util_samples INTEGER NOT NULL
+     );
+     -- The GPU memory an application's latest measured runs peaked at, refreshed as jobs end.
+     -- Each application's mean learned speed beside others (placement's estimate for pairs
+     -- never seen), refreshed whenever its estimates change.
+     CREATE TABLE app_means (
+        gpu_model TEXT NOT NULL,
+        app_id INTEGER NOT NULL REFERENCES applications(id),
+        mean REAL NOT NULL,
+        pairs INTEGER NOT NULL,
+        PRIMARY KEY (gpu_model, app_id)
+     );
+     CREATE TABLE app_memory (
+        app_id INTEGER PRIMARY KEY REFERENCES applications(id),
+        peak_mb INTEGER NOT NULL
      );",
 ];
 
@@ -472,6 +486,7 @@ impl History {
                 params![model, other_id, app_id, prior, f.speed],
             )?;
         }
+        refresh_app_means(&tx, Some((&model, app_id)))?;
         tx.commit()?;
         Ok(match solo {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
@@ -528,16 +543,32 @@ impl History {
         Ok(())
     }
 
-    /// The highest GPU memory the latest (up to 20) measured runs of `app` used, MiB: what a
-    /// job that gives no memory hint is assumed to need.
+    /// Refreshes what the application of the finished job `job_row` is known to need: the
+    /// highest GPU memory its latest (up to 20) measured runs used.
+    pub fn refresh_app_memory(&mut self, job_row: i64) -> Result<(), HistoryError> {
+        self.conn.execute(
+            "INSERT INTO app_memory(app_id, peak_mb)
+             SELECT app, peak FROM (
+               SELECT j0.app_id AS app,
+                      (SELECT max(m) FROM (SELECT t.mem_peak_mb AS m FROM jobs j JOIN job_telemetry t ON t.job_row = j.id
+                        WHERE j.app_id = j0.app_id AND t.mem_peak_mb IS NOT NULL ORDER BY j.id DESC LIMIT 20)) AS peak
+               FROM jobs j0 WHERE j0.id = ?1)
+             WHERE peak IS NOT NULL
+             ON CONFLICT(app_id) DO UPDATE SET peak_mb = excluded.peak_mb",
+            [job_row],
+        )?;
+        Ok(())
+    }
+
+    /// The GPU memory `app`'s earlier measured runs peaked at, MiB: what a job that gives no
+    /// memory hint is assumed to need.
     pub fn app_mem_peak(&self, app: &str) -> Result<Option<u64>, HistoryError> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT max(m) FROM (SELECT t.mem_peak_mb AS m FROM jobs j JOIN job_telemetry t ON t.job_row = j.id
-             WHERE j.app_id = (SELECT id FROM applications WHERE name = ?1) AND t.mem_peak_mb IS NOT NULL
-             ORDER BY j.id DESC LIMIT 20)",
+            "SELECT m.peak_mb FROM app_memory m JOIN applications a ON a.id = m.app_id WHERE a.name = ?1",
         )?;
         Ok(stmt
-            .query_row([app], |r| r.get::<_, Option<i64>>(0))?
+            .query_row([app], |r| r.get::<_, i64>(0))
+            .optional()?
             .map(|m| m.max(0) as u64))
     }
 
@@ -579,8 +610,10 @@ impl History {
                         params![model, x, y, prior],
                     )?;
                 }
+                refresh_app_means(&tx, Some((&model, other)))?;
                 names.push(name);
             }
+            refresh_app_means(&tx, Some((&model, app)))?;
         }
         tx.commit()?;
         Ok(names)
@@ -682,6 +715,35 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
     Ok(())
 }
 
+/// Recomputes `app_means` for one application on one model, or (`None`) for all.
+pub(crate) fn refresh_app_means(tx: &rusqlite::Transaction, only: Option<(&str, i64)>) -> rusqlite::Result<()> {
+    // Plain equalities (not `?1 IS NULL OR ...`) so that the primary keys are used.
+    match only {
+        Some((model, app)) => {
+            tx.execute(
+                "DELETE FROM app_means WHERE gpu_model = ?1 AND app_id = ?2",
+                params![model, app],
+            )?;
+            tx.execute(
+                "INSERT INTO app_means(gpu_model, app_id, mean, pairs)
+                 SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
+                 WHERE gpu_model = ?1 AND app_id = ?2 AND observations > 0 AND oom = 0
+                 GROUP BY gpu_model, app_id",
+                params![model, app],
+            )?;
+        }
+        None => {
+            tx.execute_batch(
+                "DELETE FROM app_means;
+                 INSERT INTO app_means(gpu_model, app_id, mean, pairs)
+                 SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
+                 WHERE observations > 0 AND oom = 0 GROUP BY gpu_model, app_id;",
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// One interval of a job: start, end (`None` while open), partner application (`None`: alone).
 type IntervalRow = (f64, Option<f64>, Option<String>);
 
@@ -734,18 +796,23 @@ impl PairHistory for History {
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT avg(e.speed), count(*) FROM pair_estimates e JOIN applications a ON a.id = e.app_id
-                 WHERE e.gpu_model = ?1 AND a.name = ?2 AND e.observations > 0 AND e.oom = 0",
+                "SELECT m.mean, m.pairs FROM app_means m JOIN applications a ON a.id = m.app_id
+                 WHERE m.gpu_model = ?1 AND a.name = ?2",
             )
             .ok()?;
-        stmt.query_row(params![model, app], |r| {
-            Ok((r.get::<_, Option<f64>>(0)?, r.get::<_, u32>(1)?))
-        })
-        .ok()
-        .and_then(|(mean, n)| mean.map(|m| (m, n)))
+        stmt.query_row(params![model, app], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()
+            .ok()
+            .flatten()
     }
 
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
+        self.pair_uncached(model, app, other)
+    }
+}
+
+impl History {
+    fn pair_uncached(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
         let mut stmt = self
             .conn
             .prepare_cached(

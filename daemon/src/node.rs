@@ -293,6 +293,9 @@ impl Node {
             .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
         if releases {
             self.learn(job);
+            if let Err(e) = self.history.refresh_app_memory(job.row) {
+                tracing::warn!(job = job.job_id, error = %e, "cannot refresh the application's measured memory");
+            }
             self.finishes_since_compaction += 1;
             if self.finishes_since_compaction >= COMPACT_EVERY {
                 self.compact();

@@ -336,6 +336,7 @@ pub fn import(history: &mut History, data: &Export) -> Result<Imported, String> 
             }
         }
     }
+    crate::history::refresh_app_means(&tx, None).map_err(sql)?;
     tx.commit().map_err(sql)?;
     Ok(done)
 }
