@@ -636,44 +636,37 @@ impl History {
             source,
         })?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        let path_buf = path.to_path_buf();
-        std::thread::Builder::new()
-            .name("checkpoint".into())
-            .spawn(move || {
-                let path = path_buf;
-                let mut failing = false;
-                let mut wal = path.clone().into_os_string();
-                wal.push("-wal");
-                let wal = PathBuf::from(wal);
-                while !shutdown.load(std::sync::atomic::Ordering::SeqCst) {
-                    std::thread::sleep(std::time::Duration::from_secs(1));
-                    // A passive checkpoint never waits for the daemon's writes, but under
-                    // unbroken load it never completes either and the WAL only grows: past
-                    // WAL_LIMIT, one checkpoint waits for a pause in the writes and truncates.
-                    let big = std::fs::metadata(&wal).is_ok_and(|m| m.len() > WAL_LIMIT);
-                    let sql = if big {
-                        "PRAGMA wal_checkpoint(TRUNCATE)"
-                    } else {
-                        "PRAGMA wal_checkpoint(PASSIVE)"
-                    };
-                    match conn.query_row(sql, [], |r| r.get::<_, i64>(0)) {
-                        Ok(_) if failing => {
-                            failing = false;
-                            tracing::info!("history checkpoints work again");
-                        }
-                        Ok(_) => {}
-                        Err(e) if !failing => {
-                            failing = true;
-                            tracing::warn!(error = %e, "history checkpoint failed; retrying every second");
-                        }
-                        Err(_) => {}
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
+        let wal = PathBuf::from(wal);
+        let mut trouble = crate::background::Trouble::default();
+        crate::background::every("checkpoint", std::time::Duration::from_secs(1), shutdown, move || {
+            // A passive checkpoint never waits for the daemon's writes, but under unbroken
+            // load it never completes either and the WAL only grows: past WAL_LIMIT, one
+            // checkpoint waits for a pause in the writes and truncates.
+            let big = std::fs::metadata(&wal).is_ok_and(|m| m.len() > WAL_LIMIT);
+            let sql = if big {
+                "PRAGMA wal_checkpoint(TRUNCATE)"
+            } else {
+                "PRAGMA wal_checkpoint(PASSIVE)"
+            };
+            match conn.query_row(sql, [], |r| r.get::<_, i64>(0)) {
+                Ok(_) => {
+                    if trouble.recovered() {
+                        tracing::info!("history checkpoints work again");
                     }
                 }
-            })
-            .map_err(|e| HistoryError::Open {
-                path: path.to_path_buf(),
-                source: rusqlite::Error::InvalidPath(PathBuf::from(format!("checkpoint thread: {e}"))),
-            })?;
+                Err(e) => {
+                    if trouble.failed(&e.to_string()) {
+                        tracing::warn!(error = %e, "history checkpoint failed; retrying every second");
+                    }
+                }
+            }
+        })
+        .map_err(|e| HistoryError::Open {
+            path: path.to_path_buf(),
+            source: rusqlite::Error::InvalidPath(PathBuf::from(format!("checkpoint thread: {e}"))),
+        })?;
         self.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
         Ok(())
     }

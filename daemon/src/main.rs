@@ -144,7 +144,8 @@ fn serve(config_path: &Path) -> Result<(), String> {
     let signals = stop_signals();
     if weight.publish {
         let base = weight.base;
-        let publisher = Publisher::start(node_name.clone(), weight);
+        let publisher = Publisher::start(node_name.clone(), weight)
+            .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
         node.on_load(Box::new(move |used, total| {
             publisher.set(weight_for(used, total, base))
         }))

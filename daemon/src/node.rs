@@ -40,7 +40,7 @@ impl Node {
     /// Opens the node's history. `gpus` are the shared GPUs (from the config or NVML).
     pub fn open(config: Config, gpus: Vec<GpuSpec>, clock: Clock) -> Result<Node, HistoryError> {
         let history = History::open(&config.database)?;
-        let node = Node {
+        let mut node = Node {
             config,
             gpus,
             history,
@@ -48,7 +48,6 @@ impl Node {
             on_load: None,
             finishes_since_compaction: 0,
         };
-        let mut node = node;
         node.compact();
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
@@ -454,10 +453,10 @@ impl Node {
             if running.contains(&job.job_id) || now - job.started_at < grace_s {
                 continue;
             }
-            let remaining: Vec<i64> = self
-                .active()?
+            // The GPU's other jobs, less those this loop already found gone.
+            let remaining: Vec<i64> = active
                 .iter()
-                .filter(|o| o.gpu == job.gpu && o.row != job.row)
+                .filter(|o| o.gpu == job.gpu && o.row != job.row && !gone.contains(&o.job_id))
                 .map(|o| o.row)
                 .collect();
             self.history.record_gone(job.row, &remaining, now)?;

@@ -4,12 +4,13 @@
 //! `interval_s`, the daemon asks `squeue` which jobs run on its node and frees the slots of
 //! the others.
 
+use crate::background::Trouble;
 use crate::node::Node;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How the daemon reconciles with Slurm.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,33 +71,21 @@ pub fn spawn(node: Arc<Mutex<Node>>, config: ReconcileConfig, shutdown: Arc<Atom
         tracing::info!("not reconciling with Slurm (reconcile.interval_s = 0)");
         return;
     }
-    let spawned = std::thread::Builder::new().name("reconcile".into()).spawn(move || {
-        let every = Duration::from_secs(config.interval_s);
-        let mut last_error: Option<String> = None;
-        loop {
-            match once(&node, &config) {
-                Ok(_) => {
-                    if last_error.take().is_some() {
-                        tracing::info!("reconciling with Slurm works again");
-                    }
-                }
-                Err(e) => {
-                    if last_error.as_deref() != Some(e.as_str()) {
-                        tracing::warn!(error = %e, "cannot ask Slurm which jobs run here; slots are kept as they are");
-                        last_error = Some(e);
-                    }
-                }
+    let every = Duration::from_secs(config.interval_s);
+    let mut trouble = Trouble::default();
+    let started = crate::background::every("reconcile", every, shutdown, move || match once(&node, &config) {
+        Ok(_) => {
+            if trouble.recovered() {
+                tracing::info!("reconciling with Slurm works again");
             }
-            let next = Instant::now() + every;
-            while Instant::now() < next {
-                if shutdown.load(Ordering::SeqCst) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(200));
+        }
+        Err(e) => {
+            if trouble.failed(&e) {
+                tracing::warn!(error = %e, "cannot ask Slurm which jobs run here; slots are kept as they are");
             }
         }
     });
-    if let Err(e) = spawned {
+    if let Err(e) = started {
         tracing::error!("cannot start the reconcile thread: {e}");
     }
 }

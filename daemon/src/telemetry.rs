@@ -4,10 +4,11 @@
 //! and the mean SM utilisation of its processes. Without a GPU driver the daemon says so once
 //! and learns from the other signals (start and end times, job reports).
 
+use crate::background::Trouble;
 use crate::node::Node;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One process on a GPU.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,35 +130,27 @@ pub fn job_from_environ(environ: &[u8]) -> Option<u32> {
 /// Samples every `interval` until `shutdown`, recording into the node. Failures are logged
 /// once per distinct error.
 pub fn spawn(node: Arc<Mutex<Node>>, mut probe: Box<dyn Probe>, interval: Duration, shutdown: Arc<AtomicBool>) {
-    let spawned = std::thread::Builder::new().name("telemetry".into()).spawn(move || {
-        let mut last_error: Option<String> = None;
-        loop {
-            // NVML is asked outside the node's lock: placements never wait for the driver.
-            match probe.sample() {
-                Ok(samples) => {
-                    let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Err(e) = node.record_telemetry(&samples, &job_of_pid) {
-                        tracing::warn!(error = %e, "cannot record GPU telemetry");
-                    }
-                    last_error = None;
+    let mut trouble = Trouble::default();
+    let started = crate::background::every("telemetry", interval, shutdown, move || {
+        // NVML is asked outside the node's lock: placements never wait for the driver.
+        match probe.sample() {
+            Ok(samples) => {
+                if trouble.recovered() {
+                    tracing::info!("GPU telemetry works again");
                 }
-                Err(e) => {
-                    if last_error.as_deref() != Some(e.as_str()) {
-                        tracing::warn!(error = %e, "GPU telemetry failed; trying again every interval");
-                        last_error = Some(e);
-                    }
+                let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(e) = node.record_telemetry(&samples, &job_of_pid) {
+                    tracing::warn!(error = %e, "cannot record GPU telemetry");
                 }
             }
-            let next = Instant::now() + interval;
-            while Instant::now() < next {
-                if shutdown.load(Ordering::SeqCst) {
-                    return;
+            Err(e) => {
+                if trouble.failed(&e) {
+                    tracing::warn!(error = %e, "GPU telemetry failed; trying again every interval");
                 }
-                std::thread::sleep(Duration::from_millis(200));
             }
         }
     });
-    if let Err(e) = spawned {
+    if let Err(e) = started {
         tracing::error!("cannot start the telemetry thread: {e}");
     }
 }

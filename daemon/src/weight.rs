@@ -64,19 +64,18 @@ pub struct Publisher {
 
 impl Publisher {
     /// Starts publishing for node `node` (nothing is published until [`Publisher::set`]).
-    pub fn start(node: String, config: WeightConfig) -> Publisher {
+    pub fn start(node: String, config: WeightConfig) -> std::io::Result<Publisher> {
         let shared = Arc::new((Mutex::new(Want::default()), Condvar::new()));
         let thread = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("weight".into())
-                .spawn(move || run(&node, &config, &shared))
-                .expect("spawn the weight publisher")
+                .spawn(move || run(&node, &config, &shared))?
         };
-        Publisher {
+        Ok(Publisher {
             shared,
             thread: Some(thread),
-        }
+        })
     }
 
     /// Asks for `weight` to be published (the latest wins; no call blocks on Slurm).
@@ -104,7 +103,7 @@ fn run(node: &str, config: &WeightConfig, shared: &(Mutex<Want>, Condvar)) {
     let mut published: Option<u32> = None;
     // When the next call is due regardless of changes (republish or retry).
     let mut due: Option<Instant> = None;
-    let mut last_error: Option<String> = None;
+    let mut trouble = crate::background::Trouble::default();
     loop {
         let weight = {
             let mut want = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -130,16 +129,15 @@ fn run(node: &str, config: &WeightConfig, shared: &(Mutex<Want>, Condvar)) {
                 if published != Some(weight) {
                     tracing::info!(node, weight, "published node weight");
                 }
-                if last_error.take().is_some() {
+                if trouble.recovered() {
                     tracing::info!(node, weight, "publishing the node weight works again");
                 }
                 published = Some(weight);
                 due = republish.map(|r| Instant::now() + r);
             }
             Err(e) => {
-                if last_error.as_deref() != Some(e.as_str()) {
+                if trouble.failed(&e) {
                     tracing::warn!(node, weight, error = %e, "cannot publish the node weight; retrying every {:?}", config.retry);
-                    last_error = Some(e);
                 }
                 published = None;
                 due = Some(Instant::now() + config.retry);
@@ -217,7 +215,7 @@ mod tests {
             retry: Duration::from_millis(200),
             ..WeightConfig::default()
         };
-        let p = Publisher::start("n7".into(), config);
+        let p = Publisher::start("n7".into(), config).unwrap();
         p.set(26);
         std::thread::sleep(Duration::from_millis(300));
         assert!(calls(&dir).is_empty(), "slurmctld down: nothing published yet");

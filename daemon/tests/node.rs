@@ -70,6 +70,21 @@ impl World {
             .unwrap();
     }
 
+    /// Jobs 1 to 4: bert alone 100 s, resnet alone 50 s; then together, bert 200..325 beside
+    /// resnet 200..275 and alone 275..325. bert: 50 s alone + 75 s beside resnet = 100 s of
+    /// work: s(bert, resnet) = 50/75 = 0.667; resnet: 75 s beside bert = 50 s of work:
+    /// s(resnet, bert) = 0.667.
+    fn bert_and_resnet(&mut self) {
+        self.start(0.0, 1, "bert");
+        self.end(100.0, 1, 0);
+        self.start(100.0, 2, "resnet");
+        self.end(150.0, 2, 0);
+        self.start(200.0, 3, "bert");
+        self.start(200.0, 4, "resnet");
+        self.end(275.0, 4, 0);
+        self.end(325.0, 3, 0);
+    }
+
     fn estimate(&self, app: &str, other: &str) -> Option<(f64, f64, u32)> {
         use multiplexd::placement::PairHistory;
         self.node
@@ -82,18 +97,7 @@ impl World {
 #[test]
 fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
     let mut w = World::new();
-    // bert alone: 100 s; resnet alone: 50 s.
-    w.start(0.0, 1, "bert");
-    w.end(100.0, 1, 0);
-    w.start(100.0, 2, "resnet");
-    w.end(150.0, 2, 0);
-    // Together: bert 200..325 beside resnet 200..275, then alone 275..325.
-    // bert: 50 s alone + 75 s beside resnet = 100 s of work: s(bert, resnet) = 50/75 = 0.667.
-    // resnet: 75 s beside bert = 50 s of work: s(resnet, bert) = 50/75 = 0.667.
-    w.start(200.0, 3, "bert");
-    w.start(200.0, 4, "resnet");
-    w.end(275.0, 4, 0);
-    w.end(325.0, 3, 0);
+    w.bert_and_resnet();
     let (bert, resnet_side, n) = w.estimate("bert", "resnet").expect("learned");
     assert!((bert - 2.0 / 3.0).abs() < 0.01, "{bert}");
     assert!((resnet_side - 2.0 / 3.0).abs() < 0.01, "{resnet_side}");
@@ -190,14 +194,7 @@ fn jobs_slurm_no_longer_runs_free_their_slots_and_teach_nothing() {
 fn explain_export_and_import_say_and_carry_what_was_learned() {
     use multiplexd::report;
     let mut w = World::new();
-    w.start(0.0, 1, "bert");
-    w.end(100.0, 1, 0);
-    w.start(100.0, 2, "resnet");
-    w.end(150.0, 2, 0);
-    w.start(200.0, 3, "bert");
-    w.start(200.0, 4, "resnet");
-    w.end(275.0, 4, 0);
-    w.end(325.0, 3, 0);
+    w.bert_and_resnet();
 
     let e = report::explain(w.node.history(), 3).unwrap().expect("job 3 is known");
     assert_eq!(

@@ -99,9 +99,13 @@ fn main() {
             let env: Vec<CString> = kind.spank_env.iter().map(|e| CString::new(*e).unwrap()).collect();
             let mut env_ptrs: Vec<*mut c_char> = env.iter().map(|e| e.as_ptr() as *mut c_char).collect();
             for _ in 0..round {
-                // SAFETY: a zeroed job_desc_msg_t initialised by Slurm, as sbatch's arrives.
-                let mut desc: job_desc_msg_t = unsafe { std::mem::zeroed() };
-                unsafe { init_desc(&mut desc) };
+                // SAFETY: all-zero is a valid job_desc_msg_t (null pointers, zero numbers), which
+                // slurm_init_job_desc_msg then sets to "not given", as sbatch's arrives.
+                let mut desc: job_desc_msg_t = unsafe {
+                    let mut d = std::mem::zeroed();
+                    init_desc(&mut d);
+                    d
+                };
                 desc.user_id = 1000;
                 desc.name = host::xstrdup("train");
                 desc.partition = dup(kind.partition);

@@ -199,7 +199,10 @@ fn remote_post_opt(spank: &Spank) -> c_int {
             // `text` starts with the plugin's prefix already.
             log::info(&format!("{text} (job {job_id} step {step})"));
         }
-        StepPlan::Declined { .. } => unreachable!("resolved above"),
+        // Turned into Fail by `declined` above; logged like it should it ever get here.
+        StepPlan::Declined { reason, .. } => {
+            log::info(&format!("{PREFIX}: declined: {reason} (job {job_id} step {step})"))
+        }
     }
     // A failure is carried out in the tasks (task_init), not here: a step that fails in
     // slurmstepd's own callbacks can get the node drained.
