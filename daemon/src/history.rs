@@ -439,34 +439,77 @@ impl History {
                 |r| r.get(0),
             )
             .optional()?;
-        let Some(baseline) = baseline else {
-            tx.commit()?;
-            return Ok(Learned::NoBaseline);
-        };
-        // Every interval of the application's latest jobs, in one query.
+        // Every interval and progress report of the application's latest jobs, in two queries.
+        let window = "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+                      AND finished_at IS NOT NULL AND exit_status = 0
+                      ORDER BY finished_at DESC LIMIT ?3";
         let rows: Vec<(i64, IntervalRow)> = tx
-            .prepare_cached(
+            .prepare_cached(&format!(
                 "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
                  LEFT JOIN applications a ON a.id = i.partner_app_id
-                 WHERE i.job_row IN (SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
-                                     AND finished_at IS NOT NULL AND exit_status = 0
-                                     ORDER BY finished_at DESC LIMIT ?3)
-                 ORDER BY i.job_row, i.started_at",
-            )?
+                 WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
+            ))?
             .query_map(params![app_id, model, LEARN_WINDOW], |r| {
                 Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
             })?
             .collect::<Result<_, _>>()?;
-        let equations: Vec<crate::learn::Equation> = rows
-            .chunk_by(|a, b| a.0 == b.0)
-            .filter_map(|job| equation(job.iter().map(|(_, r)| r.clone())))
-            .collect();
-        // A new solo runtime changes every speed; a shared run only those linked to its partners.
+        let reports: Vec<(i64, f64, f64)> = tx
+            .prepare_cached(&format!(
+                "SELECT job_row, at, value FROM observations
+                 WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
+                 ORDER BY job_row, at"
+            ))?
+            .query_map(params![app_id, model, LEARN_WINDOW], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?
+            .collect::<Result<_, _>>()?;
+        let reported = |job: i64| {
+            let from = reports.partition_point(|r| r.0 < job);
+            let to = reports.partition_point(|r| r.0 <= job);
+            &reports[from..to]
+        };
+        // Jobs that report progress give one equation per stretch between reports (their
+        // total work need not be the solo runtime); the others one equation each.
+        let mut whole: Vec<crate::learn::Equation> = Vec::new();
+        let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
+        for job in rows.chunk_by(|a, b| a.0 == b.0) {
+            let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
+            let progress = reported(job[0].0);
+            if progress.is_empty() {
+                if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
+                    eq.work_s = solo;
+                    whole.push(eq);
+                }
+            } else {
+                stretches.extend(progress_stretches(&intervals, progress));
+            }
+        }
+        // The application's rate alone, in its own unit, from the stretches it ran alone.
+        let (done_alone, secs_alone) = stretches
+            .iter()
+            .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
+            .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
+        let rate = (secs_alone > 0.0 && done_alone > 0.0).then(|| done_alone / secs_alone);
+        if baseline.is_none() && rate.is_none() {
+            tx.commit()?;
+            return Ok(Learned::NoBaseline);
+        }
+        let mut equations = whole;
+        if let Some(rate) = rate {
+            equations.extend(stretches.into_iter().map(|(done, mut e)| {
+                e.work_s = done / rate;
+                e
+            }));
+        }
+        // A new solo runtime or rate alone changes every speed; a shared run without reports
+        // only those linked to its partners.
         let partners: Option<Vec<String>> = match (&solo, &this) {
-            (None, Some(eq)) => Some(eq.shared.iter().map(|(p, _)| p.clone()).collect()),
+            (None, Some(eq)) if reported(job_row).is_empty() => {
+                Some(eq.shared.iter().map(|(p, _)| p.clone()).collect())
+            }
             _ => None,
         };
-        let fits = crate::learn::fit(&equations, baseline, prior, partners.as_deref());
+        let fits = crate::learn::fit(&equations, prior, partners.as_deref());
         for f in &fits {
             let other_id: i64 = tx.query_row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
                 r.get(0)
@@ -751,11 +794,38 @@ fn intervals_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Ve
     rows.collect()
 }
 
+/// The equations of a job's stretches between progress reports (`(at, done)` in time order;
+/// the job's start counts as done 0): the progress made in each, and the time alone and beside
+/// each partner within it (`work_s` is left for the caller, who knows the rate alone).
+/// Stretches with several partners at once are left out.
+fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) -> Vec<(f64, crate::learn::Equation)> {
+    let Some(&(start, _, _)) = intervals.first() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let (mut t0, mut d0) = (start, 0.0);
+    for &(_, t1, d1) in reports {
+        if t1 <= t0 {
+            continue;
+        }
+        let clipped = intervals.iter().filter_map(|(s, e, p)| {
+            let (s, e) = ((*s).max(t0), (*e)?.min(t1));
+            (e > s).then(|| (s, Some(e), p.clone()))
+        });
+        if let Some(eq) = equation(clipped) {
+            out.push((d1 - d0, eq));
+        }
+        (t0, d0) = (t1, d1);
+    }
+    out
+}
+
 /// The learning equation of a finished job from its intervals in time order: seconds alone
 /// and seconds beside each partner application; `None` when a stretch had several partners at
 /// once (the linear model does not hold there) or an interval is still open.
 fn equation(rows: impl Iterator<Item = IntervalRow>) -> Option<crate::learn::Equation> {
     let mut eq = crate::learn::Equation {
+        work_s: 0.0,
         alone_s: 0.0,
         shared: Vec::new(),
     };
@@ -916,6 +986,41 @@ mod tests {
         assert!(equation([row(0.0, Some(5.0), Some("b")), row(0.0, Some(5.0), Some("c"))].into_iter()).is_none());
         // Still open: no equation.
         assert!(equation([row(0.0, None, None)].into_iter()).is_none());
+    }
+
+    #[test]
+    fn progress_reports_teach_speeds_whatever_the_jobs_lengths() {
+        // Application `a` does 2 iterations per second alone and 1 beside `b` (speed 0.5).
+        // Its jobs differ in length, so their start and end times alone would mislead; their
+        // reports do not. Job 1: alone 0-100 (200 it), beside b 100-300 (200 more).
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+        let a = h.record_placement(&job(1, "a", 0, 0.0), &[]).unwrap();
+        h.record_report(a, "progress", Some(100.0), &[], 0.7, 50.0).unwrap();
+        h.record_report(a, "progress", Some(200.0), &[], 0.7, 100.0).unwrap();
+        let b = h.record_placement(&job(2, "b", 0, 100.0), &[a]).unwrap();
+        h.record_report(a, "progress", Some(300.0), &[b], 0.7, 200.0).unwrap();
+        h.record_report(a, "progress", Some(400.0), &[b], 0.7, 300.0).unwrap();
+        h.record_finish(b, 0, 0, true, &[a], 300.0).unwrap();
+        // The last stretch (300-350, alone) ends without a report: its work is unknown.
+        h.record_finish(a, 0, 0, true, &[], 350.0).unwrap();
+        let learned = h.learn_from(a, 0.7).unwrap();
+        let Learned::Shared { fits } = learned else {
+            panic!("{learned:?}")
+        };
+        assert_eq!(fits.len(), 1);
+        assert!((fits[0].speed - 0.5).abs() < 1e-3, "{fits:?}");
+        // A later, much longer job of `a` beside b (3 it/s would be wrong: it is 1 it/s)
+        // keeps the estimate where it is, though its runtime is nothing like the first's.
+        let a2 = h.record_placement(&job(3, "a", 0, 1000.0), &[]).unwrap();
+        let b2 = h.record_placement(&job(4, "b", 0, 1000.0), &[a2]).unwrap();
+        h.record_report(a2, "progress", Some(2000.0), &[b2], 0.7, 3000.0)
+            .unwrap();
+        h.record_finish(b2, 0, 0, true, &[a2], 3000.0).unwrap();
+        h.record_finish(a2, 0, 0, true, &[], 3100.0).unwrap();
+        h.learn_from(a2, 0.7).unwrap();
+        let e = h.pair("v100", "a", "b").unwrap();
+        assert!((e.speed - 0.5).abs() < 1e-3 && e.observations == 3, "{e:?}");
     }
 
     #[test]

@@ -8,13 +8,20 @@
 //!     alone_s + sum over B of t_B * s(A, B) = solo_s
 //! ```
 //!
-//! Many such jobs give a least-squares problem for the speeds s(A, B). It is solved with a
+//! A job that reports its progress gives one such equation per stretch between two reports
+//! instead, with the work of that stretch (progress made, divided by the application's rate
+//! alone) in place of `solo_s`: its total work need not be known, so jobs of one application
+//! may differ in length.
+//!
+//! Many such equations give a least-squares problem for the speeds s(A, B). It is solved with a
 //! small ridge term towards the prior, so that a partner seen in one mixed equation only gets a
 //! sensible value instead of an arbitrary one, and speeds are kept in [`MIN_SPEED`, 1].
 
-/// One finished job's equation.
+/// One equation: a finished job, or a stretch of one between two progress reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Equation {
+    /// The work done, in seconds of running alone.
+    pub work_s: f64,
     /// Seconds the job ran with its GPU to itself.
     pub alone_s: f64,
     /// Seconds it ran beside each partner application.
@@ -39,13 +46,13 @@ pub const MIN_SPEED: f64 = 0.05;
 /// Relative weight of the prior (ridge term, scaled by the data).
 const RIDGE: f64 = 1e-3;
 
-/// Fits the speeds of an application whose solo runtime is `solo_s`, from its jobs' equations.
+/// Fits the speeds of an application from its jobs' equations.
 ///
 /// Partners that never appear in one equation together do not interact, so the problem splits
 /// into independent components (with two jobs per GPU, every partner is its own): each is
 /// solved on its own, and with `only` just the components of those partners are (the others
 /// cannot have changed when the solo runtime did not).
-pub fn fit(equations: &[Equation], solo_s: f64, prior: f64, only: Option<&[String]>) -> Vec<Fit> {
+pub fn fit(equations: &[Equation], prior: f64, only: Option<&[String]>) -> Vec<Fit> {
     let mut partners: Vec<String> = equations
         .iter()
         .flat_map(|e| e.shared.iter().filter(|(_, t)| *t > 0.0).map(|(p, _)| p.clone()))
@@ -53,7 +60,7 @@ pub fn fit(equations: &[Equation], solo_s: f64, prior: f64, only: Option<&[Strin
     partners.sort();
     partners.dedup();
     let n = partners.len();
-    if n == 0 || solo_s <= 0.0 {
+    if n == 0 {
         return Vec::new();
     }
     let col = |p: &str| partners.binary_search_by(|q| q.as_str().cmp(p)).ok();
@@ -79,7 +86,7 @@ pub fn fit(equations: &[Equation], solo_s: f64, prior: f64, only: Option<&[Strin
             obs[i] += 1;
             diag[i] += t * t;
         }
-        rows.push((row, solo_s - e.alone_s));
+        rows.push((row, e.work_s - e.alone_s));
     }
     let lambda = RIDGE * (diag.iter().sum::<f64>() / n as f64).max(f64::MIN_POSITIVE);
 
@@ -195,7 +202,12 @@ mod tests {
     use super::*;
 
     fn eq(alone_s: f64, shared: &[(&str, f64)]) -> Equation {
+        eq_work(100.0, alone_s, shared)
+    }
+
+    fn eq_work(work_s: f64, alone_s: f64, shared: &[(&str, f64)]) -> Equation {
         Equation {
+            work_s,
             alone_s,
             shared: shared.iter().map(|(p, t)| (p.to_string(), *t)).collect(),
         }
@@ -204,7 +216,7 @@ mod tests {
     #[test]
     fn one_job_beside_one_partner_by_hand() {
         // Solo 100 s. It ran 20 s alone and 100 s beside b: 20 + 100 s = 100, s = 0.8.
-        let f = fit(&[eq(20.0, &[("b", 100.0)])], 100.0, 0.7, None);
+        let f = fit(&[eq(20.0, &[("b", 100.0)])], 0.7, None);
         assert_eq!(f.len(), 1);
         assert_eq!((f[0].partner.as_str(), f[0].observations), ("b", 1));
         assert!((f[0].speed - 0.8).abs() < 1e-3, "{f:?}");
@@ -231,14 +243,33 @@ mod tests {
                 let alone = 100.0 * k as f64;
                 let work = solo - alone;
                 let shared: Vec<(&str, f64)> = mix.iter().zip(truth).map(|(w, (p, s))| (p, w * work / s)).collect();
-                eq(alone, &shared)
+                eq_work(solo, alone, &shared)
             })
             .collect();
-        let f = fit(&eqs, solo, 0.7, None);
+        let f = fit(&eqs, 0.7, None);
         for ((p, s), got) in truth.iter().zip(&f) {
             assert_eq!(&got.partner, p);
             assert!((got.speed - s).abs() < 0.01, "{p}: {} vs {s}", got.speed);
         }
+    }
+
+    #[test]
+    fn stretches_of_different_work_from_progress_reports() {
+        // Two jobs of different lengths, each cut into stretches by its reports: the work of
+        // a stretch is known (progress / rate alone), so lengths need not match. Beside b the
+        // speed is 0.5, beside c 0.8.
+        let eqs = [
+            eq_work(300.0, 300.0, &[]),
+            eq_work(300.0, 100.0, &[("b", 400.0)]),
+            eq_work(160.0, 0.0, &[("c", 200.0)]),
+            eq_work(1000.0, 200.0, &[("b", 800.0), ("c", 500.0)]),
+        ];
+        let f = fit(&eqs, 0.7, None);
+        assert!(
+            (f[0].speed - 0.5).abs() < 5e-3 && (f[1].speed - 0.8).abs() < 5e-3,
+            "{f:?}"
+        );
+        assert_eq!((f[0].observations, f[1].observations), (2, 2));
     }
 
     #[test]
@@ -249,12 +280,12 @@ mod tests {
             eq(0.0, &[("b", 100.0), ("c", 25.0)]),
             eq(50.0, &[("d", 100.0)]),
         ];
-        let all = fit(&eqs, 100.0, 0.7, None);
+        let all = fit(&eqs, 0.7, None);
         assert_eq!(
             all.iter().map(|f| f.partner.as_str()).collect::<Vec<_>>(),
             ["b", "c", "d"]
         );
-        let only_d = fit(&eqs, 100.0, 0.7, Some(&["d".to_string()]));
+        let only_d = fit(&eqs, 0.7, Some(&["d".to_string()]));
         assert_eq!(only_d.len(), 1);
         assert_eq!(only_d[0], all[2]);
         assert!((only_d[0].speed - 0.5).abs() < 1e-3);
@@ -266,14 +297,16 @@ mod tests {
     #[test]
     fn underdetermined_and_degenerate_inputs_stay_sane() {
         // One equation, two partners: both get a value in range, not nonsense.
-        let f = fit(&[eq(0.0, &[("b", 60.0), ("c", 60.0)])], 100.0, 0.7, None);
+        let f = fit(&[eq(0.0, &[("b", 60.0), ("c", 60.0)])], 0.7, None);
         assert_eq!(f.len(), 2);
         assert!(f.iter().all(|x| (MIN_SPEED..=1.0).contains(&x.speed)), "{f:?}");
         // A job faster than solo beside a partner (noise): capped at 1.
-        let f = fit(&[eq(0.0, &[("b", 50.0)])], 100.0, 0.7, None);
+        let f = fit(&[eq(0.0, &[("b", 50.0)])], 0.7, None);
         assert_eq!(f[0].speed, 1.0);
-        // Nothing shared, or no baseline: nothing to learn.
-        assert!(fit(&[eq(100.0, &[])], 100.0, 0.7, None).is_empty());
-        assert!(fit(&[eq(0.0, &[("b", 50.0)])], 0.0, 0.7, None).is_empty());
+        // Nothing shared: nothing to learn.
+        assert!(fit(&[eq(100.0, &[])], 0.7, None).is_empty());
+        // No work seen beside a partner (a stalled stretch): the floor, not a negative speed.
+        let f = fit(&[eq_work(0.0, 0.0, &[("b", 50.0)])], 0.7, None);
+        assert_eq!(f[0].speed, MIN_SPEED);
     }
 }
