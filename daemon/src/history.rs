@@ -115,6 +115,10 @@ const MIGRATIONS: &[&str] = &[
         app_id INTEGER PRIMARY KEY REFERENCES applications(id),
         peak_mb INTEGER NOT NULL
      );",
+    // 6: what placement knows of an application for pairs never seen: how many of its pairs
+    // ran out of memory, and how it slows others (estimates by partner need an index).
+    "ALTER TABLE app_means ADD COLUMN ooms INTEGER NOT NULL DEFAULT 0;
+     CREATE INDEX pair_estimates_by_other ON pair_estimates(gpu_model, other_id);",
 ];
 
 /// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
@@ -188,6 +192,42 @@ pub struct NewJob<'a> {
     pub now: f64,
 }
 
+/// `execute` and `query_row` through the connection's statement cache: the history runs the
+/// same few statements for every request, and parsing them each time cost more than running
+/// them.
+trait Cached {
+    fn exec<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn row<T, P: rusqlite::Params, F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>>(
+        &self,
+        sql: &str,
+        params: P,
+        f: F,
+    ) -> rusqlite::Result<T>;
+}
+
+impl Cached for Connection {
+    fn exec<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+    fn row<T, P: rusqlite::Params, F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>>(
+        &self,
+        sql: &str,
+        params: P,
+        f: F,
+    ) -> rusqlite::Result<T> {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
+/// How many prepared statements each connection keeps (rusqlite's default, 16, is fewer than
+/// the history uses).
+const STATEMENT_CACHE: usize = 64;
+
+/// An application's impact on others is measured on at most this many of its partners:
+/// enough for an estimate that placement shrinks by 2 / (n + 2), and a bound on the work a
+/// placement does for each pair never seen.
+const IMPACT_PARTNERS: i64 = 8;
+
 /// The open SQLite history.
 pub struct History {
     conn: Connection,
@@ -219,6 +259,7 @@ impl History {
             return Err(corrupt(check));
         }
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.pragma_update(None, "journal_mode", "WAL")?;
         // NORMAL in WAL mode: a committed transaction survives a crash of the process.
         conn.pragma_update(None, "synchronous", "NORMAL")?;
@@ -252,11 +293,11 @@ impl History {
     }
 
     fn app_id(tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
-        tx.execute(
+        tx.exec(
             "INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING",
             [name],
         )?;
-        tx.query_row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
+        tx.row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
     }
 
     /// Jobs placed on this node and not finished, oldest first.
@@ -284,12 +325,59 @@ impl History {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// The running job `job_id` on `node`, and the rows of the jobs sharing its GPU.
+    pub fn running_job(&self, node: &str, job_id: u32) -> Result<Option<(ActiveJob, Vec<i64>)>, HistoryError> {
+        let job = self
+            .conn
+            .prepare_cached(
+                "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
+                        j.decision, j.predicted_speed
+                 FROM jobs j JOIN applications a ON a.id = j.app_id
+                 WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL",
+            )?
+            .query_row(params![job_id, node], |r| {
+                Ok(ActiveJob {
+                    row: r.get(0)?,
+                    job_id: r.get(1)?,
+                    uid: r.get(2)?,
+                    app: r.get(3)?,
+                    gpu: r.get(4)?,
+                    mem_mb: r.get::<_, Option<i64>>(5)?.map(|m| m as u64),
+                    owner_step: r.get(6)?,
+                    started_at: r.get(7)?,
+                    decision: r.get(8)?,
+                    predicted_speed: r.get(9)?,
+                })
+            })
+            .optional()?;
+        let Some(job) = job else {
+            return Ok(None);
+        };
+        let partners = self
+            .conn
+            .prepare_cached(
+                "SELECT id FROM jobs WHERE node = ?1 AND finished_at IS NULL AND gpu = ?2 AND id != ?3 ORDER BY id",
+            )?
+            .query_map(params![node, job.gpu, job.row], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        Ok(Some((job, partners)))
+    }
+
+    /// How many jobs run on `node` (what [`Self::active_jobs`] would list, counted).
+    pub fn active_count(&self, node: &str) -> Result<u32, HistoryError> {
+        Ok(self.conn.row(
+            "SELECT count(*) FROM jobs WHERE node = ?1 AND finished_at IS NULL",
+            [node],
+            |r| r.get(0),
+        )?)
+    }
+
     /// Records a new job on a GPU, its first step, and the sharing intervals that change:
     /// every resident of that GPU closes its current interval and opens one per partner.
     pub fn record_placement(&mut self, job: &NewJob, residents: &[i64]) -> Result<i64, HistoryError> {
         let tx = self.conn.transaction()?;
         let app_id = Self::app_id(&tx, job.app)?;
-        tx.execute(
+        tx.exec(
             "INSERT INTO jobs(job_id, node, uid, app_id, gpu, gpu_model, mem_mb, owner_step, slurm_gpus,
                               decision, predicted_speed, started_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
@@ -309,7 +397,7 @@ impl History {
             ],
         )?;
         let row = tx.last_insert_rowid();
-        tx.execute(
+        tx.exec(
             "INSERT INTO steps(job_row, step_id, started_at) VALUES (?1, ?2, ?3)",
             params![row, job.owner_step, job.now],
         )?;
@@ -322,7 +410,7 @@ impl History {
 
     /// Records another step joining a job that already holds a GPU (idempotent).
     pub fn record_step(&mut self, job_row: i64, step_id: u32, now: f64) -> Result<(), HistoryError> {
-        self.conn.execute(
+        self.conn.exec(
             "INSERT INTO steps(job_row, step_id, started_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
             params![job_row, step_id, now],
         )?;
@@ -361,21 +449,21 @@ impl History {
         let exit_status = step.map(|(_, e)| e);
         let tx = self.conn.transaction()?;
         match step {
-            Some((step_id, exit)) => tx.execute(
+            Some((step_id, exit)) => tx.exec(
                 "UPDATE steps SET finished_at = ?3, exit_status = ?4 WHERE job_row = ?1 AND step_id = ?2 AND finished_at IS NULL",
                 params![job_row, step_id, now, exit],
             )?,
-            None => tx.execute(
+            None => tx.exec(
                 "UPDATE steps SET finished_at = ?2 WHERE job_row = ?1 AND finished_at IS NULL",
                 params![job_row, now],
             )?,
         };
         if releases {
-            tx.execute(
+            tx.exec(
                 "UPDATE jobs SET finished_at = ?2, exit_status = ?3 WHERE id = ?1 AND finished_at IS NULL",
                 params![job_row, now, exit_status],
             )?;
-            tx.execute(
+            tx.exec(
                 "UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL",
                 params![job_row, now],
             )?;
@@ -393,7 +481,7 @@ impl History {
         let tx = self.conn.transaction()?;
         type JobRow = (i64, String, f64, Option<f64>, Option<i32>);
         let job: Option<JobRow> = tx
-            .query_row(
+            .row(
                 "SELECT app_id, gpu_model, started_at, finished_at, exit_status FROM jobs WHERE id = ?1",
                 [job_row],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
@@ -411,7 +499,7 @@ impl History {
             if eq.shared.is_empty() {
                 let runtime = finished - started;
                 let old: Option<(f64, i64)> = tx
-                    .query_row(
+                    .row(
                         "SELECT runtime_s, observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
                         params![model, app_id],
                         |r| Ok((r.get(0)?, r.get(1)?)),
@@ -424,7 +512,7 @@ impl History {
                     }
                     None => (runtime, 1),
                 };
-                tx.execute(
+                tx.exec(
                     "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
                      ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
                     params![model, app_id, mean, runs],
@@ -433,7 +521,7 @@ impl History {
             }
         }
         let baseline: Option<f64> = tx
-            .query_row(
+            .row(
                 "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
                 params![model, app_id],
                 |r| r.get(0),
@@ -511,10 +599,10 @@ impl History {
         };
         let fits = crate::learn::fit(&equations, prior, partners.as_deref());
         for f in &fits {
-            let other_id: i64 = tx.query_row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
+            let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
                 r.get(0)
             })?;
-            tx.execute(
+            tx.exec(
                 "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
                  ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
@@ -522,7 +610,7 @@ impl History {
             )?;
             // The partner's row sees this side as `other_speed`; its own speed stays unlearned
             // (observations 0) until a job of the partner's application finishes.
-            tx.execute(
+            tx.exec(
                 "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
                  VALUES (?1, ?2, ?3, ?4, ?5, 0)
                  ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
@@ -545,7 +633,7 @@ impl History {
     pub fn compact(&mut self, keep: i64) -> Result<usize, HistoryError> {
         let tx = self.conn.transaction()?;
         tx.execute_batch("CREATE TEMP TABLE IF NOT EXISTS doomed(id INTEGER PRIMARY KEY); DELETE FROM temp.doomed;")?;
-        let n = tx.execute(
+        let n = tx.exec(
             "INSERT INTO temp.doomed(id) SELECT id FROM (
                 SELECT id, row_number() OVER (PARTITION BY app_id, gpu_model ORDER BY finished_at DESC, id DESC) AS k
                 FROM jobs WHERE finished_at IS NOT NULL) WHERE k > ?1",
@@ -574,7 +662,7 @@ impl History {
         mem_mb: Option<u64>,
         sm_util_pct: Option<u32>,
     ) -> Result<(), HistoryError> {
-        self.conn.execute(
+        self.conn.exec(
             "INSERT INTO job_telemetry(job_row, samples, mem_peak_mb, sm_util_sum, sm_util_samples)
              VALUES (?1, 1, ?2, coalesce(?3, 0), ?3 IS NOT NULL)
              ON CONFLICT(job_row) DO UPDATE SET samples = samples + 1,
@@ -589,7 +677,7 @@ impl History {
     /// Refreshes what the application of the finished job `job_row` is known to need: the
     /// highest GPU memory its latest (up to 20) measured runs used.
     pub fn refresh_app_memory(&mut self, job_row: i64) -> Result<(), HistoryError> {
-        self.conn.execute(
+        self.conn.exec(
             "INSERT INTO app_memory(app_id, peak_mb)
              SELECT app, peak FROM (
                SELECT j0.app_id AS app,
@@ -629,24 +717,24 @@ impl History {
     ) -> Result<Vec<String>, HistoryError> {
         let tx = self.conn.transaction()?;
         let list = partners.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        tx.execute(
+        tx.exec(
             "INSERT INTO observations(job_row, at, kind, value, partners) VALUES (?1, ?2, ?3, ?4, ?5)",
             params![job_row, now, kind, value, list],
         )?;
         let mut names = Vec::new();
         if kind == "oom" {
             let (app, model): (i64, String) =
-                tx.query_row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
+                tx.row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
                     Ok((r.get(0)?, r.get(1)?))
                 })?;
             for &p in partners {
-                let (other, name): (i64, String) = tx.query_row(
+                let (other, name): (i64, String) = tx.row(
                     "SELECT j.app_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
                     [p],
                     |r| Ok((r.get(0)?, r.get(1)?)),
                 )?;
                 for (x, y) in [(app, other), (other, app)] {
-                    tx.execute(
+                    tx.exec(
                         "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, oom)
                          VALUES (?1, ?2, ?3, ?4, ?4, 0, 1)
                          ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET oom = 1",
@@ -679,6 +767,7 @@ impl History {
             source,
         })?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         let mut wal = path.as_os_str().to_owned();
         wal.push("-wal");
         let wal = PathBuf::from(wal);
@@ -729,19 +818,19 @@ impl History {
 /// partner, or one with no partner for a job alone.
 fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> rusqlite::Result<()> {
     for &m in members {
-        tx.execute(
+        tx.exec(
             "UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL",
             params![m, now],
         )?;
         let partners: Vec<i64> = members.iter().copied().filter(|&p| p != m).collect();
         if partners.is_empty() {
-            tx.execute(
+            tx.exec(
                 "INSERT INTO intervals(job_row, partner_row, started_at) VALUES (?1, NULL, ?2)",
                 params![m, now],
             )?;
         }
         for p in partners {
-            tx.execute(
+            tx.exec(
                 "INSERT INTO intervals(job_row, partner_row, partner_app_id, started_at)
                  VALUES (?1, ?2, (SELECT app_id FROM jobs WHERE id = ?2), ?3)",
                 params![m, p, now],
@@ -751,30 +840,36 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
     Ok(())
 }
 
+/// An application's mean learned speed over its pairs that ran, how many those are, and how
+/// many of its pairs ran out of memory (grouped by the caller).
+const APP_MEANS: &str = "SELECT gpu_model, app_id,
+       coalesce(avg(CASE WHEN observations > 0 AND oom = 0 THEN speed END), 0),
+       count(CASE WHEN observations > 0 AND oom = 0 THEN 1 END), count(CASE WHEN oom = 1 THEN 1 END)
+     FROM pair_estimates";
+
 /// Recomputes `app_means` for one application on one model, or (`None`) for all.
 pub(crate) fn refresh_app_means(tx: &rusqlite::Transaction, only: Option<(&str, i64)>) -> rusqlite::Result<()> {
     // Plain equalities (not `?1 IS NULL OR ...`) so that the primary keys are used.
     match only {
         Some((model, app)) => {
-            tx.execute(
+            tx.exec(
                 "DELETE FROM app_means WHERE gpu_model = ?1 AND app_id = ?2",
                 params![model, app],
             )?;
-            tx.execute(
-                "INSERT INTO app_means(gpu_model, app_id, mean, pairs)
-                 SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
-                 WHERE gpu_model = ?1 AND app_id = ?2 AND observations > 0 AND oom = 0
-                 GROUP BY gpu_model, app_id",
+            tx.exec(
+                &format!(
+                    "INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS}
+                          WHERE gpu_model = ?1 AND app_id = ?2 GROUP BY gpu_model, app_id"
+                ),
                 params![model, app],
             )?;
         }
         None => {
-            tx.execute_batch(
+            tx.execute_batch(&format!(
                 "DELETE FROM app_means;
-                 INSERT INTO app_means(gpu_model, app_id, mean, pairs)
-                 SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
-                 WHERE observations > 0 AND oom = 0 GROUP BY gpu_model, app_id;",
-            )?;
+                 INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS}
+                 GROUP BY gpu_model, app_id;"
+            ))?;
         }
     }
     Ok(())
@@ -869,8 +964,45 @@ impl PairHistory for History {
             .flatten()
     }
 
+    fn app_ooms(&self, model: &str, app: &str) -> (u32, u32) {
+        let mut stmt = match self.conn.prepare_cached(
+            "SELECT m.ooms, m.pairs + m.ooms FROM app_means m JOIN applications a ON a.id = m.app_id
+             WHERE m.gpu_model = ?1 AND a.name = ?2",
+        ) {
+            Ok(s) => s,
+            Err(_) => return (0, 0),
+        };
+        stmt.query_row(params![model, app], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap_or((0, 0))
+    }
+
+    fn app_impact(&self, model: &str, app: &str) -> Option<(f64, u32)> {
+        self.impact_on_partners(model, app)
+    }
+
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
         self.pair_uncached(model, app, other)
+    }
+}
+
+impl History {
+    fn impact_on_partners(&self, model: &str, app: &str) -> Option<(f64, u32)> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT avg(d), count(*) FROM (
+                   SELECT p.speed - m.mean AS d FROM pair_estimates p
+                   JOIN app_means m ON m.gpu_model = p.gpu_model AND m.app_id = p.app_id
+                   WHERE p.gpu_model = ?1 AND p.other_id = (SELECT id FROM applications WHERE name = ?2)
+                     AND p.observations > 0 AND p.oom = 0 AND m.pairs > 1
+                   LIMIT ?3)",
+            )
+            .ok()?;
+        stmt.query_row(params![model, app, IMPACT_PARTNERS], |r| {
+            Ok((r.get::<_, Option<f64>>(0)?, r.get(1)?))
+        })
+        .ok()
+        .and_then(|(d, n)| Some((d?, n)))
     }
 }
 

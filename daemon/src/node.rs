@@ -82,7 +82,7 @@ impl Node {
     /// Slots taken and slots in all on this node's shared GPUs.
     pub fn load(&self) -> Result<(u32, u32), HistoryError> {
         let total = self.gpus.len() as u32 * self.config.jobs_per_gpu;
-        Ok((self.active()?.len() as u32, total))
+        Ok((self.history.active_count(&self.config.node)?, total))
     }
 
     /// Calls `listener` with the load now and after every placement and finish.
@@ -356,8 +356,7 @@ impl Node {
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
     /// `privileged`, it must be the job's own user.
     pub fn report(&mut self, req: &ReportRequest, uid: u32, privileged: bool) -> Result<Response, HistoryError> {
-        let active = self.active()?;
-        let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
+        let Some((job, partners)) = self.history.running_job(&self.config.node, req.job_id)? else {
             return Ok(Response::Error {
                 message: format!("job {} is not running on node {}", req.job_id, self.config.node),
             });
@@ -367,11 +366,6 @@ impl Node {
                 message: format!("uid {uid} may not report for job {} of uid {}", job.job_id, job.uid),
             });
         }
-        let partners: Vec<i64> = active
-            .iter()
-            .filter(|o| o.gpu == job.gpu && o.row != job.row)
-            .map(|o| o.row)
-            .collect();
         let now = (self.clock)();
         let prior = self.config.policy.unknown_pair_speed;
         let message = match &req.kind {

@@ -46,15 +46,28 @@ pub trait PairHistory {
     fn app_mean(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
         None
     }
+
+    /// How `app` slows others: the mean difference between its partners' speed beside it and
+    /// their mean speed beside anyone, and how many partners that rests on.
+    fn app_impact(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
+        None
+    }
+
+    /// How many of `app`'s pairs ran out of memory, and how many were tried (ran or failed).
+    fn app_ooms(&self, _model: &str, _app: &str) -> (u32, u32) {
+        (0, 0)
+    }
 }
 
 /// How many pairs' worth of weight the flat prior keeps against an application's own mean.
 const PRIOR_WEIGHT: f64 = 2.0;
+/// Likewise for how an application slows others (against "not at all").
+const IMPACT_PRIOR_WEIGHT: f64 = 2.0;
 
 /// The speed of `app` beside `other`: learned if the pair was seen; else from what is known of
 /// `app` beside others (its mean, shrunk towards the flat prior); else the prior. The text says
 /// which.
-fn estimate(
+pub(crate) fn estimate(
     history: &dyn PairHistory,
     model: &str,
     app: &str,
@@ -71,20 +84,48 @@ fn estimate(
     }
     // A row without observations of this side (only the other side was learned, or only an
     // out-of-memory mark): its `speed` is a placeholder, but the row still counts for the rest.
-    let (s, why) = unseen(history, model, app, prior);
+    let (s, why) = unseen(history, model, app, other, prior);
     (s, pair, why)
 }
 
-fn unseen(history: &dyn PairHistory, model: &str, app: &str, prior: f64) -> (f64, String) {
-    match history.app_mean(model, app) {
+/// The speed of `app` beside `other` never seen together, from an additive model: how `app`
+/// fares beside others in general (its mean, shrunk towards the prior) plus how `other` slows
+/// others in general (its impact, shrunk towards none).
+fn unseen(history: &dyn PairHistory, model: &str, app: &str, other: &str, prior: f64) -> (f64, String) {
+    let (base, mut why) = match history.app_mean(model, app) {
         Some((mean, n)) if n > 0 => {
             let n = f64::from(n);
             let s = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT);
             (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs"))
         }
         _ => (prior, format!("never seen together, assumed {prior:.2}")),
-    }
+    };
+    let impact = match history.app_impact(model, other) {
+        Some((d, m)) if m > 0 => {
+            let m = f64::from(m);
+            let d = d * m / (m + IMPACT_PRIOR_WEIGHT);
+            why.push_str(&format!(", {d:+.2} from {other}'s effect on {m} others"));
+            d
+        }
+        _ => 0.0,
+    };
+    ((base + impact).clamp(crate::learn::MIN_SPEED, 1.0), why)
 }
+
+/// The chance that `a` and `b`, never tried together, run out of memory: from how often each
+/// ran out of memory with the partners it was tried with (shrunk towards none).
+fn oom_risk(history: &dyn PairHistory, model: &str, a: &str, b: &str) -> f64 {
+    let rate = |app: &str| {
+        let (ooms, tried) = history.app_ooms(model, app);
+        f64::from(ooms) / (f64::from(tried) + OOM_PRIOR_WEIGHT)
+    };
+    1.0 - (1.0 - rate(a)) * (1.0 - rate(b))
+}
+
+/// Pairs' worth of weight the prior "never runs out of memory" keeps.
+const OOM_PRIOR_WEIGHT: f64 = 2.0;
+/// What a failure costs, in jobs' worth of throughput, against a placement's predicted gain.
+const OOM_PENALTY: f64 = 1.0;
 
 /// The job to place.
 #[derive(Debug, Clone, PartialEq)]
@@ -204,6 +245,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
     let prior = knobs.unknown_pair_speed;
     let mut speed = 1.0;
     let mut gain = 0.0;
+    let mut safe = 1.0;
     let mut notes = Vec::new();
     for r in &gpu.residents {
         let (mine, est, why) = estimate(history, &gpu.model, job.app, &r.app, prior);
@@ -212,6 +254,9 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
                 "{} beside {} (job {}) ran out of memory before",
                 job.app, r.app, r.job_id
             ));
+        }
+        if est.is_none_or(|e| e.observations == 0) {
+            safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
         }
         let theirs = match est {
             Some(e) => e.other_speed,
@@ -235,13 +280,20 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
         });
     }
     gain += speed;
+    // A pair never tried may fail: expected gain, less what a failure costs.
+    let risk = 1.0 - safe;
+    let mut reason = format!("GPU {} shared, {}", gpu.index, notes.join(", "));
+    if risk > 0.0 {
+        gain = safe * gain - risk * OOM_PENALTY;
+        reason.push_str(&format!("; {:.0}% risk of running out of memory", 100.0 * risk));
+    }
     Ok(Scored {
         gpu: gpu.index,
         corunners: gpu.residents.iter().map(|r| r.job_id).collect(),
         speed,
         gain,
         residents: gpu.residents.len(),
-        reason: format!("GPU {} shared, {}", gpu.index, notes.join(", ")),
+        reason,
     })
 }
 
@@ -511,6 +563,105 @@ mod tests {
             } => {
                 assert!((predicted_speed - KNOBS.unknown_pair_speed).abs() < 1e-9);
                 assert!(reason.contains("never seen together, assumed 0.70"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A history that knows, per application, its mean, its effect on others and its
+    /// out-of-memory record, and no pair.
+    #[derive(Default)]
+    struct Profiles {
+        means: HashMap<String, (f64, u32)>,
+        impacts: HashMap<String, (f64, u32)>,
+        ooms: HashMap<String, (u32, u32)>,
+    }
+
+    impl PairHistory for Profiles {
+        fn pair(&self, _model: &str, _app: &str, _other: &str) -> Option<PairEstimate> {
+            None
+        }
+        fn app_mean(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
+            self.means.get(app).copied()
+        }
+        fn app_impact(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
+            self.impacts.get(app).copied()
+        }
+        fn app_ooms(&self, _model: &str, app: &str) -> (u32, u32) {
+            self.ooms.get(app).copied().unwrap_or((0, 0))
+        }
+    }
+
+    #[test]
+    fn an_unseen_partner_known_to_slow_others_is_avoided() {
+        // `hog` slows its partners 0.3 below their usual speed (from 6 partners: shrunk to
+        // 0.3 x 6/8 = 0.225); `mild` leaves them 0.1 above. Nothing is known of the newcomer.
+        let h = Profiles {
+            impacts: HashMap::from([("hog".to_string(), (-0.3, 6)), ("mild".to_string(), (0.1, 6))]),
+            ..Default::default()
+        };
+        let gpus = [gpu(0, &[(1, "hog")]), gpu(1, &[(2, "mild")])];
+        match place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            KNOBS,
+        ) {
+            Decision::Place {
+                gpu,
+                predicted_speed,
+                reason,
+                ..
+            } => {
+                assert_eq!(gpu, 1, "{reason}");
+                assert!((predicted_speed - (0.7 + 0.075)).abs() < 1e-9, "{predicted_speed}");
+                assert!(
+                    reason.contains("assumed 0.70, +0.08 from mild's effect on 6 others"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_application_that_often_ran_out_of_memory_is_a_risky_partner() {
+        // `big` ran out of memory with 6 of the 7 partners it was tried with: a pair with it
+        // never tried is likely to fail (6 / (7 + 2) = 67%), so the newcomer joins the other
+        // GPU, although the prior says both pairs are alike.
+        let h = Profiles {
+            ooms: HashMap::from([("big".to_string(), (6, 7))]),
+            ..Default::default()
+        };
+        let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "small")])];
+        let d = place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            KNOBS,
+        );
+        assert_eq!(chosen(&d), 1, "{d:?}");
+        // With only the risky GPU free, the job is still placed (a pair never tried is never
+        // declined), and the reason says what it risks.
+        let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "x"), (3, "y")])];
+        match place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            KNOBS,
+        ) {
+            Decision::Place { gpu, reason, .. } => {
+                assert_eq!(gpu, 0);
+                assert!(reason.contains("67% risk of running out of memory"), "{reason}");
             }
             other => panic!("{other:?}"),
         }
