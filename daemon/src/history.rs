@@ -223,11 +223,6 @@ impl Cached for Connection {
 /// the history uses).
 const STATEMENT_CACHE: usize = 64;
 
-/// An application's impact on others is measured on at most this many of its partners:
-/// enough for an estimate that placement shrinks by 2 / (n + 2), and a bound on the work a
-/// placement does for each pair never seen.
-const IMPACT_PARTNERS: i64 = 8;
-
 /// The open SQLite history.
 pub struct History {
     conn: Connection,
@@ -987,22 +982,25 @@ impl PairHistory for History {
 
 impl History {
     fn impact_on_partners(&self, model: &str, app: &str) -> Option<(f64, u32)> {
+        // At most 8 partners: enough for an estimate that placement shrinks by 2 / (n + 2),
+        // and a bound on the work a placement does for each pair never seen (an aggregate over
+        // a LIMITed subquery, or a bound parameter, cost more here than averaging in Rust).
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT avg(d), count(*) FROM (
-                   SELECT p.speed - m.mean AS d FROM pair_estimates p
-                   JOIN app_means m ON m.gpu_model = p.gpu_model AND m.app_id = p.app_id
-                   WHERE p.gpu_model = ?1 AND p.other_id = (SELECT id FROM applications WHERE name = ?2)
-                     AND p.observations > 0 AND p.oom = 0 AND m.pairs > 1
-                   LIMIT ?3)",
+                "SELECT p.speed - m.mean FROM pair_estimates p
+                 JOIN app_means m ON m.gpu_model = p.gpu_model AND m.app_id = p.app_id
+                 WHERE p.gpu_model = ?1 AND p.other_id = (SELECT id FROM applications WHERE name = ?2)
+                   AND p.observations > 0 AND p.oom = 0 AND m.pairs > 1
+                 LIMIT 8",
             )
             .ok()?;
-        stmt.query_row(params![model, app, IMPACT_PARTNERS], |r| {
-            Ok((r.get::<_, Option<f64>>(0)?, r.get(1)?))
-        })
-        .ok()
-        .and_then(|(d, n)| Some((d?, n)))
+        let diffs: Vec<f64> = stmt
+            .query_map(params![model, app], |r| r.get(0))
+            .ok()?
+            .collect::<Result<_, _>>()
+            .ok()?;
+        (!diffs.is_empty()).then(|| (diffs.iter().sum::<f64>() / diffs.len() as f64, diffs.len() as u32))
     }
 }
 

@@ -168,6 +168,7 @@ impl Node {
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
+            explore_margin: self.config.policy.explore_margin,
         };
         let decision = placement::place(
             &states,
@@ -264,14 +265,27 @@ impl Node {
         }
     }
 
-    /// Records a step's end. The step that was placed first releases the job's GPU slot.
+    /// Records a step's end. The step that was placed first releases the job's GPU slot,
+    /// and the node learns from the job.
     pub fn finish(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
+        let (response, ended) = self.finish_deferred(req)?;
+        if let Some(job) = ended {
+            self.learn_ended(&job);
+        }
+        Ok(response)
+    }
+
+    /// [`Self::finish`] without the learning: the slot is free when this returns, and the
+    /// job that released it (if any) must be handed to [`Self::learn_ended`] before anything
+    /// else is asked of this node, so that it sees what it would have seen. (The simulator
+    /// learns on another thread while other nodes go on.)
+    pub fn finish_deferred(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
         let r = self.finish_step(req);
         self.report_load();
         r
     }
 
-    fn finish_step(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
+    fn finish_step(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
         let now = (self.clock)();
         let active = self.active()?;
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
@@ -280,7 +294,7 @@ impl Node {
                 step = req.step_id,
                 "finish for a job not running here; ignored"
             );
-            return Ok(Response::Finished);
+            return Ok((Response::Finished, None));
         };
         let releases = req.step_id == job.owner_step;
         let remaining: Vec<i64> = active
@@ -290,16 +304,6 @@ impl Node {
             .collect();
         self.history
             .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
-        if releases {
-            self.learn(job);
-            if let Err(e) = self.history.refresh_app_memory(job.row) {
-                tracing::warn!(job = job.job_id, error = %e, "cannot refresh the application's measured memory");
-            }
-            self.finishes_since_compaction += 1;
-            if self.finishes_since_compaction >= COMPACT_EVERY {
-                self.compact();
-            }
-        }
         tracing::info!(
             job = req.job_id,
             step = req.step_id,
@@ -307,7 +311,20 @@ impl Node {
             releases,
             "finished"
         );
-        Ok(Response::Finished)
+        Ok((Response::Finished, releases.then(|| job.clone())))
+    }
+
+    /// What follows a job's end: learning from it, its application's measured memory, and
+    /// now and then compacting the history.
+    pub fn learn_ended(&mut self, job: &ActiveJob) {
+        self.learn(job);
+        if let Err(e) = self.history.refresh_app_memory(job.row) {
+            tracing::warn!(job = job.job_id, error = %e, "cannot refresh the application's measured memory");
+        }
+        self.finishes_since_compaction += 1;
+        if self.finishes_since_compaction >= COMPACT_EVERY {
+            self.compact();
+        }
     }
 
     /// Deletes raw rows of old jobs (see [`History::compact`]); failing is only logged.
