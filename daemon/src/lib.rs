@@ -12,5 +12,6 @@ pub mod placement;
 pub mod reconcile;
 pub mod report;
 pub mod server;
+pub mod simulate;
 pub mod telemetry;
 pub mod weight;

@@ -1,0 +1,308 @@
+//! The simulator's inputs: the pair table (the world's hidden truth) and the job trace, read
+//! from CSV or generated from a seed.
+
+use std::collections::HashMap;
+
+/// The Gavel V100 table, embedded so that `multiplexd simulate` alone prints a comparison.
+pub const GAVEL_V100: &str = include_str!("../../data/gavel-v100.csv");
+
+/// True pair speeds on one GPU model.
+#[derive(Debug, Clone)]
+pub struct Table {
+    pub model: String,
+    pub apps: Vec<String>,
+    /// `speed[a][b]`: speed of app `a` beside app `b`; `None`: they cannot share.
+    speed: Vec<Vec<Option<f64>>>,
+}
+
+impl Table {
+    /// Parses a table (`gpu,job_a,job_b,speed_a,speed_b`); `name` is used in errors.
+    pub fn parse(text: &str, name: &str) -> Result<Table, String> {
+        let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+        let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
+        if header != "gpu,job_a,job_b,speed_a,speed_b" {
+            return Err(format!(
+                "{name}: the first line must be the header gpu,job_a,job_b,speed_a,speed_b, not {header:?}"
+            ));
+        }
+        let mut model: Option<String> = None;
+        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut apps = Vec::new();
+        let mut rows: HashMap<(usize, usize), (f64, f64)> = HashMap::new();
+        for (n, line) in lines {
+            let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
+            let f: Vec<&str> = line.split(',').map(str::trim).collect();
+            if f.len() != 5 {
+                return Err(at(format!("expected 5 fields, found {}", f.len())));
+            }
+            match &model {
+                None => model = Some(f[0].to_string()),
+                Some(m) if m != f[0] => {
+                    return Err(at(format!(
+                        "GPU model {} after {m}: give one GPU model per table",
+                        f[0]
+                    )))
+                }
+                Some(_) => {}
+            }
+            let speed = |s: &str| -> Result<f64, String> {
+                let v: f64 = s.parse().map_err(|_| at(format!("speed {s:?} is not a number")))?;
+                if !(0.0..=2.0).contains(&v) {
+                    return Err(at(format!("speed {v} is outside 0..2")));
+                }
+                Ok(v)
+            };
+            let (sa, sb) = (speed(f[3])?, speed(f[4])?);
+            if (sa == 0.0) != (sb == 0.0) {
+                return Err(at("a pair that cannot share has 0 for both speeds".into()));
+            }
+            let mut id = |app: &str| -> Result<usize, String> {
+                if app.is_empty() {
+                    return Err(at("empty job name".into()));
+                }
+                Ok(*index.entry(app.to_string()).or_insert_with(|| {
+                    apps.push(app.to_string());
+                    apps.len() - 1
+                }))
+            };
+            let (a, b) = (id(f[1])?, id(f[2])?);
+            if rows.insert((a, b), (sa, sb)).is_some() {
+                return Err(at(format!("the pair {},{} is listed twice", f[1], f[2])));
+            }
+        }
+        let Some(model) = model else {
+            return Err(format!("{name}: no pairs after the header"));
+        };
+        let n = apps.len();
+        let mut speed = vec![vec![None; n]; n];
+        for (a, row) in speed.iter_mut().enumerate() {
+            for (b, cell) in row.iter_mut().enumerate() {
+                // Each order's own row first; a pair listed in one order only serves both.
+                let s = match (rows.get(&(a, b)), rows.get(&(b, a))) {
+                    (Some(&(sa, _)), _) => sa,
+                    (None, Some(&(_, sb))) => sb,
+                    (None, None) => 0.0,
+                };
+                *cell = (s > 0.0).then_some(s);
+            }
+        }
+        Ok(Table { model, apps, speed })
+    }
+
+    /// Speed of `a` beside `b`, or `None` when they cannot share.
+    pub fn speed(&self, a: usize, b: usize) -> Option<f64> {
+        self.speed[a][b]
+    }
+
+    pub fn app_index(&self, name: &str) -> Option<usize> {
+        self.apps.iter().position(|a| a == name)
+    }
+}
+
+/// One job of the trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceJob {
+    pub id: String,
+    pub submit_s: f64,
+    pub app: usize,
+    pub solo_runtime_s: f64,
+}
+
+/// Reads a trace (`job_id,submit_s,app,solo_runtime_s`), sorted by submit time (stable).
+pub fn parse_trace(text: &str, name: &str, table: &Table) -> Result<Vec<TraceJob>, String> {
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
+    if header != "job_id,submit_s,app,solo_runtime_s" {
+        return Err(format!(
+            "{name}: the first line must be the header job_id,submit_s,app,solo_runtime_s, not {header:?}"
+        ));
+    }
+    let mut jobs = Vec::new();
+    for (n, line) in lines {
+        let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        if f.len() != 4 {
+            return Err(at(format!("expected 4 fields, found {}", f.len())));
+        }
+        let number = |what: &str, s: &str| -> Result<f64, String> {
+            s.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| at(format!("{what} {s:?} is not a number")))
+        };
+        let submit_s = number("submit_s", f[1])?;
+        if submit_s < 0.0 {
+            return Err(at(format!("submit_s {submit_s} is negative")));
+        }
+        let solo_runtime_s = number("solo_runtime_s", f[3])?;
+        if solo_runtime_s <= 0.0 {
+            return Err(at(format!("solo_runtime_s {solo_runtime_s} must be positive")));
+        }
+        let app = table.app_index(f[2]).ok_or_else(|| {
+            at(format!(
+                "app {:?} is not in the pair table (it knows {})",
+                f[2],
+                table.apps.join(", ")
+            ))
+        })?;
+        jobs.push(TraceJob {
+            id: f[0].to_string(),
+            submit_s,
+            app,
+            solo_runtime_s,
+        });
+    }
+    if jobs.is_empty() {
+        return Err(format!("{name}: no jobs after the header"));
+    }
+    jobs.sort_by(|a, b| a.submit_s.total_cmp(&b.submit_s));
+    Ok(jobs)
+}
+
+/// Median solo runtime of generated jobs, seconds.
+pub const MEDIAN_RUNTIME_S: f64 = 3600.0;
+/// Spread of generated runtimes: the standard deviation of their logarithm.
+pub const RUNTIME_SIGMA: f64 = 1.0;
+
+/// Generates `jobs` jobs: Poisson arrivals offering `load` times the work `gpus` GPUs do one
+/// job each, applications drawn uniformly, log-normal solo runtimes (median one hour).
+pub fn generate(jobs: usize, load: f64, gpus: usize, table: &Table, rng: &mut Rng) -> Vec<TraceJob> {
+    let mean_runtime = MEDIAN_RUNTIME_S * (RUNTIME_SIGMA * RUNTIME_SIGMA / 2.0).exp();
+    let rate = load * gpus as f64 / mean_runtime;
+    let mut t = 0.0;
+    (0..jobs)
+        .map(|k| {
+            t += rng.exponential(rate);
+            TraceJob {
+                id: (k + 1).to_string(),
+                submit_s: t,
+                app: rng.below(table.apps.len()),
+                solo_runtime_s: MEDIAN_RUNTIME_S * (RUNTIME_SIGMA * rng.normal()).exp(),
+            }
+        })
+        .collect()
+}
+
+/// A small seeded generator (xoshiro256**, seeded through splitmix64): the same seed gives
+/// the same trace on every machine and with every version of every crate.
+#[derive(Debug, Clone)]
+pub struct Rng([u64; 4]);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Rng([next(), next(), next(), next()])
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        out
+    }
+
+    /// Uniform in (0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Uniform in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.uniform() * n as f64) as usize).min(n.saturating_sub(1))
+    }
+
+    pub fn exponential(&mut self, rate: f64) -> f64 {
+        -self.uniform().ln() / rate
+    }
+
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_table_reads() {
+        let t = Table::parse(GAVEL_V100, "gavel").unwrap();
+        assert_eq!((t.model.as_str(), t.apps.len()), ("v100", 26));
+        let a3c = t.app_index("a3c").unwrap();
+        let gan = t.app_index("cyclegan").unwrap();
+        assert_eq!(t.speed(a3c, gan), Some(0.6358));
+        assert_eq!(t.speed(gan, a3c), Some(0.7147));
+        let infeasible = (0..26).flat_map(|a| (0..26).map(move |b| (a, b)));
+        assert_eq!(infeasible.filter(|&(a, b)| t.speed(a, b).is_none()).count(), 40);
+    }
+
+    #[test]
+    fn bad_tables_say_what_and_where() {
+        let h = "gpu,job_a,job_b,speed_a,speed_b\n";
+        let err = |text: &str| Table::parse(text, "t.csv").unwrap_err();
+        assert!(err("a,b\n").contains("header"), "{}", err("a,b\n"));
+        assert!(err(h).contains("no pairs"));
+        assert!(err(&format!("{h}v100,a,b,0.5\n")).contains("line 2: expected 5 fields"));
+        assert!(err(&format!("{h}v100,a,b,x,0.5\n")).contains("\"x\" is not a number"));
+        assert!(err(&format!("{h}v100,a,b,0,0.5\n")).contains("0 for both"));
+        assert!(err(&format!("{h}v100,a,b,0.5,0.5\na100,a,b,0.5,0.5\n")).contains("line 3: GPU model a100"));
+        assert!(err(&format!("{h}v100,a,b,0.5,0.5\nv100,a,b,0.4,0.4\n")).contains("listed twice"));
+        // One order serves both; an absent pair cannot share.
+        let t = Table::parse(&format!("{h}v100,a,b,0.5,0.8\nv100,c,c,0.6,0.6\n"), "t").unwrap();
+        let (a, b, c) = (0, 1, 2);
+        assert_eq!((t.speed(a, b), t.speed(b, a)), (Some(0.5), Some(0.8)));
+        assert_eq!((t.speed(a, c), t.speed(a, a), t.speed(c, c)), (None, None, Some(0.6)));
+    }
+
+    #[test]
+    fn traces_are_checked_line_by_line() {
+        let t = Table::parse(GAVEL_V100, "gavel").unwrap();
+        let h = "job_id,submit_s,app,solo_runtime_s\n";
+        let err = |text: &str| parse_trace(text, "trace.csv", &t).unwrap_err();
+        let e = err(&format!("{h}1,0,a3c,100\n2,5,bert,100\n3,6,gpt,100\n"));
+        assert!(
+            e.starts_with("trace.csv line 3: app \"bert\" is not in the pair table"),
+            "{e}"
+        );
+        assert!(err("id,t\n").contains("header"));
+        assert!(err(h).contains("no jobs"));
+        assert!(err(&format!("{h}1,0,a3c\n")).contains("line 2: expected 4 fields"));
+        assert!(err(&format!("{h}1,soon,a3c,100\n")).contains("submit_s \"soon\" is not a number"));
+        assert!(err(&format!("{h}1,-1,a3c,100\n")).contains("negative"));
+        assert!(err(&format!("{h}1,0,a3c,0\n")).contains("must be positive"));
+        assert!(err(&format!("{h}1,0,a3c,NaN\n")).contains("not a number"));
+        let jobs = parse_trace(&format!("{h}b,10,a3c,100\na,5,cyclegan,50\n"), "x", &t).unwrap();
+        assert_eq!(jobs.iter().map(|j| j.id.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+    }
+
+    #[test]
+    fn generated_traces_follow_the_seed_and_the_load() {
+        let t = Table::parse(GAVEL_V100, "gavel").unwrap();
+        let a = generate(5000, 0.5, 16, &t, &mut Rng::new(7));
+        assert_eq!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(7)));
+        assert_ne!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(8)));
+        // Offered work over the arrival span is about load x GPUs (within sampling noise).
+        let work: f64 = a.iter().map(|j| j.solo_runtime_s).sum();
+        let offered = work / a.last().unwrap().submit_s / 16.0;
+        assert!((0.4..0.6).contains(&offered), "{offered}");
+        let mut runtimes: Vec<f64> = a.iter().map(|j| j.solo_runtime_s).collect();
+        runtimes.sort_by(f64::total_cmp);
+        let median = runtimes[runtimes.len() / 2];
+        assert!((3000.0..4300.0).contains(&median), "{median}");
+    }
+}

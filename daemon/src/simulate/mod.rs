@@ -1,0 +1,265 @@
+//! `multiplexd simulate`: a trace-driven comparison of placement policies on measured pair
+//! speeds. The world (see [`world`]) plays Slurm and reality; the policies (see [`policy`])
+//! play the node daemon, `learned` being the daemon's own code with its SQLite history.
+
+pub mod input;
+pub mod plot;
+pub mod policy;
+pub mod world;
+
+use input::{Rng, Table, TraceJob};
+use serde::Serialize;
+use world::{Outcome, Progress, Shape};
+
+/// Everything one `simulate` run needs.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub table: Table,
+    pub trace: Vec<TraceJob>,
+    pub shape: Shape,
+    pub policies: Vec<String>,
+    pub seed: u64,
+    pub progress: Progress,
+    /// Seconds between merges of the learned policy's node histories (0: never).
+    pub share_every_s: f64,
+}
+
+/// One policy's results. The field names are the JSON and CSV keys scripts rely on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    pub policy: String,
+    pub jobs: usize,
+    pub avg_jct_s: f64,
+    pub p50_jct_s: f64,
+    pub p95_jct_s: f64,
+    pub makespan_s: f64,
+    pub avg_wait_s: f64,
+    pub oom_failures: u64,
+    pub declines: u64,
+    pub throughput_per_gpu: f64,
+}
+
+/// One policy's results with every job's completion time, for plots.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub summary: Summary,
+    /// Per job in trace order: job completion time (completion - submit).
+    pub jct: Vec<f64>,
+    /// What the policy learned, graded against the table (learned policy only).
+    pub grade: Option<String>,
+}
+
+/// Checks what the command line cannot: the cluster, the policies.
+pub fn check(shape: &Shape, policies: &[String]) -> Result<(), String> {
+    if shape.nodes == 0 {
+        return Err("--nodes must be at least 1".into());
+    }
+    if shape.gpus_per_node == 0 {
+        return Err("--gpus-per-node must be at least 1".into());
+    }
+    if !(1..=16).contains(&shape.jobs_per_gpu) {
+        return Err(format!(
+            "--jobs-per-gpu {}: must be between 1 and 16",
+            shape.jobs_per_gpu
+        ));
+    }
+    for p in policies {
+        if !policy::ALL.contains(&p.as_str()) {
+            return Err(format!("unknown policy {p:?}: choose from {}", policy::ALL.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+/// Generates a trace for `setup`-like arguments (see [`input::generate`]).
+pub fn generated_trace(
+    table: &Table,
+    jobs: usize,
+    load: f64,
+    shape: &Shape,
+    seed: u64,
+) -> Result<Vec<TraceJob>, String> {
+    if jobs == 0 {
+        return Err("--jobs must be at least 1".into());
+    }
+    if !(load.is_finite() && load > 0.0) {
+        return Err(format!("--load {load}: must be a positive number"));
+    }
+    Ok(input::generate(
+        jobs,
+        load,
+        shape.nodes * shape.gpus_per_node,
+        table,
+        &mut Rng::new(seed),
+    ))
+}
+
+/// Runs every policy of `setup`, on as many threads as the machine has cores; results in the
+/// order the policies were asked for, the same for a seed whatever the thread count.
+pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
+    check(&setup.shape, &setup.policies)?;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(setup.policies.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut slots: Vec<Option<Result<Run, String>>> = vec![None; setup.policies.len()];
+    let results = std::sync::Mutex::new(&mut slots);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(name) = setup.policies.get(k) else {
+                    break;
+                };
+                let r = run_one(setup, name);
+                results.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(r);
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err("a policy's thread died".into())))
+        .collect()
+}
+
+fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
+    let mut p = policy::make_with(name, &setup.table, setup.shape, setup.seed, setup.share_every_s)?;
+    let outcome = world::run(
+        &setup.table,
+        &setup.trace,
+        setup.shape,
+        setup.progress,
+        setup.seed,
+        p.as_mut(),
+    )
+    .map_err(|e| format!("policy {name}: {e}"))?;
+    let mut run = summarise(name, &outcome);
+    run.grade = p.grade();
+    Ok(run)
+}
+
+/// The numbers of one policy's outcome.
+pub fn summarise(name: &str, o: &Outcome) -> Run {
+    let jct: Vec<f64> = o.jobs.iter().map(|&(submit, _, end)| end - submit).collect();
+    let mut sorted = jct.clone();
+    sorted.sort_by(f64::total_cmp);
+    let n = jct.len().max(1) as f64;
+    let first = o.jobs.iter().map(|j| j.0).fold(f64::INFINITY, f64::min);
+    let last = o.jobs.iter().map(|j| j.2).fold(f64::NEG_INFINITY, f64::max);
+    Run {
+        summary: Summary {
+            policy: name.to_string(),
+            jobs: jct.len(),
+            avg_jct_s: jct.iter().sum::<f64>() / n,
+            p50_jct_s: percentile(&sorted, 0.50),
+            p95_jct_s: percentile(&sorted, 0.95),
+            makespan_s: if jct.is_empty() { 0.0 } else { last - first },
+            avg_wait_s: o.jobs.iter().map(|&(submit, start, _)| start - submit).sum::<f64>() / n,
+            oom_failures: o.oom_failures,
+            declines: o.declines,
+            throughput_per_gpu: if o.busy_seconds > 0.0 {
+                o.speed_seconds / o.busy_seconds
+            } else {
+                0.0
+            },
+        },
+        jct,
+        grade: None,
+    }
+}
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// The results as a table for people.
+pub fn table(runs: &[Run], heading: &str) -> String {
+    let mut out = format!("{heading}\n");
+    let base = runs
+        .iter()
+        .find(|r| r.summary.policy == "first-fit")
+        .map(|r| r.summary.avg_jct_s);
+    out.push_str(&format!(
+        "{:<13} {:>6} {:>10} {:>9} {:>10} {:>11} {:>9} {:>6} {:>8} {:>9} {:>10}\n",
+        "policy",
+        "jobs",
+        "avg JCT s",
+        "p50 s",
+        "p95 s",
+        "makespan s",
+        "wait s",
+        "OOM",
+        "declines",
+        "thru/GPU",
+        "vs first-fit"
+    ));
+    for r in runs {
+        let s = &r.summary;
+        let vs = base.map_or("-".to_string(), |b| format!("{:+.1}%", 100.0 * (s.avg_jct_s / b - 1.0)));
+        out.push_str(&format!(
+            "{:<13} {:>6} {:>10.0} {:>9.0} {:>10.0} {:>11.0} {:>9.0} {:>6} {:>8} {:>9.3} {:>10}\n",
+            s.policy,
+            s.jobs,
+            s.avg_jct_s,
+            s.p50_jct_s,
+            s.p95_jct_s,
+            s.makespan_s,
+            s.avg_wait_s,
+            s.oom_failures,
+            s.declines,
+            s.throughput_per_gpu,
+            vs
+        ));
+    }
+    // The learned policy's gap to the oracle, over all jobs and over the last fifth of them
+    // (in submit order): how far it is once it has learned.
+    let find = |p: &str| runs.iter().find(|r| r.summary.policy == p);
+    if let (Some(l), Some(o)) = (find("learned"), find("oracle")) {
+        let tail = l.jct.len() - l.jct.len() / 5;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        out.push_str(&format!(
+            "learned vs oracle: {:+.1}% average JCT over all jobs, {:+.1}% over the last fifth\n",
+            100.0 * (l.summary.avg_jct_s / o.summary.avg_jct_s - 1.0),
+            100.0 * (mean(&l.jct[tail..]) / mean(&o.jct[tail..]) - 1.0)
+        ));
+    }
+    for r in runs {
+        if let Some(g) = &r.grade {
+            out.push_str(g);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The results as CSV, with the JSON keys as the header.
+pub fn csv(runs: &[Run]) -> String {
+    let mut out = String::from(
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu\n",
+    );
+    for r in runs {
+        let s = &r.summary;
+        out.push_str(&format!(
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4}\n",
+            s.policy,
+            s.jobs,
+            s.avg_jct_s,
+            s.p50_jct_s,
+            s.p95_jct_s,
+            s.makespan_s,
+            s.avg_wait_s,
+            s.oom_failures,
+            s.declines,
+            s.throughput_per_gpu
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,189 @@
+use super::input::{Table, TraceJob, GAVEL_V100};
+use super::world::{self, Progress, Shape};
+use super::*;
+
+fn small_table() -> Table {
+    // a beside b: 0.5, b beside a: 0.8; c cannot share with a.
+    Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\n\
+         v100,a,b,0.5,0.8\nv100,a,a,0.6,0.6\nv100,b,b,0.6,0.6\nv100,a,c,0,0\nv100,b,c,0.9,0.9\nv100,c,c,0.9,0.9\n",
+        "small",
+    )
+    .unwrap()
+}
+
+fn job(t: &Table, id: &str, submit_s: f64, app: &str, solo_runtime_s: f64) -> TraceJob {
+    TraceJob {
+        id: id.into(),
+        submit_s,
+        app: t.app_index(app).unwrap(),
+        solo_runtime_s,
+    }
+}
+
+const ONE_GPU: Shape = Shape {
+    nodes: 1,
+    gpus_per_node: 1,
+    jobs_per_gpu: 2,
+};
+const NO_REPORTS: Progress = Progress {
+    every_s: 0.0,
+    noise: 0.0,
+};
+
+fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {
+    let mut p = policy::make(policy, t, shape, 1).unwrap();
+    let o = world::run(t, trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap();
+    summarise(policy, &o)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+#[test]
+fn two_jobs_sharing_one_gpu_by_hand() {
+    // a (100 s of work) arrives at 0, b (100 s) at 20. a runs alone to 20 (20 done). Together
+    // a runs at 0.5 and b at 0.8: b ends at 20 + 100/0.8 = 145, when a has done
+    // 20 + 125 * 0.5 = 82.5; a ends alone at 145 + 17.5 = 162.5.
+    let t = small_table();
+    let trace = [job(&t, "1", 0.0, "a", 100.0), job(&t, "2", 20.0, "b", 100.0)];
+    let r = simulate(&t, &trace, ONE_GPU, "first-fit");
+    assert!(close(r.jct[0], 162.5) && close(r.jct[1], 125.0), "{:?}", r.jct);
+    let s = &r.summary;
+    assert!(close(s.avg_jct_s, 143.75) && close(s.makespan_s, 162.5) && close(s.avg_wait_s, 0.0));
+    assert_eq!((s.p50_jct_s, s.p95_jct_s), (125.0, 162.5));
+    // Normalised throughput: 20 s at 1, 125 s at 0.5 + 0.8, 17.5 s at 1, over 162.5 busy s.
+    assert!(close(s.throughput_per_gpu, 200.0 / 162.5), "{}", s.throughput_per_gpu);
+    // Exclusive: b waits for a: ends at 200, waited 80.
+    let r = simulate(&t, &trace, ONE_GPU, "exclusive");
+    assert!(
+        close(r.jct[1], 180.0) && close(r.summary.avg_wait_s, 40.0),
+        "{:?}",
+        r.jct
+    );
+    assert!(close(r.summary.throughput_per_gpu, 1.0));
+}
+
+#[test]
+fn a_pair_that_cannot_share_fails_the_newcomer_and_requeues_it() {
+    // c arrives at 10 beside a: it fails at 70, is eligible again at 190, when a (ended at
+    // 100, unslowed) has left: c runs alone 190-240.
+    let t = small_table();
+    let trace = [job(&t, "1", 0.0, "a", 100.0), job(&t, "2", 10.0, "c", 50.0)];
+    let r = simulate(&t, &trace, ONE_GPU, "first-fit");
+    assert!(close(r.jct[0], 100.0) && close(r.jct[1], 230.0), "{:?}", r.jct);
+    assert_eq!(r.summary.oom_failures, 1);
+    assert!(close(r.summary.avg_wait_s, 90.0), "{}", r.summary.avg_wait_s);
+}
+
+#[test]
+fn the_daemon_never_repeats_a_pair_that_ran_out_of_memory() {
+    // a runs 0-1000; c jobs keep arriving beside it. Slurm's first fit hands each c the slot
+    // beside a again and again; the daemon lets one fail, then declines until a has left.
+    let t = small_table();
+    let trace = [
+        job(&t, "1", 0.0, "a", 1000.0),
+        job(&t, "2", 10.0, "c", 50.0),
+        job(&t, "3", 300.0, "c", 50.0),
+    ];
+    let ff = simulate(&t, &trace, ONE_GPU, "first-fit");
+    let learned = simulate(&t, &trace, ONE_GPU, "learned");
+    let oracle = simulate(&t, &trace, ONE_GPU, "oracle");
+    assert!(ff.summary.oom_failures >= 5, "{:?}", ff.summary);
+    assert_eq!(learned.summary.oom_failures, 1, "{:?}", learned.summary);
+    assert!(learned.summary.declines > 0);
+    assert_eq!(oracle.summary.oom_failures, 0);
+    // Every job still ends, after a.
+    assert!(learned.jct[1] > 990.0 && learned.jct[2] > 700.0, "{:?}", learned.jct);
+}
+
+#[test]
+fn published_weights_fill_idle_nodes_before_pairing() {
+    // Two nodes of one GPU: with equal weights Slurm puts both jobs on the first node; the
+    // daemon's weight sends the second to the idle node.
+    let t = small_table();
+    let shape = Shape {
+        nodes: 2,
+        gpus_per_node: 1,
+        jobs_per_gpu: 2,
+    };
+    let trace = [job(&t, "1", 0.0, "a", 100.0), job(&t, "2", 1.0, "b", 100.0)];
+    let ff = simulate(&t, &trace, shape, "first-fit");
+    assert!(ff.jct[0] > 100.0 + 1.0, "{:?}", ff.jct);
+    for p in ["learned", "oracle"] {
+        let r = simulate(&t, &trace, shape, p);
+        assert!(close(r.jct[0], 100.0) && close(r.jct[1], 100.0), "{p}: {:?}", r.jct);
+    }
+}
+
+fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
+    let table = Table::parse(GAVEL_V100, "gavel").unwrap();
+    let shape = Shape {
+        nodes: 2,
+        gpus_per_node: 2,
+        jobs_per_gpu: 2,
+    };
+    let trace = generated_trace(&table, 150, 1.0, &shape, seed).unwrap();
+    Setup {
+        table,
+        trace,
+        shape,
+        policies: policies.iter().map(|p| p.to_string()).collect(),
+        seed,
+        progress: Progress {
+            every_s: 600.0,
+            noise: 0.05,
+        },
+        share_every_s: 0.0,
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_results() {
+    let a = run(&generated_setup(3, &policy::ALL)).unwrap();
+    let b = run(&generated_setup(3, &policy::ALL)).unwrap();
+    let c = run(&generated_setup(4, &policy::ALL)).unwrap();
+    let summaries = |r: &[Run]| r.iter().map(|r| r.summary.clone()).collect::<Vec<_>>();
+    assert_eq!(summaries(&a), summaries(&b));
+    assert_ne!(summaries(&a), summaries(&c));
+    assert_eq!(
+        a.iter().map(|r| r.summary.policy.as_str()).collect::<Vec<_>>(),
+        policy::ALL
+    );
+    // Output forms carry every policy.
+    assert_eq!(csv(&a).lines().count(), 7);
+    assert!(table(&a, "x").contains("learned"));
+    assert!(plot::svg(&a, "x").contains("<polyline"));
+}
+
+#[test]
+fn bad_setups_are_refused_clearly() {
+    let s = |nodes, gpus_per_node, jobs_per_gpu| Shape {
+        nodes,
+        gpus_per_node,
+        jobs_per_gpu,
+    };
+    let p = vec!["first-fit".to_string()];
+    assert_eq!(check(&s(0, 4, 2), &p).unwrap_err(), "--nodes must be at least 1");
+    assert_eq!(
+        check(&s(1, 0, 2), &p).unwrap_err(),
+        "--gpus-per-node must be at least 1"
+    );
+    assert!(check(&s(1, 1, 0), &p).unwrap_err().contains("--jobs-per-gpu 0"));
+    let e = check(&s(1, 1, 2), &["best".to_string()]).unwrap_err();
+    assert!(
+        e.starts_with("unknown policy \"best\": choose from exclusive, first-fit"),
+        "{e}"
+    );
+    let t = small_table();
+    assert!(generated_trace(&t, 0, 1.0, &s(1, 1, 2), 1)
+        .unwrap_err()
+        .contains("--jobs"));
+    assert!(generated_trace(&t, 10, 0.0, &s(1, 1, 2), 1)
+        .unwrap_err()
+        .contains("--load 0"));
+    assert!(generated_trace(&t, 10, f64::NAN, &s(1, 1, 2), 1)
+        .unwrap_err()
+        .contains("--load"));
+}

@@ -1,0 +1,438 @@
+//! The simulated world: Slurm's part (a FIFO queue, node choice by `Weight` then index,
+//! requeue after a decline or a failure) and reality's part (each job runs at the table's
+//! speed beside its current partners, a pair that cannot share makes the newcomer fail with
+//! out-of-memory). The policy only chooses a GPU on the node Slurm picked, or declines.
+
+use super::input::{Rng, Table, TraceJob};
+use std::cmp::Ordering;
+use std::collections::{BTreeSet, BinaryHeap};
+
+/// How long a declined job waits before it is eligible again, seconds.
+pub const DECLINE_RETRY_S: f64 = 60.0;
+/// How long a job that does not fit beside its partner runs before it fails.
+pub const OOM_AFTER_S: f64 = 60.0;
+/// How long a job that failed waits, requeued, before it is eligible again.
+pub const OOM_REQUEUE_S: f64 = 120.0;
+
+/// The cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub jobs_per_gpu: u32,
+}
+
+/// Progress reports from the jobs, as a job that opts in sends them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Seconds between reports of one job; 0: jobs do not report.
+    pub every_s: f64,
+    /// Relative noise of each report (standard deviation, as a fraction of one interval's work).
+    pub noise: f64,
+}
+
+/// A job as a policy sees it: its id (as Slurm would number it) and application.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JobRef {
+    pub id: u32,
+    pub app: usize,
+}
+
+/// A policy: the node daemon's part.
+pub trait Policy {
+    /// Jobs per GPU Slurm may put on one GPU under this policy.
+    fn slots(&self, shape: &Shape) -> u32 {
+        shape.jobs_per_gpu
+    }
+    /// Chooses a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), or declines (`None`).
+    fn place(&mut self, now: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String>;
+    /// The node's Slurm `Weight` (lower is preferred); equal unless the policy publishes it.
+    fn weight(&self, _node: usize) -> u32 {
+        1
+    }
+    /// A running job reports its progress (in its own unit, from its start).
+    fn progress(&mut self, _now: f64, _node: usize, _job: JobRef, _done: f64) -> Result<(), String> {
+        Ok(())
+    }
+    /// A job ran out of GPU memory beside its partners (it reports so, then ends).
+    fn out_of_memory(&mut self, _now: f64, _node: usize, _job: JobRef) -> Result<(), String> {
+        Ok(())
+    }
+    /// A job ended: completed (`ok`) or failed.
+    fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String>;
+    /// After the run, a line on what the policy learned, graded against the table.
+    fn grade(&self) -> Option<String> {
+        None
+    }
+}
+
+/// What happened to every job, and the counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Per job, in trace order: (submit, start of the run that completed, completion).
+    pub jobs: Vec<(f64, f64, f64)>,
+    pub oom_failures: u64,
+    pub declines: u64,
+    /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
+    pub speed_seconds: f64,
+    pub busy_seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Arrive,
+    Eligible,
+    Complete(u32),
+    OutOfMemory(u32),
+    Report(u32),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Event {
+    at: f64,
+    seq: u64,
+    job: usize,
+    kind: Kind,
+}
+
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Event {
+    // Earliest first out of the max-heap; ties in the order they were made.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.at.total_cmp(&self.at).then(other.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    app: usize,
+    work: f64,
+    submit: f64,
+    eligible: f64,
+    /// The application's iterations per second alone (the unit of its progress reports).
+    rate: f64,
+    /// Current run: where, since when, work done by `last`, speed since `last`.
+    at: Option<(usize, usize)>,
+    start: f64,
+    done: f64,
+    last: f64,
+    speed: f64,
+    /// Bumped whenever the completion time changes, and per run (stale events are skipped).
+    epoch: u32,
+    run: u32,
+    doomed: bool,
+    finished: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Gpu {
+    jobs: Vec<usize>,
+    since: f64,
+    speed_sum: f64,
+}
+
+struct World<'a> {
+    table: &'a Table,
+    shape: Shape,
+    slots: u32,
+    progress: Progress,
+    noise: Rng,
+    jobs: Vec<Job>,
+    gpus: Vec<Gpu>,
+    used: Vec<u32>,
+    /// Nodes with a free slot, by (weight, index).
+    free: BTreeSet<(u32, usize)>,
+    weight: Vec<u32>,
+    /// Waiting jobs in FIFO order (trace order).
+    queue: BTreeSet<usize>,
+    events: BinaryHeap<Event>,
+    seq: u64,
+    oom_failures: u64,
+    declines: u64,
+    speed_seconds: f64,
+    busy_seconds: f64,
+}
+
+/// Runs the trace through the world under `policy`. Deterministic for a seed.
+pub fn run(
+    table: &Table,
+    trace: &[TraceJob],
+    shape: Shape,
+    progress: Progress,
+    seed: u64,
+    policy: &mut dyn Policy,
+) -> Result<Outcome, String> {
+    let slots = policy.slots(&shape);
+    let mut rates = Rng::new(seed ^ 0x005e_ed0f_a995);
+    // Each application's own iterations per second alone, between 0.5 and 20: the unit of its
+    // reports, which the learned policy must find out for itself.
+    let app_rate: Vec<f64> = (0..table.apps.len())
+        .map(|_| 0.5 * 40f64.powf(rates.uniform()))
+        .collect();
+    let mut w = World {
+        table,
+        shape,
+        slots,
+        progress,
+        noise: Rng::new(seed ^ 0x0bad_5eed),
+        jobs: trace
+            .iter()
+            .map(|t| Job {
+                app: t.app,
+                work: t.solo_runtime_s,
+                submit: t.submit_s,
+                eligible: t.submit_s,
+                rate: app_rate[t.app],
+                at: None,
+                start: 0.0,
+                done: 0.0,
+                last: 0.0,
+                speed: 0.0,
+                epoch: 0,
+                run: 0,
+                doomed: false,
+                finished: None,
+            })
+            .collect(),
+        gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
+        used: vec![0; shape.nodes],
+        free: BTreeSet::new(),
+        weight: vec![0; shape.nodes],
+        queue: BTreeSet::new(),
+        events: BinaryHeap::new(),
+        seq: 0,
+        oom_failures: 0,
+        declines: 0,
+        speed_seconds: 0.0,
+        busy_seconds: 0.0,
+    };
+    for n in 0..shape.nodes {
+        w.weight[n] = policy.weight(n);
+        w.free.insert((w.weight[n], n));
+    }
+    for (j, t) in trace.iter().enumerate() {
+        w.push(t.submit_s, j, Kind::Arrive);
+    }
+    let mut first_start = vec![f64::NAN; trace.len()];
+    while let Some(e) = w.events.pop() {
+        let now = e.at;
+        match e.kind {
+            Kind::Arrive => {
+                w.queue.insert(e.job);
+            }
+            Kind::Eligible => {}
+            Kind::Complete(epoch) => {
+                let job = &w.jobs[e.job];
+                if job.epoch != epoch || job.at.is_none() {
+                    continue;
+                }
+                let (node, _) = w.leave(now, e.job);
+                w.jobs[e.job].finished = Some(now);
+                first_start[e.job] = w.jobs[e.job].start;
+                policy.finished(now, node, w.job_ref(e.job), true)?;
+                w.reweigh(node, policy);
+            }
+            Kind::OutOfMemory(run) => {
+                let job = &w.jobs[e.job];
+                if job.run != run || job.at.is_none() {
+                    continue;
+                }
+                let (node, _) = w.leave(now, e.job);
+                w.oom_failures += 1;
+                policy.out_of_memory(now, node, w.job_ref(e.job))?;
+                policy.finished(now, node, w.job_ref(e.job), false)?;
+                w.reweigh(node, policy);
+                w.jobs[e.job].eligible = now + OOM_REQUEUE_S;
+                w.queue.insert(e.job);
+                w.push(now + OOM_REQUEUE_S, e.job, Kind::Eligible);
+            }
+            Kind::Report(run) => {
+                let job = &w.jobs[e.job];
+                let Some((node, _)) = job.at.filter(|_| job.run == run) else {
+                    continue;
+                };
+                let (done, rate) = (job.done + job.speed * (now - job.last), job.rate);
+                let noise = w.progress.noise * w.progress.every_s * w.noise.normal();
+                let reported = (done + noise).max(0.0) * rate;
+                policy.progress(now, node, w.job_ref(e.job), reported)?;
+                w.push(now + w.progress.every_s, e.job, Kind::Report(run));
+                continue; // nothing changed for Slurm
+            }
+        }
+        w.schedule(now, policy)?;
+    }
+    if let Some(j) = w.jobs.iter().position(|j| j.finished.is_none()) {
+        return Err(format!(
+            "job {} never finished (the policy declined it forever?)",
+            trace[j].id
+        ));
+    }
+    Ok(Outcome {
+        jobs: w
+            .jobs
+            .iter()
+            .zip(&first_start)
+            .map(|(j, &s)| (j.submit, s, j.finished.unwrap_or(f64::NAN)))
+            .collect(),
+        oom_failures: w.oom_failures,
+        declines: w.declines,
+        speed_seconds: w.speed_seconds,
+        busy_seconds: w.busy_seconds,
+    })
+}
+
+impl World<'_> {
+    fn push(&mut self, at: f64, job: usize, kind: Kind) {
+        self.seq += 1;
+        self.events.push(Event {
+            at,
+            seq: self.seq,
+            job,
+            kind,
+        });
+    }
+
+    fn job_ref(&self, j: usize) -> JobRef {
+        JobRef {
+            id: j as u32 + 1,
+            app: self.jobs[j].app,
+        }
+    }
+
+    fn capacity(&self) -> u32 {
+        self.shape.gpus_per_node as u32 * self.slots
+    }
+
+    /// Slurm's part: start waiting, eligible jobs in FIFO order on the lightest node with a
+    /// free slot, until no node has one.
+    fn schedule(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
+        let mut cursor = 0;
+        while let Some(&j) = self.queue.range(cursor..).next() {
+            cursor = j + 1;
+            if self.jobs[j].eligible > now {
+                continue;
+            }
+            let Some(&(_, node)) = self.free.iter().next() else {
+                break;
+            };
+            let g0 = node * self.shape.gpus_per_node;
+            let view: Vec<Vec<JobRef>> = self.gpus[g0..g0 + self.shape.gpus_per_node]
+                .iter()
+                .map(|g| g.jobs.iter().map(|&o| self.job_ref(o)).collect())
+                .collect();
+            match policy.place(now, node, self.job_ref(j), &view)? {
+                Some(g) if g < self.shape.gpus_per_node && (view[g].len() as u32) < self.slots => {
+                    self.queue.remove(&j);
+                    self.start(now, j, node, g);
+                    self.reweigh(node, policy);
+                }
+                Some(g) => {
+                    return Err(format!(
+                        "the policy chose GPU {g} of node {node}, which has no free slot"
+                    ))
+                }
+                None => {
+                    self.declines += 1;
+                    self.jobs[j].eligible = now + DECLINE_RETRY_S;
+                    self.push(now + DECLINE_RETRY_S, j, Kind::Eligible);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Updates the node's place among the nodes with a free slot after its load changed.
+    fn reweigh(&mut self, node: usize, policy: &dyn Policy) {
+        self.free.remove(&(self.weight[node], node));
+        self.weight[node] = policy.weight(node);
+        if self.used[node] < self.capacity() {
+            self.free.insert((self.weight[node], node));
+        }
+    }
+
+    fn start(&mut self, now: f64, j: usize, node: usize, g: usize) {
+        let gi = node * self.shape.gpus_per_node + g;
+        let doomed = self.gpus[gi]
+            .jobs
+            .iter()
+            .any(|&o| self.table.speed(self.jobs[j].app, self.jobs[o].app).is_none());
+        self.settle(now, gi);
+        let job = &mut self.jobs[j];
+        job.at = Some((node, g));
+        job.start = now;
+        job.done = 0.0;
+        job.last = now;
+        job.doomed = doomed;
+        job.run += 1;
+        let run = job.run;
+        self.gpus[gi].jobs.push(j);
+        self.used[node] += 1;
+        if doomed {
+            self.push(now + OOM_AFTER_S, j, Kind::OutOfMemory(run));
+        } else if self.progress.every_s > 0.0 {
+            self.push(now + self.progress.every_s, j, Kind::Report(run));
+        }
+        self.respeed(now, gi);
+    }
+
+    /// Takes a job off its GPU; returns its (node, gpu).
+    fn leave(&mut self, now: f64, j: usize) -> (usize, usize) {
+        let (node, g) = self.jobs[j].at.take().expect("a running job");
+        let gi = node * self.shape.gpus_per_node + g;
+        self.settle(now, gi);
+        self.gpus[gi].jobs.retain(|&o| o != j);
+        self.used[node] -= 1;
+        self.jobs[j].epoch += 1;
+        self.respeed(now, gi);
+        (node, g)
+    }
+
+    /// Brings the work of a GPU's jobs and the throughput integrals up to `now`.
+    fn settle(&mut self, now: f64, gi: usize) {
+        let gpu = &mut self.gpus[gi];
+        let dt = now - gpu.since;
+        if !gpu.jobs.is_empty() {
+            self.busy_seconds += dt;
+            self.speed_seconds += dt * gpu.speed_sum;
+        }
+        gpu.since = now;
+        for &j in &gpu.jobs {
+            let job = &mut self.jobs[j];
+            job.done += job.speed * (now - job.last);
+            job.last = now;
+        }
+    }
+
+    /// Gives each job on the GPU its speed beside the others and its new completion time.
+    /// A job doomed to run out of memory does no work and slows no one.
+    fn respeed(&mut self, now: f64, gi: usize) {
+        let members = self.gpus[gi].jobs.clone();
+        let mut sum = 0.0;
+        for &j in &members {
+            let speed = if self.jobs[j].doomed {
+                0.0
+            } else {
+                members
+                    .iter()
+                    .filter(|&&o| o != j && !self.jobs[o].doomed)
+                    .map(|&o| self.table.speed(self.jobs[j].app, self.jobs[o].app).unwrap_or(1.0))
+                    .product()
+            };
+            sum += speed;
+            let job = &mut self.jobs[j];
+            job.speed = speed;
+            job.epoch += 1;
+            if speed > 0.0 {
+                let at = now + (job.work - job.done).max(0.0) / speed;
+                let epoch = job.epoch;
+                self.push(at, j, Kind::Complete(epoch));
+            }
+        }
+        self.gpus[gi].speed_sum = sum;
+    }
+}
