@@ -124,10 +124,9 @@ impl Node {
         let active = self.active()?;
         if let Some(job) = active.iter().find(|j| j.job_id == req.job_id) {
             self.history.record_step(job.row, req.step_id, now)?;
-            let corunners = active
+            let partners: Vec<&ActiveJob> = active
                 .iter()
                 .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
-                .map(|o| o.job_id)
                 .collect();
             let reason = if req.step_id == job.owner_step {
                 job.decision.clone()
@@ -139,7 +138,8 @@ impl Node {
             };
             return Ok(Response::Placed(self.placement(
                 job.gpu,
-                corunners,
+                &job.app,
+                &partners,
                 job.predicted_speed,
                 reason,
                 job.mem_mb,
@@ -217,9 +217,12 @@ impl Node {
                     &residents,
                 )?;
                 tracing::info!(job = req.job_id, step = req.step_id, app = %req.app, gpu, %reason, "placed");
+                let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
+                debug_assert_eq!(partners.iter().map(|j| j.job_id).collect::<Vec<_>>(), corunners);
                 Ok(Response::Placed(self.placement(
                     gpu,
-                    corunners,
+                    &req.app,
+                    &partners,
                     predicted_speed,
                     reason,
                     req.mem_mb,
@@ -242,22 +245,35 @@ impl Node {
         }
     }
 
+    /// The answer for a step of `app` on `gpu` beside `partners`; with MPS, the step's thread
+    /// limit from the predicted speeds (see [`placement::mps_share`]).
     fn placement(
         &self,
         gpu: u32,
-        corunners: Vec<u32>,
+        app: &str,
+        partners: &[&ActiveJob],
         predicted_speed: f64,
         reason: String,
         mem_mb: Option<u64>,
     ) -> Placement {
         let (mps_thread_percentage, mps_mem_limit_mb) = if self.config.mps {
-            (Some(100 / (corunners.len() as u32 + 1)), mem_mb)
+            let model = self
+                .gpus
+                .iter()
+                .find(|g| g.index == gpu)
+                .map_or("unknown", |g| g.model.as_str());
+            let prior = self.config.policy.unknown_pair_speed;
+            let theirs: Vec<f64> = partners
+                .iter()
+                .map(|p| placement::estimate(&self.history, model, &p.app, app, prior).0)
+                .collect();
+            (Some(placement::mps_share(predicted_speed, &theirs)), mem_mb)
         } else {
             (None, None)
         };
         Placement {
             gpu,
-            corunners,
+            corunners: partners.iter().map(|p| p.job_id).collect(),
             predicted_speed,
             reason,
             mps_thread_percentage,

@@ -220,6 +220,28 @@ impl PairHistory for Memo<'_> {
     }
 }
 
+/// The newcomer's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` where the site runs MPS: its share of
+/// the predicted slowdowns (`1 - speed`) of the jobs on the GPU, so that the job its partners
+/// slow more may use more of the GPU; equal slowdowns give equal shares. Kept between half
+/// the equal share and 80%; alone, 100. Only the newcomer's limit is set: MPS fixes a
+/// client's limit when it starts.
+///
+/// Measured on one H100 (`tests/gpu/mps-check`): a compute-bound job beside a memory-bound
+/// one ran at 0.39 and 0.68 of their solo speeds with no limits (sum 1.07), 0.31 and 0.84 at
+/// 50/50 (1.15), 0.41 and 0.75 at 60/40 (1.16) and 0.70 and 0.55 at 75/25 (1.25): the job
+/// slowed more gains most from a larger share. This rule gives that pair 66/34.
+pub fn mps_share(speed: f64, partner_speeds: &[f64]) -> u32 {
+    if partner_speeds.is_empty() {
+        return 100;
+    }
+    let slowdown = |s: f64| (1.0 - s).clamp(0.0, 1.0);
+    let n = partner_speeds.len() as f64 + 1.0;
+    let mine = slowdown(speed);
+    let all = mine + partner_speeds.iter().map(|&s| slowdown(s)).sum::<f64>();
+    let share = if all < 1e-9 { 1.0 / n } else { mine / all };
+    (100.0 * share).round().clamp((50.0 / n).round(), 80.0) as u32
+}
+
 /// Chooses a GPU for `job`, or declines with the reason for every GPU.
 pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Decision {
     let memo = Memo {
@@ -764,5 +786,20 @@ mod tests {
         // A free GPU is never given up for exploration: its gain (1.0) is far above.
         let gpus = [gpu(0, &[]), gpu(1, &[(2, "fresh")])];
         assert_eq!(chosen(&place(&gpus, &job, &h, with(0.05))), 0);
+    }
+
+    #[test]
+    fn mps_limits_follow_the_predicted_slowdowns() {
+        assert_eq!(mps_share(1.0, &[]), 100);
+        // The measured H100 pair: the compute-bound newcomer slowed to 0.39, its partner to 0.68.
+        assert_eq!(mps_share(0.39, &[0.68]), 66);
+        assert_eq!(mps_share(0.68, &[0.39]), 34);
+        // Equal, or no slowdown at all: equal shares.
+        assert_eq!(mps_share(0.7, &[0.7]), 50);
+        assert_eq!(mps_share(1.0, &[1.0]), 50);
+        // Bounds: never below half the equal share, never above 80%.
+        assert_eq!(mps_share(0.95, &[0.1]), 25);
+        assert_eq!(mps_share(0.1, &[0.95]), 80);
+        assert_eq!(mps_share(0.5, &[0.5, 0.5]), 33);
     }
 }

@@ -16,9 +16,14 @@ struct World {
 
 impl World {
     fn new() -> World {
+        World::with("")
+    }
+
+    /// A world whose config has `extra` lines besides the usual ones.
+    fn with(extra: &str) -> World {
         let dir = tempfile::tempdir().unwrap();
         let config = Config::parse(&format!(
-            "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n",
+            "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n{extra}\n",
             d = dir.path().display()
         ))
         .unwrap();
@@ -391,4 +396,19 @@ fn measured_memory_stands_in_for_a_missing_hint() {
     }
     // An application never measured is placed as before.
     assert!(matches!(w.start(202.0, 4, "small"), Response::Placed(_)));
+}
+
+#[test]
+fn with_mps_each_job_gets_a_thread_limit_from_the_predicted_speeds() {
+    let limit = |r: Response| match r {
+        Response::Placed(p) => p.mps_thread_percentage,
+        other => panic!("{other:?}"),
+    };
+    let mut w = World::with("mps = true");
+    // Alone: the whole GPU. Beside a job never seen with it: both predicted alike, half.
+    assert_eq!(limit(w.start(0.0, 1, "bert")), Some(100));
+    assert_eq!(limit(w.start(1.0, 2, "resnet")), Some(50));
+    // Without MPS no limit is given.
+    let mut w = World::new();
+    assert_eq!(limit(w.start(0.0, 1, "bert")), None);
 }
