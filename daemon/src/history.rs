@@ -223,6 +223,26 @@ impl Cached for Connection {
 /// the history uses).
 const STATEMENT_CACHE: usize = 64;
 
+/// The columns of an [`ActiveJob`], read by [`active_job`]; a WHERE clause follows.
+const ACTIVE_JOB: &str = "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
+        j.decision, j.predicted_speed
+     FROM jobs j JOIN applications a ON a.id = j.app_id";
+
+fn active_job(r: &rusqlite::Row<'_>) -> rusqlite::Result<ActiveJob> {
+    Ok(ActiveJob {
+        row: r.get(0)?,
+        job_id: r.get(1)?,
+        uid: r.get(2)?,
+        app: r.get(3)?,
+        gpu: r.get(4)?,
+        mem_mb: r.get::<_, Option<i64>>(5)?.map(|m| m as u64),
+        owner_step: r.get(6)?,
+        started_at: r.get(7)?,
+        decision: r.get(8)?,
+        predicted_speed: r.get(9)?,
+    })
+}
+
 /// The open SQLite history.
 pub struct History {
     conn: Connection,
@@ -297,26 +317,10 @@ impl History {
 
     /// Jobs placed on this node and not finished, oldest first.
     pub fn active_jobs(&self, node: &str) -> Result<Vec<ActiveJob>, HistoryError> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
-                    j.decision, j.predicted_speed
-             FROM jobs j JOIN applications a ON a.id = j.app_id
-             WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id",
-        )?;
-        let rows = stmt.query_map([node], |r| {
-            Ok(ActiveJob {
-                row: r.get(0)?,
-                job_id: r.get(1)?,
-                uid: r.get(2)?,
-                app: r.get(3)?,
-                gpu: r.get(4)?,
-                mem_mb: r.get::<_, Option<i64>>(5)?.map(|m| m as u64),
-                owner_step: r.get(6)?,
-                started_at: r.get(7)?,
-                decision: r.get(8)?,
-                predicted_speed: r.get(9)?,
-            })
-        })?;
+        let mut stmt = self.conn.prepare_cached(&format!(
+            "{ACTIVE_JOB} WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id"
+        ))?;
+        let rows = stmt.query_map([node], active_job)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
@@ -324,26 +328,10 @@ impl History {
     pub fn running_job(&self, node: &str, job_id: u32) -> Result<Option<(ActiveJob, Vec<i64>)>, HistoryError> {
         let job = self
             .conn
-            .prepare_cached(
-                "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
-                        j.decision, j.predicted_speed
-                 FROM jobs j JOIN applications a ON a.id = j.app_id
-                 WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL",
-            )?
-            .query_row(params![job_id, node], |r| {
-                Ok(ActiveJob {
-                    row: r.get(0)?,
-                    job_id: r.get(1)?,
-                    uid: r.get(2)?,
-                    app: r.get(3)?,
-                    gpu: r.get(4)?,
-                    mem_mb: r.get::<_, Option<i64>>(5)?.map(|m| m as u64),
-                    owner_step: r.get(6)?,
-                    started_at: r.get(7)?,
-                    decision: r.get(8)?,
-                    predicted_speed: r.get(9)?,
-                })
-            })
+            .prepare_cached(&format!(
+                "{ACTIVE_JOB} WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL"
+            ))?
+            .query_row(params![job_id, node], active_job)
             .optional()?;
         let Some(job) = job else {
             return Ok(None);

@@ -434,7 +434,7 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     let text = if file == Path::new("-") {
         std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?
     } else {
-        std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?
+        read(file)?
     };
     let data: report::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
@@ -489,7 +489,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     use multiplexd::simulate::{self, input, world};
     let (table, table_name) = match &a.table {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let text = read(path)?;
             let name = path.display().to_string();
             (input::Table::parse(&text, &name)?, name)
         }
@@ -526,7 +526,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     }
     let (trace, source) = match &a.trace {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let text = read(path)?;
             let trace = input::parse_trace(&text, &path.display().to_string(), &table)?;
             (trace, format!("trace {}", path.display()))
         }
@@ -575,4 +575,9 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     Ok(())
+}
+
+/// A file's text, or an error that names it.
+fn read(path: &Path) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }

@@ -218,7 +218,6 @@ pub fn run(
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
     }
-    let mut first_start = vec![f64::NAN; trace.len()];
     while let Some(e) = w.events.pop() {
         let now = e.at;
         match e.kind {
@@ -233,7 +232,6 @@ pub fn run(
                 }
                 let (node, _) = w.leave(now, e.job);
                 w.jobs[e.job].finished = Some(now);
-                first_start[e.job] = w.jobs[e.job].start;
                 policy.finished(now, node, w.job_ref(e.job), true)?;
                 w.reweigh(node, policy);
             }
@@ -276,8 +274,8 @@ pub fn run(
         jobs: w
             .jobs
             .iter()
-            .zip(&first_start)
-            .map(|(j, &s)| (j.submit, s, j.finished.unwrap_or(f64::NAN)))
+            // A finished job's `start` is that of the run that completed.
+            .map(|j| (j.submit, j.start, j.finished.unwrap_or(f64::NAN)))
             .collect(),
         oom_failures: w.oom_failures,
         declines: w.declines,
