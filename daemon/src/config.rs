@@ -65,6 +65,21 @@ struct RawPolicy {
     unknown_pair_speed: Option<f64>,
     explore_margin: Option<f64>,
     decline_retry_s: Option<u32>,
+    mode: Option<Mode>,
+}
+
+/// Whether the daemon decides where jobs run, or only watches Slurm decide.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// The daemon picks each job's GPU, may decline, and publishes the node's weight.
+    #[default]
+    Decide,
+    /// Each job runs on the GPU Slurm bound its shard to; the daemon records and learns from
+    /// it as usual but never overrides, never declines and publishes no weight. For a site
+    /// that wants a history before it lets the daemon decide, and for comparing the daemon
+    /// with Slurm's own shard placement on the same cluster.
+    Observe,
 }
 
 /// One shared GPU of the node.
@@ -94,6 +109,7 @@ pub struct PolicyConfig {
     pub explore_margin: f64,
     /// How long a declined job waits before Slurm tries again.
     pub decline_retry_s: u32,
+    pub mode: Mode,
 }
 
 /// The resolved configuration.
@@ -220,6 +236,7 @@ impl Config {
                 unknown_pair_speed,
                 explore_margin,
                 decline_retry_s: raw.policy.decline_retry_s.unwrap_or(60),
+                mode: raw.policy.mode.unwrap_or_default(),
             },
         })
     }
@@ -268,6 +285,10 @@ mod tests {
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             ("[policy]\nexplore_margin = -0.1", "explore_margin"),
             ("[policy]\nexplore = true", "unknown field `explore`"),
+            (
+                "[policy]\nmode = \"advise\"",
+                "unknown variant `advise`, expected `decide` or `observe`",
+            ),
             ("[weight]\nbase = 0", "weight.base = 0"),
             ("[reconcile]\ngrace_s = 0.5", "reconcile.grace_s = 0.5"),
             ("[weight]\npublish = 1", "invalid type"),

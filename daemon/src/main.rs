@@ -141,6 +141,10 @@ struct SimulateArgs {
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Also write the trace that was simulated (generated or read) as CSV, to replay it
+    /// elsewhere (e.g. tests/emulate/run on a real local cluster).
+    #[arg(long)]
+    write_trace: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -193,13 +197,16 @@ fn serve(config_path: &Path) -> Result<(), String> {
     let socket = config.socket.clone();
     let node_name = config.node.clone();
     let weight = config.weight.clone();
+    let config_mode_observes = config.policy.mode == multiplexd::config::Mode::Observe;
     let reconcile = config.reconcile.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
     // Block the stop signals before any thread starts, so only the waiting thread sees them.
     let signals = stop_signals();
-    if weight.publish {
+    if config_mode_observes {
+        tracing::info!("observe mode: jobs run where Slurm binds them; no weight is published");
+    } else if weight.publish {
         let base = weight.base;
         let publisher = Publisher::start(node_name.clone(), weight)
             .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
@@ -535,6 +542,10 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
             format!("generated trace: load {}, seed {}", a.load, a.seed),
         ),
     };
+    if let Some(path) = &a.write_trace {
+        std::fs::write(path, input::trace_csv(&trace, &table))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     let heading = format!(
         "{} nodes x {} GPUs x {} jobs per GPU, {} jobs ({source}); pair table {table_name}: {} apps on {}",
         shape.nodes,

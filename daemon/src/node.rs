@@ -1,7 +1,7 @@
 //! One node's daemon state: its shared GPUs, its history, and the answers to placement,
 //! finish and status requests. The server calls this; tests call it directly.
 
-use crate::config::{Config, GpuSpec};
+use crate::config::{Config, GpuSpec, Mode};
 use crate::history::{ActiveJob, History, HistoryError, Learned, NewJob};
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer};
 use multiplex_protocol::{
@@ -145,6 +145,9 @@ impl Node {
                 job.mem_mb,
             )));
         }
+        if self.config.policy.mode == Mode::Observe {
+            return self.observe(req, &active, now);
+        }
         let states: Vec<GpuState> = self
             .gpus
             .iter()
@@ -182,7 +185,6 @@ impl Node {
         match decision {
             Decision::Place {
                 gpu,
-                corunners,
                 predicted_speed,
                 mut reason,
                 ..
@@ -190,43 +192,7 @@ impl Node {
                 if let Some(m) = learned_mem {
                     reason.push_str(&format!("; needs about {m} MiB, measured on its earlier runs"));
                 }
-                let model = self
-                    .gpus
-                    .iter()
-                    .find(|g| g.index == gpu)
-                    .map_or("unknown", |g| g.model.as_str());
-                let residents: Vec<i64> = active.iter().filter(|j| j.gpu == gpu).map(|j| j.row).collect();
-                self.history.record_placement(
-                    &NewJob {
-                        job_id: req.job_id,
-                        node: &self.config.node,
-                        uid: req.uid,
-                        app: &req.app,
-                        gpu,
-                        gpu_model: model,
-                        mem_mb: req.mem_mb,
-                        owner_step: req.step_id,
-                        slurm_gpus: req
-                            .slurm_job_gpus
-                            .as_deref()
-                            .or(req.slurm_cuda_visible_devices.as_deref()),
-                        decision: &reason,
-                        predicted_speed,
-                        now,
-                    },
-                    &residents,
-                )?;
-                tracing::info!(job = req.job_id, step = req.step_id, app = %req.app, gpu, %reason, "placed");
-                let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
-                debug_assert_eq!(partners.iter().map(|j| j.job_id).collect::<Vec<_>>(), corunners);
-                Ok(Response::Placed(self.placement(
-                    gpu,
-                    &req.app,
-                    &partners,
-                    predicted_speed,
-                    reason,
-                    req.mem_mb,
-                )))
+                self.commit(req, &active, gpu, predicted_speed, reason, now)
             }
             Decision::Decline { mut reason, may_retry } => {
                 if let Some(m) = learned_mem {
@@ -243,6 +209,87 @@ impl Node {
                 })
             }
         }
+    }
+
+    /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.
+    fn observe(&mut self, req: &PlaceRequest, active: &[ActiveJob], now: f64) -> Result<Response, HistoryError> {
+        let slurm = req
+            .slurm_job_gpus
+            .as_deref()
+            .or(req.slurm_cuda_visible_devices.as_deref());
+        let gpu = slurm
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|g| self.gpus.iter().any(|s| s.index == *g));
+        let Some(gpu) = gpu else {
+            return Ok(Response::Error {
+                message: format!(
+                    "observe mode: Slurm bound no GPU of this node's shared pool to this job (SLURM_JOB_GPUS/CUDA_VISIBLE_DEVICES: {})",
+                    slurm.unwrap_or("unset")
+                ),
+            });
+        };
+        let model = self
+            .gpus
+            .iter()
+            .find(|g| g.index == gpu)
+            .map_or("unknown", |g| g.model.as_str());
+        let prior = self.config.policy.unknown_pair_speed;
+        let predicted_speed: f64 = active
+            .iter()
+            .filter(|j| j.gpu == gpu)
+            .map(|p| placement::estimate(&self.history, model, &req.app, &p.app, prior).0)
+            .product();
+        let reason = format!("observe mode: GPU {gpu}, where Slurm bound the job's shard");
+        self.commit(req, active, gpu, predicted_speed, reason, now)
+    }
+
+    /// Records a new job on `gpu` beside the jobs active there and answers with its placement.
+    fn commit(
+        &mut self,
+        req: &PlaceRequest,
+        active: &[ActiveJob],
+        gpu: u32,
+        predicted_speed: f64,
+        reason: String,
+        now: f64,
+    ) -> Result<Response, HistoryError> {
+        let model = self
+            .gpus
+            .iter()
+            .find(|g| g.index == gpu)
+            .map_or("unknown", |g| g.model.as_str());
+        let residents: Vec<i64> = active.iter().filter(|j| j.gpu == gpu).map(|j| j.row).collect();
+        self.history.record_placement(
+            &NewJob {
+                job_id: req.job_id,
+                node: &self.config.node,
+                uid: req.uid,
+                app: &req.app,
+                gpu,
+                gpu_model: model,
+                mem_mb: req.mem_mb,
+                owner_step: req.step_id,
+                slurm_gpus: req
+                    .slurm_job_gpus
+                    .as_deref()
+                    .or(req.slurm_cuda_visible_devices.as_deref()),
+                decision: &reason,
+                predicted_speed,
+                now,
+            },
+            &residents,
+        )?;
+        tracing::info!(job = req.job_id, step = req.step_id, app = %req.app, gpu, %reason, "placed");
+        let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
+        Ok(Response::Placed(self.placement(
+            gpu,
+            &req.app,
+            &partners,
+            predicted_speed,
+            reason,
+            req.mem_mb,
+        )))
     }
 
     /// The answer for a step of `app` on `gpu` beside `partners`; with MPS, the step's thread

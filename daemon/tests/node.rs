@@ -21,17 +21,24 @@ impl World {
 
     /// A world whose config has `extra` lines besides the usual ones.
     fn with(extra: &str) -> World {
+        World::with_gpus(extra, 1)
+    }
+
+    /// As [`World::with`], with `gpus` GPUs (indices from 0).
+    fn with_gpus(extra: &str, gpus: u32) -> World {
         let dir = tempfile::tempdir().unwrap();
         let config = Config::parse(&format!(
             "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n{extra}\n",
             d = dir.path().display()
         ))
         .unwrap();
-        let gpus = vec![GpuSpec {
-            index: 0,
-            model: "v100".into(),
-            memory_mb: 16384,
-        }];
+        let gpus = (0..gpus)
+            .map(|index| GpuSpec {
+                index,
+                model: "v100".into(),
+                memory_mb: 16384,
+            })
+            .collect();
         let now = Arc::new(AtomicU64::new(0f64.to_bits()));
         let clock = {
             let now = Arc::clone(&now);
@@ -50,6 +57,11 @@ impl World {
     }
 
     fn start(&mut self, t: f64, job_id: u32, app: &str) -> Response {
+        self.start_on(t, job_id, app, "0")
+    }
+
+    /// A job to which Slurm bound the shard of GPU `slurm_gpu`.
+    fn start_on(&mut self, t: f64, job_id: u32, app: &str, slurm_gpu: &str) -> Response {
         self.at(t)
             .place(&PlaceRequest {
                 job_id,
@@ -58,8 +70,8 @@ impl World {
                 app: app.into(),
                 mem_mb: None,
                 node: "n1".into(),
-                slurm_cuda_visible_devices: Some("0".into()),
-                slurm_job_gpus: Some("0".into()),
+                slurm_cuda_visible_devices: Some(slurm_gpu.into()),
+                slurm_job_gpus: Some(slurm_gpu.into()),
                 slurm_shards_on_node: Some("1".into()),
             })
             .unwrap()
@@ -411,4 +423,39 @@ fn with_mps_each_job_gets_a_thread_limit_from_the_predicted_speeds() {
     // Without MPS no limit is given.
     let mut w = World::new();
     assert_eq!(limit(w.start(0.0, 1, "bert")), None);
+}
+
+#[test]
+fn in_observe_mode_jobs_run_where_slurm_bound_them_and_are_still_learned_from() {
+    let gpu = |r: Response| match r {
+        Response::Placed(p) => (p.gpu, p.corunners),
+        other => panic!("{other:?}"),
+    };
+    // Deciding, the daemon picks: the first idle GPU, then the other idle one, whatever
+    // Slurm bound.
+    let mut w = World::with_gpus("", 2);
+    assert_eq!(gpu(w.start_on(0.0, 1, "bert", "1")), (0, vec![]));
+    assert_eq!(gpu(w.start_on(1.0, 2, "resnet", "0")), (1, vec![]));
+    // Observing, it stays beside job 1, where Slurm put it.
+    let mut w = World::with_gpus("[policy]\nmode = \"observe\"", 2);
+    assert_eq!(gpu(w.start_on(0.0, 1, "gpt", "1")), (1, vec![]));
+    assert_eq!(gpu(w.start_on(1.0, 2, "vgg", "1")), (1, vec![1]));
+    // A GPU outside the node's shared pool is an error that says so, not a guess.
+    match w.start_on(2.0, 3, "bert", "7") {
+        Response::Error { message } => assert!(message.contains("observe mode") && message.contains('7'), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    // What ran is learned from as when deciding: solo runs, then the pair.
+    w.end(50.0, 1, 0);
+    w.end(51.0, 2, 0);
+    w.start_on(60.0, 4, "bert", "0");
+    w.end(160.0, 4, 0);
+    w.start_on(160.0, 5, "resnet", "0");
+    w.end(210.0, 5, 0);
+    w.start_on(300.0, 6, "bert", "0");
+    w.start_on(300.0, 7, "resnet", "0");
+    w.end(375.0, 7, 0);
+    w.end(425.0, 6, 0);
+    let (speed, _, n) = w.estimate("bert", "resnet").expect("a learned pair");
+    assert!(n >= 1 && (speed - 2.0 / 3.0).abs() < 0.05, "{speed} from {n}");
 }

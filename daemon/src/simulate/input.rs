@@ -159,6 +159,18 @@ pub fn parse_trace(text: &str, name: &str, table: &Table) -> Result<Vec<TraceJob
     Ok(jobs)
 }
 
+/// A trace as CSV, in the format [`parse_trace`] reads (times to the millisecond).
+pub fn trace_csv(trace: &[TraceJob], table: &Table) -> String {
+    let mut out = String::from("job_id,submit_s,app,solo_runtime_s\n");
+    for j in trace {
+        out.push_str(&format!(
+            "{},{:.3},{},{:.3}\n",
+            j.id, j.submit_s, table.apps[j.app], j.solo_runtime_s
+        ));
+    }
+    out
+}
+
 /// Median solo runtime of generated jobs, seconds.
 pub const MEDIAN_RUNTIME_S: f64 = 3600.0;
 /// Spread of generated runtimes: the standard deviation of their logarithm.

@@ -187,3 +187,20 @@ fn bad_setups_are_refused_clearly() {
         .unwrap_err()
         .contains("--load"));
 }
+
+#[test]
+fn a_written_trace_reads_back_as_the_same_trace() {
+    let t = Table::parse(GAVEL_V100, "gavel").unwrap();
+    let shape = Shape {
+        nodes: 2,
+        gpus_per_node: 2,
+        jobs_per_gpu: 2,
+    };
+    let trace = generated_trace(&t, 25, 1.0, &shape, 7).unwrap();
+    let back = input::parse_trace(&input::trace_csv(&trace, &t), "written", &t).unwrap();
+    assert_eq!(back.len(), trace.len());
+    for (a, b) in trace.iter().zip(&back) {
+        assert_eq!((&a.id, a.app), (&b.id, b.app));
+        assert!((a.submit_s - b.submit_s).abs() <= 0.0005 && (a.solo_runtime_s - b.solo_runtime_s).abs() <= 0.0005);
+    }
+}
