@@ -103,10 +103,7 @@ fn unseen(history: &dyn PairHistory, model: &str, app: &str, other: &str, prior:
         }
         _ => (prior, format!("never seen together, assumed {prior:.2}")),
     };
-    let impact = match history
-        .app_impact(model, other)
-        .filter(|_| std::env::var_os("NOIMPACT").is_none())
-    {
+    let impact = match history.app_impact(model, other) {
         Some((d, m)) if m > 0 => {
             let m = f64::from(m);
             let d = d * m / (m + IMPACT_PRIOR_WEIGHT);
@@ -373,11 +370,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
     }
     gain += speed;
     // A pair never tried may fail: expected gain, less what a failure costs.
-    let risk = if std::env::var_os("NORISK").is_some() {
-        0.0
-    } else {
-        1.0 - safe
-    };
+    let risk = 1.0 - safe;
     let mut reason = format!("GPU {} shared, {}", gpu.index, notes.join(", "));
     if risk > 0.0 {
         gain = safe * gain - risk * OOM_PENALTY;
