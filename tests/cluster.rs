@@ -29,7 +29,7 @@ fn multiplexed_job_runs_where_the_daemon_decided() {
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     // job_submit rewrote the request and tagged the job.
     assert_eq!(rec["Partition"], "shared");
-    assert_eq!(rec["TresPerNode"], "gres:shard:1");
+    assert_eq!(rec["TresPerNode"], c.tres_gres("shard", 1));
     assert_eq!(rec["AdminComment"], "multiplex:app=itest-bert,mem=4096M");
     // The SPANK plugin set what the daemon decided.
     let env = env_of(&c.output(&rec));
@@ -71,7 +71,7 @@ fn jobs_without_the_flag_are_left_alone() {
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     assert_eq!(rec["Partition"], "debug");
-    assert_eq!(rec["TresPerNode"], "gres:gpu:1");
+    assert_eq!(rec["TresPerNode"], c.tres_gres("gpu", 1));
     assert_eq!(
         rec.get("AdminComment").map(String::as_str).unwrap_or("(null)"),
         "(null)"
@@ -473,7 +473,7 @@ fn a_changed_policy_applies_and_a_broken_one_keeps_the_last_good() {
     let _policy = c.policy("max_gpus = 2\n");
     assert_eq!(
         held(&c, &two).unwrap()["TresPerNode"],
-        "gres:shard:2",
+        c.tres_gres("shard", 2),
         "the new policy is in force"
     );
 
@@ -483,7 +483,7 @@ fn a_changed_policy_applies_and_a_broken_one_keeps_the_last_good() {
     for _ in 0..3 {
         assert_eq!(
             held(&c, &two).unwrap()["TresPerNode"],
-            "gres:shard:2",
+            c.tres_gres("shard", 2),
             "the last good policy stays"
         );
     }
@@ -548,10 +548,10 @@ fn a_multiplexed_job_cannot_be_updated_into_what_submission_rejects() {
     assert_eq!(
         (
             rec["Partition"].as_str(),
-            rec["TresPerNode"].as_str(),
+            rec["TresPerNode"].clone(),
             rec["TimeLimit"].as_str()
         ),
-        ("shared", "gres:shard:1", "00:07:00")
+        ("shared", c.tres_gres("shard", 1), "00:07:00")
     );
     std::process::Command::new("scancel").arg(&id).status().unwrap();
 

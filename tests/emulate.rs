@@ -42,6 +42,11 @@ fn daemons_beat_plain_shards_on_a_tiny_trace_as_the_simulator_predicts() {
             "--debug",
         ])
         .args(["--state", STATE, "--results", &results, "--format", "json"])
+        // The Slurm release to run (tests/run sets it for each release it tests).
+        .args([
+            "--slurm",
+            &std::env::var("MULTIPLEX_SLURM").unwrap_or_else(|_| "host".into()),
+        ])
         .current_dir(&repo)
         .env_remove("SLURM_CONF")
         .output()

@@ -37,6 +37,30 @@ impl Cluster {
         Cluster { state }
     }
 
+    /// `TresPerNode` of a job asking `count` of gres `name`, as this cluster's Slurm writes it:
+    /// `gres:NAME:N` up to 22.05, `gres/NAME:N` from 23.02 (what `scontrol --version` says).
+    pub fn tres_gres(&self, name: &str, count: u32) -> String {
+        let out = Command::new("scontrol")
+            .arg("--version")
+            .output()
+            .expect("run scontrol --version");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let version: Vec<u32> = text
+            .split_whitespace()
+            .last()
+            .unwrap_or("")
+            .split('.')
+            .take(2)
+            .map(|p| p.parse().unwrap_or(0))
+            .collect();
+        let sep = if version.as_slice() >= [23, 2].as_slice() {
+            '/'
+        } else {
+            ':'
+        };
+        format!("gres{sep}{name}:{count}")
+    }
+
     /// A fresh output path for a job, under the state directory.
     pub fn output_path(&self, tag: &str) -> PathBuf {
         let dir = self.state.join("test-output");
