@@ -45,7 +45,7 @@ fn daemons_beat_plain_shards_on_a_tiny_trace_as_the_simulator_predicts() {
         // The Slurm release to run (tests/run sets it for each release it tests).
         .args([
             "--slurm",
-            &std::env::var("MULTIPLEX_SLURM").unwrap_or_else(|_| "host".into()),
+            &std::env::var("TEST_SLURM_RELEASE").unwrap_or_else(|_| "host".into()),
         ])
         .current_dir(&repo)
         .env_remove("SLURM_CONF")
