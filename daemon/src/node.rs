@@ -213,10 +213,7 @@ impl Node {
 
     /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.
     fn observe(&mut self, req: &PlaceRequest, active: &[ActiveJob], now: f64) -> Result<Response, HistoryError> {
-        let slurm = req
-            .slurm_job_gpus
-            .as_deref()
-            .or(req.slurm_cuda_visible_devices.as_deref());
+        let slurm = slurm_gpus(req);
         let gpu = slurm
             .and_then(|v| v.split(',').next())
             .and_then(|v| v.trim().parse::<u32>().ok())
@@ -229,11 +226,7 @@ impl Node {
                 ),
             });
         };
-        let model = self
-            .gpus
-            .iter()
-            .find(|g| g.index == gpu)
-            .map_or("unknown", |g| g.model.as_str());
+        let model = gpu_model(&self.gpus, gpu);
         let prior = self.config.policy.unknown_pair_speed;
         let predicted_speed: f64 = active
             .iter()
@@ -254,11 +247,7 @@ impl Node {
         reason: String,
         now: f64,
     ) -> Result<Response, HistoryError> {
-        let model = self
-            .gpus
-            .iter()
-            .find(|g| g.index == gpu)
-            .map_or("unknown", |g| g.model.as_str());
+        let model = gpu_model(&self.gpus, gpu);
         let residents: Vec<i64> = active.iter().filter(|j| j.gpu == gpu).map(|j| j.row).collect();
         self.history.record_placement(
             &NewJob {
@@ -270,10 +259,7 @@ impl Node {
                 gpu_model: model,
                 mem_mb: req.mem_mb,
                 owner_step: req.step_id,
-                slurm_gpus: req
-                    .slurm_job_gpus
-                    .as_deref()
-                    .or(req.slurm_cuda_visible_devices.as_deref()),
+                slurm_gpus: slurm_gpus(req),
                 decision: &reason,
                 predicted_speed,
                 now,
@@ -304,11 +290,7 @@ impl Node {
         mem_mb: Option<u64>,
     ) -> Placement {
         let (mps_thread_percentage, mps_mem_limit_mb) = if self.config.mps {
-            let model = self
-                .gpus
-                .iter()
-                .find(|g| g.index == gpu)
-                .map_or("unknown", |g| g.model.as_str());
+            let model = gpu_model(&self.gpus, gpu);
             let prior = self.config.policy.unknown_pair_speed;
             let theirs: Vec<f64> = partners
                 .iter()
@@ -582,4 +564,20 @@ fn describe(fits: &[crate::learn::Fit]) -> String {
         .map(|f| format!("{}:{:.2}({})", f.partner, f.speed, f.observations))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The model of GPU `gpu` among `gpus` (the key of the pair history), "unknown" if none.
+/// A function of the list rather than a method, so that it borrows only the list.
+fn gpu_model(gpus: &[GpuSpec], gpu: u32) -> &str {
+    gpus.iter()
+        .find(|g| g.index == gpu)
+        .map_or("unknown", |g| g.model.as_str())
+}
+
+/// The GPUs Slurm bound to the job, as its step saw them: SLURM_JOB_GPUS, else
+/// CUDA_VISIBLE_DEVICES.
+fn slurm_gpus(req: &PlaceRequest) -> Option<&str> {
+    req.slurm_job_gpus
+        .as_deref()
+        .or(req.slurm_cuda_visible_devices.as_deref())
 }
