@@ -136,6 +136,10 @@ struct SimulateArgs {
     /// `multiplexd export` and `import` would do (0: never, each node learns alone).
     #[arg(long, default_value_t = 0.0)]
     share_history_every: f64,
+    /// The daemon's `policy.min_gain` for the learned policy and the oracle: decline a job
+    /// whose best GPU would add less throughput than this (0: never decline for a poor pair).
+    #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
+    min_gain: f64,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -566,6 +570,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
             noise: a.progress_noise,
         },
         share_every_s: a.share_history_every,
+        min_gain: a.min_gain,
     };
     let started = std::time::Instant::now();
     let runs = simulate::run(&setup)?;

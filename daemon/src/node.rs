@@ -172,6 +172,7 @@ impl Node {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
             explore_margin: self.config.policy.explore_margin,
+            min_gain: self.config.policy.min_gain,
         };
         let decision = placement::place(
             &states,

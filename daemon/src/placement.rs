@@ -146,6 +146,9 @@ pub struct Knobs {
     pub unknown_pair_speed: f64,
     /// How much predicted gain placement gives up, at most, to try a pair never seen.
     pub explore_margin: f64,
+    /// The least predicted gain (jobs' worth of throughput) worth sharing a GPU for: below
+    /// it the job is declined and waits for a better partner or a free GPU (0: never).
+    pub min_gain: f64,
 }
 
 /// The policy's answer.
@@ -287,6 +290,16 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
         }
     }
     match best {
+        // Sharing for less than this leaves the slot to a later job that pairs better (Slurm
+        // offers it to the next queued job at once) or to this one when a GPU frees.
+        Some(s) if knobs.min_gain > 0.0 && s.residents > 0 && s.gain < knobs.min_gain => Decision::Decline {
+            reason: format!(
+                "sharing the best GPU here would gain {:.2} of a GPU's throughput, less than the {:.2} \
+                 worth sharing for ({}): waiting for a better partner or a free GPU",
+                s.gain, knobs.min_gain, s.reason
+            ),
+            may_retry: true,
+        },
         Some(s) => Decision::Place {
             gpu: s.gpu,
             corunners: s.corunners,
@@ -445,6 +458,7 @@ mod tests {
         slots: 2,
         unknown_pair_speed: 0.7,
         explore_margin: 0.0,
+        min_gain: 0.0,
     };
 
     fn chosen(d: &Decision) -> u32 {
@@ -492,6 +506,38 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_pair_worth_less_than_min_gain_is_declined_and_waits() {
+        // new beside heavy: 0.5 + 0.6 - 1 = 0.1 of a GPU gained, below 0.25.
+        let h = Table::default().with("new", "heavy", 0.5, 0.6, false);
+        let new = Newcomer {
+            app: "new",
+            mem_mb: None,
+        };
+        let knobs = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        match place(&[gpu(0, &[(1, "heavy")])], &new, &h, knobs) {
+            Decision::Decline { reason, may_retry } => {
+                assert!(may_retry, "a better slot may come: {reason}");
+                assert!(
+                    reason.contains("would gain 0.10") && reason.contains("than the 0.25") && reason.contains("heavy"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Without a threshold it shares; with one, a free GPU or a pair never seen (0.7 each:
+        // 0.4 gained) is still taken.
+        assert_eq!(chosen(&place(&[gpu(0, &[(1, "heavy")])], &new, &h, KNOBS)), 0);
+        assert_eq!(
+            chosen(&place(&[gpu(0, &[(1, "heavy")]), gpu(1, &[])], &new, &h, knobs)),
+            1
+        );
+        assert_eq!(chosen(&place(&[gpu(0, &[(1, "other")])], &new, &h, knobs)), 0);
     }
 
     #[test]
@@ -738,8 +784,9 @@ mod tests {
             KNOBS,
         );
         assert_eq!(chosen(&d), 1, "{d:?}");
-        // With only the risky GPU free, the job is still placed (a pair never tried is never
-        // declined), and the reason says what it risks.
+        // With only the risky GPU free, the job is still placed without a `min_gain` (a pair
+        // never tried is not ruled out), and the reason says what it risks; with one, the
+        // expected gain (negative at 67% risk) is too little and the job waits instead.
         let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "x"), (3, "y")])];
         match place(
             &gpus,
@@ -752,6 +799,27 @@ mod tests {
         ) {
             Decision::Place { gpu, reason, .. } => {
                 assert_eq!(gpu, 0);
+                assert!(reason.contains("67% risk of running out of memory"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let knobs = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        match place(
+            &gpus,
+            &Newcomer {
+                app: "new",
+                mem_mb: None,
+            },
+            &h,
+            knobs,
+        ) {
+            Decision::Decline {
+                reason,
+                may_retry: true,
+            } => {
                 assert!(reason.contains("67% risk of running out of memory"), "{reason}");
             }
             other => panic!("{other:?}"),

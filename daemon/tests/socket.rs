@@ -196,7 +196,14 @@ fn concurrent_clients_never_overbook_a_gpu() {
                             *placed.lock().unwrap() += 1;
                             assert_eq!(client::call(&socket, T, finish(job)).unwrap(), Response::Finished);
                         }
-                        Response::Declined { reason, .. } => assert!(reason.contains("full"), "{reason}"),
+                        // Full, or (these jobs end at once, so their pairs look slow) not worth
+                        // sharing: both leave the GPU as it was.
+                        Response::Declined { reason, .. } => {
+                            assert!(
+                                reason.contains("full") || reason.contains("worth sharing for"),
+                                "{reason}"
+                            )
+                        }
                         other => panic!("{other:?}"),
                     }
                 }

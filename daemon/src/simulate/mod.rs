@@ -22,6 +22,8 @@ pub struct Setup {
     pub progress: Progress,
     /// Seconds between merges of the learned policy's node histories (0: never).
     pub share_every_s: f64,
+    /// The daemon's `policy.min_gain`, for the learned policy and the oracle.
+    pub min_gain: f64,
 }
 
 /// One policy's results. The field names are the JSON and CSV keys scripts rely on.
@@ -98,6 +100,8 @@ pub fn generated_trace(
 /// order the policies were asked for, the same for a seed whatever the thread count.
 pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
     check(&setup.shape, &setup.policies)?;
+    crate::config::check_min_gain(setup.min_gain, crate::config::DEFAULT_UNKNOWN_PAIR_SPEED)
+        .map_err(|e| format!("--min-gain {}: {e}", setup.min_gain))?;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(setup.policies.len());
@@ -123,7 +127,14 @@ pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
 }
 
 fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
-    let mut p = policy::make_with(name, &setup.table, setup.shape, setup.seed, setup.share_every_s)?;
+    let mut p = policy::make_with(
+        name,
+        &setup.table,
+        setup.shape,
+        setup.seed,
+        setup.share_every_s,
+        setup.min_gain,
+    )?;
     let outcome = world::run(
         &setup.table,
         &setup.trace,

@@ -5,7 +5,7 @@
 
 use super::input::{Rng, Table};
 use super::world::{JobRef, Policy, Shape};
-use crate::config::{Config, GpuSpec};
+use crate::config::{Config, GpuSpec, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use crate::history::ActiveJob;
 use crate::node::Node;
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, PairEstimate, PairHistory, Resident};
@@ -19,18 +19,20 @@ pub const ALL: [&str; 6] = ["exclusive", "first-fit", "least-loaded", "random", 
 
 /// Makes the named policy for a cluster.
 pub fn make<'a>(name: &str, table: &'a Table, shape: Shape, seed: u64) -> Result<Box<dyn Policy + 'a>, String> {
-    make_with(name, table, shape, seed, 0.0)
+    make_with(name, table, shape, seed, 0.0, DEFAULT_MIN_GAIN)
 }
 
 /// [`make`], with the learned policy's nodes merging their histories every `share_every_s`
 /// simulated seconds (`multiplexd export` into `multiplexd import`, as a site's cron job
-/// would; 0: never, each node learns alone).
+/// would; 0: never, each node learns alone), and the daemon's `policy.min_gain` for the
+/// learned policy and the oracle.
 pub fn make_with<'a>(
     name: &str,
     table: &'a Table,
     shape: Shape,
     seed: u64,
     share_every_s: f64,
+    min_gain: f64,
 ) -> Result<Box<dyn Policy + 'a>, String> {
     let k = shape.jobs_per_gpu as usize;
     Ok(match name {
@@ -38,8 +40,8 @@ pub fn make_with<'a>(
         "first-fit" => Box::new(FirstFit(k)),
         "least-loaded" => Box::new(LeastLoaded(k)),
         "random" => Box::new(Random(Rng::new(seed ^ 0x7a4d), k)),
-        "oracle" => Box::new(Oracle::new(table, shape)),
-        "learned" => Box::new(Learned::new(table, shape, share_every_s)?),
+        "oracle" => Box::new(Oracle::new(table, shape, min_gain)),
+        "learned" => Box::new(Learned::new(table, shape, share_every_s, min_gain)?),
         other => return Err(format!("unknown policy {other:?}: choose from {}", ALL.join(", "))),
     })
 }
@@ -123,14 +125,16 @@ impl PairHistory for Truth<'_> {
 struct Oracle<'a> {
     table: &'a Table,
     shape: Shape,
+    min_gain: f64,
     used: Vec<u32>,
 }
 
 impl<'a> Oracle<'a> {
-    fn new(table: &'a Table, shape: Shape) -> Self {
+    fn new(table: &'a Table, shape: Shape, min_gain: f64) -> Self {
         Oracle {
             table,
             shape,
+            min_gain,
             used: vec![0; shape.nodes],
         }
     }
@@ -157,8 +161,9 @@ impl Policy for Oracle<'_> {
             .collect();
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
-            unknown_pair_speed: 0.7,
+            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
             explore_margin: 0.0,
+            min_gain: self.min_gain,
         };
         let newcomer = Newcomer {
             app: &self.table.apps[job.app],
@@ -203,7 +208,7 @@ struct Learned<'a> {
 type Learner = (mpsc::Sender<(usize, ActiveJob)>, std::thread::JoinHandle<()>);
 
 impl<'a> Learned<'a> {
-    fn new(table: &'a Table, shape: Shape, share_every_s: f64) -> Result<Self, String> {
+    fn new(table: &'a Table, shape: Shape, share_every_s: f64, min_gain: f64) -> Result<Self, String> {
         let clock = Arc::new(AtomicU64::new(0f64.to_bits()));
         let weights = Arc::new((0..shape.nodes).map(|_| AtomicU32::new(1)).collect::<Vec<_>>());
         let gpus: Vec<GpuSpec> = (0..shape.gpus_per_node as u32)
@@ -216,7 +221,7 @@ impl<'a> Learned<'a> {
         let nodes = (0..shape.nodes)
             .map(|n| {
                 let config = Config::parse(&format!(
-                    "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n",
+                    "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n[policy]\nmin_gain = {min_gain}\n",
                     shape.jobs_per_gpu
                 ))?;
                 let c = Arc::clone(&clock);
@@ -403,7 +408,7 @@ impl Learned<'_> {
                     let Some(truth) = self.table.speed(ai, bi) else {
                         continue;
                     };
-                    let (est, row, _) = crate::placement::estimate(h, model, a, b, 0.7);
+                    let (est, row, _) = crate::placement::estimate(h, model, a, b, DEFAULT_UNKNOWN_PAIR_SPEED);
                     if row.is_some_and(|r| r.observations > 0 && !r.oom) {
                         seen += 1;
                         seen_err += (est - truth).abs();
