@@ -1,6 +1,7 @@
 //! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
 
 use crate::reconcile::ReconcileConfig;
+use crate::share::ShareConfig;
 use crate::weight::WeightConfig;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -43,6 +44,15 @@ struct RawConfig {
     weight: RawWeight,
     #[serde(default)]
     reconcile: RawReconcile,
+    #[serde(default)]
+    share: RawShare,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawShare {
+    dir: Option<PathBuf>,
+    every_s: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -141,6 +151,7 @@ pub struct Config {
     pub policy: PolicyConfig,
     pub weight: WeightConfig,
     pub reconcile: ReconcileConfig,
+    pub share: ShareConfig,
 }
 
 /// A configuration that cannot be used; the text names the file and the problem.
@@ -233,9 +244,31 @@ impl Config {
         if reconcile.grace_s.is_nan() || reconcile.grace_s < 1.0 {
             return Err(format!("reconcile.grace_s = {}: must be at least 1", reconcile.grace_s));
         }
+        let ds = ShareConfig::default();
+        let share = ShareConfig {
+            dir: raw.share.dir,
+            every_s: raw.share.every_s.unwrap_or(ds.every_s),
+        };
+        if let Some(dir) = &share.dir {
+            if !dir.is_absolute() {
+                return Err(format!(
+                    "share.dir = {:?}: must be an absolute path",
+                    dir.display().to_string()
+                ));
+            }
+            if node.contains('/') || node.starts_with('.') {
+                return Err(format!(
+                    "node = {node:?}: cannot name this node's file in share.dir (no '/', no leading '.')"
+                ));
+            }
+        }
+        if share.every_s == 0 {
+            return Err("share.every_s = 0: must be at least 1 second".into());
+        }
         Ok(Config {
             weight,
             reconcile,
+            share,
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
@@ -290,6 +323,12 @@ mod tests {
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.jobs_per_gpu, 2);
         assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 2));
+        assert_eq!(c.share, ShareConfig::default(), "sharing stays off until a directory is named");
+        // The commented-out [share] lines, as an admin would uncomment them.
+        let text = text.replace("# dir = ", "dir = ").replace("# every_s = 600", "every_s = 600");
+        let c = Config::parse(&text).unwrap();
+        assert_eq!(c.share.dir, Some(PathBuf::from("/shared/slurm/multiplexd")));
+        assert_eq!(c.share.every_s, 600);
     }
 
     #[test]
@@ -318,6 +357,12 @@ mod tests {
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             ("[policy]\nexplore_margin = -0.1", "explore_margin"),
             ("[policy]\nmin_gain = -0.1", "min_gain"),
+            (
+                "[share]\ndir = \"shared/x\"",
+                "share.dir = \"shared/x\": must be an absolute path",
+            ),
+            ("[share]\ndir = \"/shared\"\nevery_s = 0", "share.every_s = 0"),
+            ("[share]\nfolder = \"/shared\"", "unknown field `folder`"),
             (
                 "[policy]\nmin_gain = 0.4",
                 "below 0.40, what a pair never seen is predicted to add",

@@ -12,6 +12,7 @@ pub mod placement;
 pub mod reconcile;
 pub mod report;
 pub mod server;
+pub mod share;
 pub mod simulate;
 pub mod telemetry;
 pub mod weight;

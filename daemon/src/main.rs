@@ -203,6 +203,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
     let weight = config.weight.clone();
     let config_mode_observes = config.policy.mode == multiplexd::config::Mode::Observe;
     let reconcile = config.reconcile.clone();
+    let share = config.share.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
@@ -239,6 +240,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
     }
     let node = Arc::new(Mutex::new(node));
     multiplexd::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    multiplexd::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
     match multiplexd::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
         Ok(probe) => {
             tracing::info!(interval_s = telemetry_s, "GPU telemetry through NVML");

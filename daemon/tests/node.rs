@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 struct World {
     node: Node,
+    name: String,
     now: Arc<AtomicU64>,
     _dir: tempfile::TempDir,
 }
@@ -26,9 +27,14 @@ impl World {
 
     /// As [`World::with`], with `gpus` GPUs (indices from 0).
     fn with_gpus(extra: &str, gpus: u32) -> World {
+        World::node("n1", extra, gpus)
+    }
+
+    /// As [`World::with_gpus`], for the node called `name`.
+    fn node(name: &str, extra: &str, gpus: u32) -> World {
         let dir = tempfile::tempdir().unwrap();
         let config = Config::parse(&format!(
-            "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n{extra}\n",
+            "node = \"{name}\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\n{extra}\n",
             d = dir.path().display()
         ))
         .unwrap();
@@ -46,6 +52,7 @@ impl World {
         };
         World {
             node: Node::open(config, gpus, clock).unwrap(),
+            name: name.to_string(),
             now,
             _dir: dir,
         }
@@ -62,6 +69,7 @@ impl World {
 
     /// A job to which Slurm bound the shard of GPU `slurm_gpu`.
     fn start_on(&mut self, t: f64, job_id: u32, app: &str, slurm_gpu: &str) -> Response {
+        let node = self.name.clone();
         self.at(t)
             .place(&PlaceRequest {
                 job_id,
@@ -69,7 +77,7 @@ impl World {
                 uid: 1000,
                 app: app.into(),
                 mem_mb: None,
-                node: "n1".into(),
+                node,
                 slurm_cuda_visible_devices: Some(slurm_gpu.into()),
                 slurm_job_gpus: Some(slurm_gpu.into()),
                 slurm_shards_on_node: Some("1".into()),
@@ -251,6 +259,50 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     // Importing the same again changes nothing.
     let again = report::import(fresh.node.history_mut(), &data).unwrap();
     assert_eq!((again.pairs_added, again.pairs_replaced, again.kept), (0, 0, 4));
+}
+
+#[test]
+fn nodes_sharing_a_directory_learn_from_each_other_and_skip_broken_files() {
+    use multiplexd::share::Sharer;
+    use std::sync::Mutex;
+    let shared = tempfile::tempdir().unwrap();
+    let mut a = World::node("a1", "", 1);
+    a.bert_and_resnet();
+    let (a_estimate, a_node) = (a.estimate("bert", "resnet"), Mutex::new(a.node));
+    let b = World::node("b1", "", 1);
+    let b_node = Mutex::new(b.node);
+    // Another node's file that is not an export, and one being written: named, skipped.
+    std::fs::write(shared.path().join("c1.json"), "{ half a file").unwrap();
+    std::fs::write(shared.path().join("d1.json.partial"), "{ half").unwrap();
+
+    let (mut sa, mut sb) = (Sharer::default(), Sharer::default());
+    let first = sa.exchange(&a_node, shared.path()).unwrap();
+    assert_eq!(first.pairs_changed, 0, "b1 has not written yet: {first:?}");
+    assert_eq!(first.problems.len(), 1, "{first:?}");
+    assert!(
+        first.problems[0].contains("c1.json: not a multiplexd history export"),
+        "{first:?}"
+    );
+    let got = sb.exchange(&b_node, shared.path()).unwrap();
+    assert_eq!(got.pairs_changed, 2, "bert/resnet both ways: {got:?}");
+    assert!(got.merged.iter().any(|f| f.ends_with("a1.json")), "{got:?}");
+    use multiplexd::placement::PairHistory;
+    let b_estimate = b_node
+        .lock()
+        .unwrap()
+        .history()
+        .pair("v100", "bert", "resnet")
+        .map(|e| (e.speed, e.other_speed, e.observations));
+    assert_eq!(b_estimate, a_estimate);
+    assert!(a_estimate.is_some());
+    // Unchanged files are not merged again; b1's own file is there for a1.
+    let again = sb.exchange(&b_node, shared.path()).unwrap();
+    assert!(again.merged.is_empty() && again.pairs_changed == 0, "{again:?}");
+    assert!(shared.path().join("b1.json").exists());
+    // A directory that is gone: an error that names it, and the history is untouched.
+    let gone = shared.path().join("gone");
+    let e = sb.exchange(&b_node, &gone).unwrap_err();
+    assert!(e.contains("gone"), "{e}");
 }
 
 #[test]

@@ -1,0 +1,154 @@
+//! Sharing what was learned between the nodes' daemons, through a directory every node can
+//! read and write (a shared filesystem): every `every_s`, each daemon writes its export there
+//! as `<node>.json` (written beside and renamed into place, so a reader never sees half a
+//! file) and merges every other node's file into its history with the same rules as
+//! `multiplexd import` (an estimate resting on more observations wins; out-of-memory marks
+//! are kept). No network protocol and no SQLite file shared over NFS: whole JSON files,
+//! replaced atomically. A file that cannot be read or merged is named in the log and skipped;
+//! nothing of this node's history is lost by it.
+//!
+//! Why: each node alone sees few of the pairs its applications form; in `multiplexd simulate`
+//! (4 nodes x 4 GPUs, 1,000 jobs, load 1.0, 30 seeds) merging every 10 minutes cut the
+//! learned policy's average JCT by a further 7% (7,566 s to 7,055 s; see the README).
+
+use crate::background::Trouble;
+use crate::node::Node;
+use crate::report::{self, Export};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+/// Where and how often the daemon shares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShareConfig {
+    /// The shared directory; `None`: this node learns alone.
+    pub dir: Option<PathBuf>,
+    /// Seconds between two exchanges.
+    pub every_s: u64,
+}
+
+impl Default for ShareConfig {
+    fn default() -> Self {
+        ShareConfig {
+            dir: None,
+            every_s: 600,
+        }
+    }
+}
+
+/// What one exchange did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Exchanged {
+    /// Other nodes' files merged (changed since the last exchange).
+    pub merged: Vec<String>,
+    /// Pair estimates those files added or replaced here.
+    pub pairs_changed: usize,
+    /// Files that could not be read or merged, each with why.
+    pub problems: Vec<String>,
+}
+
+/// The state kept between exchanges: each file's modification time and size when last merged,
+/// so that unchanged files are not merged again.
+#[derive(Debug, Default)]
+pub struct Sharer {
+    seen: HashMap<PathBuf, (SystemTime, u64)>,
+}
+
+impl Sharer {
+    /// One exchange: write this node's export into `dir`, merge the others'. Fails only when
+    /// this node's own file cannot be written; other nodes' files that are broken are listed in
+    /// [`Exchanged::problems`].
+    pub fn exchange(&mut self, node: &Mutex<Node>, dir: &Path) -> Result<Exchanged, String> {
+        let (name, data) = {
+            let node = node.lock().unwrap_or_else(|p| p.into_inner());
+            let data = report::export(node.history()).map_err(|e| format!("cannot export the history: {e}"))?;
+            (node.name().to_string(), data)
+        };
+        let own = dir.join(format!("{name}.json"));
+        write_atomically(&own, &data)?;
+        let mut done = Exchanged::default();
+        let entries = std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "json") && *p != own)
+            .collect();
+        files.sort();
+        for path in files {
+            let Ok(meta) = std::fs::metadata(&path) else {
+                continue; // gone since it was listed
+            };
+            let stamp = (meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), meta.len());
+            if self.seen.get(&path) == Some(&stamp) {
+                continue;
+            }
+            match merge(node, &path) {
+                Ok(changed) => {
+                    done.pairs_changed += changed;
+                    done.merged.push(path.display().to_string());
+                    self.seen.insert(path, stamp);
+                }
+                Err(e) => done.problems.push(format!("{}: {e}", path.display())),
+            }
+        }
+        Ok(done)
+    }
+}
+
+fn write_atomically(path: &Path, data: &Export) -> Result<(), String> {
+    let text = serde_json::to_string(data).map_err(|e| e.to_string())?;
+    // A name other readers skip (not .json) until it is renamed into place.
+    let tmp = path.with_extension("json.partial");
+    std::fs::write(&tmp, text + "\n").map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+fn merge(node: &Mutex<Node>, path: &Path) -> Result<usize, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
+    let data: Export = serde_json::from_str(&text).map_err(|e| format!("not a multiplexd history export: {e}"))?;
+    let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
+    let done = report::import(node.history_mut(), &data)?;
+    Ok(done.pairs_added + done.pairs_replaced)
+}
+
+/// Exchanges at start and every `every_s` until `shutdown`, when a directory is configured.
+/// Failures are logged once per distinct message and change nothing here.
+pub fn spawn(node: Arc<Mutex<Node>>, config: ShareConfig, shutdown: Arc<AtomicBool>) {
+    let Some(dir) = config.dir else {
+        tracing::info!("not sharing the history with other nodes (share.dir is not set)");
+        return;
+    };
+    tracing::info!(dir = %dir.display(), every_s = config.every_s, "sharing the history with other nodes");
+    let mut sharer = Sharer::default();
+    let mut trouble = Trouble::default();
+    let mut bad_files = Trouble::default();
+    let every = Duration::from_secs(config.every_s.max(1));
+    let started = crate::background::every("share", every, shutdown, move || match sharer.exchange(&node, &dir) {
+        Ok(done) => {
+            if trouble.recovered() {
+                tracing::info!(dir = %dir.display(), "sharing the history works again");
+            }
+            if !done.merged.is_empty() {
+                tracing::info!(
+                    files = done.merged.len(),
+                    pairs_changed = done.pairs_changed,
+                    "merged other nodes' histories"
+                );
+            }
+            if done.problems.is_empty() {
+                bad_files.recovered();
+            } else if bad_files.failed(&done.problems.join("; ")) {
+                tracing::warn!(problems = %done.problems.join("; "), "skipped other nodes' history files");
+            }
+        }
+        Err(e) => {
+            if trouble.failed(&e) {
+                tracing::warn!(error = %e, "cannot share the history; this node goes on learning alone");
+            }
+        }
+    });
+    if let Err(e) = started {
+        tracing::error!("cannot start the history sharing thread: {e}");
+    }
+}
