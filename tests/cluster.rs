@@ -719,3 +719,43 @@ fn without_a_gpu_driver_the_daemon_says_so_once_per_start() {
         assert_eq!(said, starts, "{node}: once per start");
     }
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn what_one_node_learns_the_other_knows_soon() {
+    let c = Cluster::from_env();
+    let app = "itest-shared-lesson";
+    let job = c.submit(&[
+        &format!("--multiplex=app={app}"),
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 1",
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let solo_on = |node: &str| -> Option<f64> {
+        c.history(node)
+            .query_row(
+                "SELECT s.runtime_s FROM solo_baselines s JOIN applications a ON a.id = s.app_id WHERE a.name = ?1",
+                [app],
+                |r| r.get(0),
+            )
+            .ok()
+    };
+    assert!(
+        wait_until(WAIT, || solo_on("n1").is_some()),
+        "n1 learned the solo runtime"
+    );
+    // The daemons exchange through the cluster's share directory every 5 s.
+    assert!(
+        wait_until(Duration::from_secs(30), || solo_on("n2").is_some()),
+        "n2 knows it from n1's file"
+    );
+    assert_eq!(solo_on("n2"), solo_on("n1"));
+    for node in ["n1", "n2"] {
+        assert!(c.path(&format!("share/{node}.json")).exists(), "{node} wrote its file");
+    }
+}
