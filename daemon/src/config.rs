@@ -323,9 +323,15 @@ mod tests {
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.jobs_per_gpu, 2);
         assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 2));
-        assert_eq!(c.share, ShareConfig::default(), "sharing stays off until a directory is named");
+        assert_eq!(
+            c.share,
+            ShareConfig::default(),
+            "sharing stays off until a directory is named"
+        );
         // The commented-out [share] lines, as an admin would uncomment them.
-        let text = text.replace("# dir = ", "dir = ").replace("# every_s = 600", "every_s = 600");
+        let text = text
+            .replace("# dir = ", "dir = ")
+            .replace("# every_s = 600", "every_s = 600");
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.share.dir, Some(PathBuf::from("/shared/slurm/multiplexd")));
         assert_eq!(c.share.every_s, 600);
