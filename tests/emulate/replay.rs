@@ -415,6 +415,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             oom_failures: get("oom_failures") as u64,
             declines: get("declines") as u64,
             throughput_per_gpu: get("throughput_per_gpu"),
+            last_fifth_avg_jct_s: get("last_fifth_avg_jct_s"),
         },
         v,
     ))
