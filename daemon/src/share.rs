@@ -152,3 +152,18 @@ pub fn spawn(node: Arc<Mutex<Node>>, config: ShareConfig, shutdown: Arc<AtomicBo
         tracing::error!("cannot start the history sharing thread: {e}");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Exports travel as JSON; a learned speed must come back to the last bit, or the nodes
+    /// would each hold a slightly different copy of one lesson. serde_json parses this value
+    /// one unit in the last place off unless its `float_roundtrip` feature is on (seen between
+    /// two daemons of the test cluster).
+    #[test]
+    fn a_speed_survives_json_to_the_last_bit() {
+        for x in [1.0188817977905273f64, 2.0 / 3.0, 0.1, 1e-300, 0.05] {
+            let back: f64 = serde_json::from_str(&serde_json::to_string(&x).unwrap()).unwrap();
+            assert_eq!(back.to_bits(), x.to_bits(), "{x:e} came back as {back:e}");
+        }
+    }
+}
