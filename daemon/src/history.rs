@@ -698,37 +698,39 @@ impl History {
         prior: f64,
         now: f64,
     ) -> Result<Vec<String>, HistoryError> {
-        let tx = self.conn.transaction()?;
         let list = partners.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        tx.exec(
-            "INSERT INTO observations(job_row, at, kind, value, partners) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![job_row, now, kind, value, list],
-        )?;
-        let mut names = Vec::new();
-        if kind == "oom" {
-            let (app, model): (i64, String) =
-                tx.row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
-                    Ok((r.get(0)?, r.get(1)?))
-                })?;
-            for &p in partners {
-                let (other, name): (i64, String) = tx.row(
-                    "SELECT j.app_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
-                    [p],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )?;
-                for (x, y) in [(app, other), (other, app)] {
-                    tx.exec(
-                        "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, oom)
-                         VALUES (?1, ?2, ?3, ?4, ?4, 0, 1)
-                         ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET oom = 1",
-                        params![model, x, y, prior],
-                    )?;
-                }
-                refresh_app_means(&tx, Some((&model, other)))?;
-                names.push(name);
-            }
-            refresh_app_means(&tx, Some((&model, app)))?;
+        let insert = "INSERT INTO observations(job_row, at, kind, value, partners) VALUES (?1, ?2, ?3, ?4, ?5)";
+        if kind != "oom" {
+            // One statement is atomic on its own: a progress report, the most frequent call
+            // of a running job, costs no transaction.
+            self.conn.exec(insert, params![job_row, now, kind, value, list])?;
+            return Ok(Vec::new());
         }
+        let tx = self.conn.transaction()?;
+        tx.exec(insert, params![job_row, now, kind, value, list])?;
+        let mut names = Vec::new();
+        let (app, model): (i64, String) =
+            tx.row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?;
+        for &p in partners {
+            let (other, name): (i64, String) = tx.row(
+                "SELECT j.app_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
+                [p],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            for (x, y) in [(app, other), (other, app)] {
+                tx.exec(
+                    "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, oom)
+                     VALUES (?1, ?2, ?3, ?4, ?4, 0, 1)
+                     ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET oom = 1",
+                    params![model, x, y, prior],
+                )?;
+            }
+            refresh_app_means(&tx, Some((&model, other)))?;
+            names.push(name);
+        }
+        refresh_app_means(&tx, Some((&model, app)))?;
         tx.commit()?;
         Ok(names)
     }
