@@ -50,10 +50,12 @@ pub struct Exchanged {
 }
 
 /// The state kept between exchanges: each file's modification time and size when last merged,
-/// so that unchanged files are not merged again.
+/// so that unchanged files are not merged again, and what this node last wrote, so that an
+/// unchanged history is not written again (every other node would merge it again).
 #[derive(Debug, Default)]
 pub struct Sharer {
     seen: HashMap<PathBuf, (SystemTime, u64)>,
+    written: Option<String>,
 }
 
 impl Sharer {
@@ -67,7 +69,11 @@ impl Sharer {
             (node.name().to_string(), data)
         };
         let own = dir.join(format!("{name}.json"));
-        write_atomically(&own, &data)?;
+        let text = serde_json::to_string(&data).map_err(|e| e.to_string())? + "\n";
+        if self.written.as_deref() != Some(text.as_str()) || !own.exists() {
+            write_atomically(&own, &text)?;
+            self.written = Some(text);
+        }
         let mut done = Exchanged::default();
         let entries = std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
         let mut files: Vec<PathBuf> = entries
@@ -96,11 +102,10 @@ impl Sharer {
     }
 }
 
-fn write_atomically(path: &Path, data: &Export) -> Result<(), String> {
-    let text = serde_json::to_string(data).map_err(|e| e.to_string())?;
+fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
     // A name other readers skip (not .json) until it is renamed into place.
     let tmp = path.with_extension("json.partial");
-    std::fs::write(&tmp, text + "\n").map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
