@@ -223,10 +223,19 @@ impl Cached for Connection {
 /// the history uses).
 const STATEMENT_CACHE: usize = 64;
 
-/// The columns of an [`ActiveJob`], read by [`active_job`]; a WHERE clause follows.
-const ACTIVE_JOB: &str = "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
-        j.decision, j.predicted_speed
-     FROM jobs j JOIN applications a ON a.id = j.app_id";
+/// The columns of an [`ActiveJob`], read by [`active_job`], then any extra columns given; a
+/// WHERE clause follows. A macro, so that the queries built on it are literals: no SQL is
+/// formatted per request.
+macro_rules! active_job_sql {
+    ($($extra:literal)?) => {
+        concat!(
+            "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
+                j.decision, j.predicted_speed",
+            $(", ", $extra,)?
+            " FROM jobs j JOIN applications a ON a.id = j.app_id"
+        )
+    };
+}
 
 fn active_job(r: &rusqlite::Row<'_>) -> rusqlite::Result<ActiveJob> {
     Ok(ActiveJob {
@@ -317,33 +326,33 @@ impl History {
 
     /// Jobs placed on this node and not finished, oldest first.
     pub fn active_jobs(&self, node: &str) -> Result<Vec<ActiveJob>, HistoryError> {
-        let mut stmt = self.conn.prepare_cached(&format!(
-            "{ACTIVE_JOB} WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id"
+        let mut stmt = self.conn.prepare_cached(concat!(
+            active_job_sql!(),
+            " WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id"
         ))?;
         let rows = stmt.query_map([node], active_job)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// The running job `job_id` on `node`, and the rows of the jobs sharing its GPU.
+    /// The running job `job_id` on `node`, and the rows of the jobs sharing its GPU (one
+    /// query: a running job's every progress report asks this).
     pub fn running_job(&self, node: &str, job_id: u32) -> Result<Option<(ActiveJob, Vec<i64>)>, HistoryError> {
-        let job = self
-            .conn
-            .prepare_cached(&format!(
-                "{ACTIVE_JOB} WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL"
-            ))?
-            .query_row(params![job_id, node], active_job)
-            .optional()?;
-        let Some(job) = job else {
-            return Ok(None);
-        };
-        let partners = self
-            .conn
-            .prepare_cached(
-                "SELECT id FROM jobs WHERE node = ?1 AND finished_at IS NULL AND gpu = ?2 AND id != ?3 ORDER BY id",
-            )?
-            .query_map(params![node, job.gpu, job.row], |r| r.get(0))?
-            .collect::<Result<_, _>>()?;
-        Ok(Some((job, partners)))
+        let mut stmt = self.conn.prepare_cached(concat!(
+            active_job_sql!("p.id"),
+            " LEFT JOIN jobs p ON p.node = j.node AND p.finished_at IS NULL AND p.gpu = j.gpu AND p.id != j.id
+             WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL ORDER BY p.id"
+        ))?;
+        let mut rows = stmt.query(params![job_id, node])?;
+        let mut found: Option<(ActiveJob, Vec<i64>)> = None;
+        while let Some(r) = rows.next()? {
+            let partner: Option<i64> = r.get(10)?;
+            let (_, partners) = match &mut found {
+                Some(f) => f,
+                None => found.insert((active_job(r)?, Vec::new())),
+            };
+            partners.extend(partner);
+        }
+        Ok(found)
     }
 
     /// How many jobs run on `node` (what [`Self::active_jobs`] would list, counted).
@@ -535,9 +544,7 @@ impl History {
                  WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
                  ORDER BY job_row, at"
             ))?
-            .query_map(params![app_id, model], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })?
+            .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
         let reported = |job: i64| {
             let from = reports.partition_point(|r| r.0 < job);
