@@ -148,6 +148,7 @@ fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
     )
     .map_err(|e| format!("policy {name}: {e}"))?;
     let mut run = summarise(name, &outcome);
+    p.settle()?;
     run.grade = p.grade();
     Ok(run)
 }

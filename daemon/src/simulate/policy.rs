@@ -11,6 +11,7 @@ use crate::node::Node;
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, PairEstimate, PairHistory, Resident};
 use crate::weight::weight_for;
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
@@ -189,27 +190,98 @@ impl Policy for Oracle<'_> {
 
 /// The daemon: one [`Node`] per simulated node, its history starting empty.
 ///
-/// What a node does after a job ends (learning from it) runs on a second thread while the
-/// world goes on with other nodes; the next request to that node waits for it. Each node
-/// sees the same sequence as with everything on one thread, so results do not change.
+/// What a node does whose answer the world does not wait for (learning from a job that
+/// ended, recording a job's report) is queued on the node, and a second thread works through
+/// the queues while the world goes on with other nodes; the next placement or finish on a
+/// node first does whatever is still queued there itself. Each node has a clock of its own,
+/// set to the simulated time of whatever it is asked, so each node sees the same sequence
+/// at the same times as with everything on one thread: results do not change.
 struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
     next_share: f64,
-    nodes: Arc<Vec<Mutex<Node>>>,
-    /// Per node, ended jobs handed to the learner and not yet learned from.
-    pending: Arc<Vec<AtomicU32>>,
+    nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
-    clock: Arc<AtomicU64>,
+    /// Per node, the simulated time its daemon reads.
+    clocks: Arc<Vec<AtomicU64>>,
     weights: Arc<Vec<AtomicU32>>,
+    /// The first thing that went wrong on the learner thread.
+    failed: Arc<Mutex<Option<String>>>,
 }
 
-/// The learner thread and the way to hand it (node, ended job).
-type Learner = (mpsc::Sender<(usize, ActiveJob)>, std::thread::JoinHandle<()>);
+/// A simulated node's daemon and the work queued for it.
+struct Slot {
+    node: Node,
+    queue: VecDeque<Work>,
+}
+
+impl Slot {
+    /// Does the queued work, in order, on the node whose clock is `clock`.
+    fn catch_up(&mut self, clock: &AtomicU64) -> Result<(), String> {
+        while let Some(work) = self.queue.pop_front() {
+            work.run(&mut self.node, clock)?;
+        }
+        Ok(())
+    }
+}
+
+/// Work for a node that the world does not wait for.
+enum Work {
+    /// Learn from a job that ended.
+    Learn(ActiveJob),
+    /// Record a job's report at the simulated time given.
+    Report(f64, ReportRequest),
+}
+
+impl Work {
+    /// Does the work on its node, whose clock is `clock`.
+    fn run(self, node: &mut Node, clock: &AtomicU64) -> Result<(), String> {
+        match self {
+            Work::Learn(job) => {
+                node.learn_ended(&job);
+                Ok(())
+            }
+            Work::Report(now, req) => {
+                clock.store(now.to_bits(), Ordering::Relaxed);
+                match node.report(&req, 0, true).map_err(|e| e.to_string())? {
+                    Response::Reported { .. } => Ok(()),
+                    other => Err(unexpected(other)),
+                }
+            }
+        }
+    }
+}
+
+/// The learner thread and the way to tell it a node has work queued.
+type Learner = (mpsc::Sender<usize>, std::thread::JoinHandle<()>);
+
+/// A simulated node's daemon, caught up with its queued work.
+struct NodeGuard<'a>(MutexGuard<'a, Slot>);
+
+impl std::ops::Deref for NodeGuard<'_> {
+    type Target = Node;
+    fn deref(&self) -> &Node {
+        &self.0.node
+    }
+}
+
+impl std::ops::DerefMut for NodeGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Node {
+        &mut self.0.node
+    }
+}
+
+fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 impl<'a> Learned<'a> {
     fn new(table: &'a Table, shape: Shape, share_every_s: f64, min_gain: f64) -> Result<Self, String> {
-        let clock = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let clocks = Arc::new(
+            (0..shape.nodes)
+                .map(|_| AtomicU64::new(0f64.to_bits()))
+                .collect::<Vec<_>>(),
+        );
         let weights = Arc::new((0..shape.nodes).map(|_| AtomicU32::new(1)).collect::<Vec<_>>());
         let gpus: Vec<GpuSpec> = (0..shape.gpus_per_node as u32)
             .map(|index| GpuSpec {
@@ -224,11 +296,11 @@ impl<'a> Learned<'a> {
                     "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n[policy]\nmin_gain = {min_gain}\n",
                     shape.jobs_per_gpu
                 ))?;
-                let c = Arc::clone(&clock);
+                let c = Arc::clone(&clocks);
                 let mut node = Node::open(
                     config,
                     gpus.clone(),
-                    Box::new(move || f64::from_bits(c.load(Ordering::Relaxed))),
+                    Box::new(move || f64::from_bits(c[n].load(Ordering::Relaxed))),
                 )
                 .map_err(|e| e.to_string())?;
                 let w = Arc::clone(&weights);
@@ -237,20 +309,25 @@ impl<'a> Learned<'a> {
                     w[n].store(weight_for(used, total, 1), Ordering::Relaxed)
                 }))
                 .map_err(|e| e.to_string())?;
-                Ok(Mutex::new(node))
+                Ok(Mutex::new(Slot {
+                    node,
+                    queue: VecDeque::new(),
+                }))
             })
             .collect::<Result<Vec<_>, String>>()?;
         let nodes = Arc::new(nodes);
-        let pending = Arc::new((0..shape.nodes).map(|_| AtomicU32::new(0)).collect::<Vec<_>>());
-        let (tx, rx) = mpsc::channel::<(usize, ActiveJob)>();
+        let failed = Arc::new(Mutex::new(None));
+        let (tx, rx) = mpsc::channel::<usize>();
         let learner = {
-            let (nodes, pending) = (Arc::clone(&nodes), Arc::clone(&pending));
+            let (nodes, clocks, failed) = (Arc::clone(&nodes), Arc::clone(&clocks), Arc::clone(&failed));
             std::thread::Builder::new()
                 .name("sim-learner".into())
                 .spawn(move || {
-                    for (n, job) in rx {
-                        nodes[n].lock().unwrap_or_else(|p| p.into_inner()).learn_ended(&job);
-                        pending[n].fetch_sub(1, Ordering::Release);
+                    // A node may be named more than once, or caught up already by the world.
+                    for n in rx {
+                        if let Err(e) = lock(&nodes[n]).catch_up(&clocks[n]) {
+                            failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        }
                     }
                 })
                 .map_err(|e| format!("cannot start the learner thread: {e}"))?
@@ -260,23 +337,41 @@ impl<'a> Learned<'a> {
             share_every_s,
             next_share: share_every_s,
             nodes,
-            pending,
             learner: Some((tx, learner)),
-            clock,
+            clocks,
             weights,
+            failed,
         })
     }
 
-    /// Node `n`, once it has learned from every job that ended on it.
-    fn node(&self, n: usize) -> MutexGuard<'_, Node> {
-        while self.pending[n].load(Ordering::Acquire) > 0 {
-            std::thread::yield_now();
-        }
-        self.nodes[n].lock().unwrap_or_else(|p| p.into_inner())
+    /// Node `n`, caught up with the work queued for it.
+    fn node(&self, n: usize) -> Result<NodeGuard<'_>, String> {
+        let mut slot = lock(&self.nodes[n]);
+        slot.catch_up(&self.clocks[n])?;
+        Ok(NodeGuard(slot))
     }
 
-    fn at(&mut self, now: f64) {
-        self.clock.store(now.to_bits(), Ordering::Relaxed);
+    /// Node `n` at simulated time `now`, caught up with the work queued for it.
+    fn node_at(&self, n: usize, now: f64) -> Result<NodeGuard<'_>, String> {
+        let node = self.node(n)?;
+        self.clocks[n].store(now.to_bits(), Ordering::Relaxed);
+        Ok(node)
+    }
+
+    /// Queues work on node `n` and tells the learner thread.
+    fn hand(&self, n: usize, work: Work) -> Result<(), String> {
+        lock(&self.nodes[n]).queue.push_back(work);
+        match self.learner.as_ref().map(|(tx, _)| tx.send(n)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err("the learner thread has stopped".into()),
+        }
+    }
+
+    /// Goes on at simulated time `now`, unless something went wrong on the learner thread.
+    fn at(&mut self, now: f64) -> Result<(), String> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
         if self.share_every_s > 0.0 && now >= self.next_share {
             while self.next_share <= now {
                 self.next_share += self.share_every_s;
@@ -285,20 +380,21 @@ impl<'a> Learned<'a> {
                 tracing::warn!(error = %e, "sharing histories failed");
             }
         }
+        Ok(())
     }
 
     /// Every node's export merged into the first, and the result into every other.
     fn share(&mut self) -> Result<(), String> {
         use crate::report::{export, import};
-        let mut first = self.node(0);
+        let mut first = self.node(0)?;
         for n in 1..self.nodes.len() {
-            let e = export(self.node(n).history()).map_err(|e| e.to_string())?;
+            let e = export(self.node(n)?.history()).map_err(|e| e.to_string())?;
             import(first.history_mut(), &e)?;
         }
         let merged = export(first.history()).map_err(|e| e.to_string())?;
         drop(first);
         for n in 1..self.nodes.len() {
-            import(self.node(n).history_mut(), &merged)?;
+            import(self.node(n)?.history_mut(), &merged)?;
         }
         Ok(())
     }
@@ -309,11 +405,20 @@ fn unexpected(r: Response) -> String {
 }
 
 impl Policy for Learned<'_> {
+    fn settle(&mut self) -> Result<(), String> {
+        for n in 0..self.nodes.len() {
+            drop(self.node(n)?);
+        }
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
     fn grade(&self) -> Option<String> {
         Some(Learned::grade(self))
     }
     fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
-        self.at(now);
+        self.at(now)?;
         let req = PlaceRequest {
             job_id: job.id,
             step_id: 0,
@@ -325,7 +430,7 @@ impl Policy for Learned<'_> {
             slurm_job_gpus: None,
             slurm_shards_on_node: None,
         };
-        let answer = self.node(node).place(&req).map_err(|e| e.to_string())?;
+        let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
         match answer {
             Response::Placed(p) => Ok(Some(p.gpu as usize)),
             Response::Declined { .. } => Ok(None),
@@ -342,19 +447,18 @@ impl Policy for Learned<'_> {
         self.report(now, node, job, ReportKind::OutOfMemory)
     }
     fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String> {
-        self.at(now);
+        self.at(now)?;
         let req = FinishRequest {
             job_id: job.id,
             step_id: 0,
             exit_status: if ok { 0 } else { 1 << 8 },
         };
-        let (answer, ended) = self.node(node).finish_deferred(&req).map_err(|e| e.to_string())?;
+        let (answer, ended) = self
+            .node_at(node, now)?
+            .finish_deferred(&req)
+            .map_err(|e| e.to_string())?;
         if let Some(job) = ended {
-            self.pending[node].fetch_add(1, Ordering::Release);
-            let sent = self.learner.as_ref().map(|(tx, _)| tx.send((node, job)));
-            if !matches!(sent, Some(Ok(()))) {
-                return Err("the learner thread has stopped".into());
-            }
+            self.hand(node, Work::Learn(job))?;
         }
         match answer {
             Response::Finished => Ok(()),
@@ -364,14 +468,11 @@ impl Policy for Learned<'_> {
 }
 
 impl Learned<'_> {
+    /// A job's report, recorded on the learner thread: the world does not wait for its answer
+    /// (a failure stops the run at the next call).
     fn report(&mut self, now: f64, node: usize, job: JobRef, kind: ReportKind) -> Result<(), String> {
-        self.at(now);
-        let req = ReportRequest { job_id: job.id, kind };
-        let answer = self.node(node).report(&req, 0, true).map_err(|e| e.to_string())?;
-        match answer {
-            Response::Reported { .. } => Ok(()),
-            other => Err(unexpected(other)),
-        }
+        self.at(now)?;
+        self.hand(node, Work::Report(now, ReportRequest { job_id: job.id, kind }))
     }
 }
 
@@ -395,14 +496,11 @@ impl Learned<'_> {
         let model = &self.table.model;
         // Every node would cost minutes on a large cluster: up to 16 of them, spread evenly.
         let step = self.nodes.len().div_ceil(GRADED_NODES).max(1);
-        // Wait for the learner: every pending count reaches 0.
-        for n in 0..self.nodes.len() {
-            drop(self.node(n));
-        }
-        let graded: Vec<&Mutex<Node>> = self.nodes.iter().step_by(step).collect();
-        for node in &graded {
-            let node = node.lock().unwrap_or_else(|p| p.into_inner());
-            let h = node.history();
+        // After `settle`: every node has done its queued work.
+        let graded: Vec<&Mutex<Slot>> = self.nodes.iter().step_by(step).collect();
+        for slot in &graded {
+            let slot = lock(slot);
+            let h = slot.node.history();
             for (ai, a) in self.table.apps.iter().enumerate() {
                 for (bi, b) in self.table.apps.iter().enumerate() {
                     let Some(truth) = self.table.speed(ai, bi) else {

@@ -60,6 +60,10 @@ pub trait Policy {
     }
     /// A job ended: completed (`ok`) or failed.
     fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String>;
+    /// After the run: finishes what the policy left in flight; an error there fails the run.
+    fn settle(&mut self) -> Result<(), String> {
+        Ok(())
+    }
     /// After the run, a line on what the policy learned, graded against the table.
     fn grade(&self) -> Option<String> {
         None
