@@ -127,6 +127,11 @@ const WAL_LIMIT: u64 = 64 * 1024 * 1024;
 /// How many of an application's latest finished jobs its speeds are fitted from (and how
 /// many [`History::compact`] keeps, at least).
 pub const LEARN_WINDOW: i64 = 200;
+
+/// A running job's progress reports teach the speed beside a partner until the pair has this
+/// many equations (see [`History::learn_from_progress`]).
+pub const LEARN_ON_REPORTS_UNTIL: i64 = 3;
+
 /// The solo baseline is a running mean over at most this many runs (later runs weigh more).
 const SOLO_WINDOW: i64 = 20;
 
@@ -512,112 +517,67 @@ impl History {
                 solo = Some((mean, runs));
             }
         }
-        let baseline: Option<f64> = tx
-            .row(
-                "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
-                params![model, app_id],
-                |r| r.get(0),
-            )
-            .optional()?;
-        // Every interval and progress report of the application's latest jobs, in two queries.
-        // The window is written into the SQL, not bound: SQLite re-prepares a statement each
-        // time a LIMIT parameter is bound (it may change the plan), which cost a sixth of a
-        // large simulation's time.
-        let window = format!(
-            "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
-             AND finished_at IS NOT NULL AND exit_status = 0
-             ORDER BY finished_at DESC LIMIT {LEARN_WINDOW}"
-        );
-        let rows: Vec<(i64, IntervalRow)> = tx
-            .prepare_cached(&format!(
-                "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
-                 LEFT JOIN applications a ON a.id = i.partner_app_id
-                 WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
-            ))?
-            .query_map(params![app_id, model], |r| {
-                Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
-            })?
-            .collect::<Result<_, _>>()?;
-        let reports: Vec<(i64, f64, f64)> = tx
-            .prepare_cached(&format!(
-                "SELECT job_row, at, value FROM observations
-                 WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
-                 ORDER BY job_row, at"
-            ))?
-            .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-            .collect::<Result<_, _>>()?;
-        let reported = |job: i64| {
-            let from = reports.partition_point(|r| r.0 < job);
-            let to = reports.partition_point(|r| r.0 <= job);
-            &reports[from..to]
-        };
-        // Jobs that report progress give one equation per stretch between reports (their
-        // total work need not be the solo runtime); the others one equation each.
-        let mut whole: Vec<crate::learn::Equation> = Vec::new();
-        let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
-        for job in rows.chunk_by(|a, b| a.0 == b.0) {
-            let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
-            let progress = reported(job[0].0);
-            if progress.is_empty() {
-                if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
-                    eq.work_s = solo;
-                    whole.push(eq);
-                }
-            } else {
-                stretches.extend(progress_stretches(&intervals, progress));
-            }
-        }
-        // The application's rate alone, in its own unit, from the stretches it ran alone.
-        let (done_alone, secs_alone) = stretches
-            .iter()
-            .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
-            .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
-        let rate = (secs_alone > 0.0 && done_alone > 0.0).then(|| done_alone / secs_alone);
-        if baseline.is_none() && rate.is_none() {
+        let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row)? else {
             tx.commit()?;
             return Ok(Learned::NoBaseline);
-        }
-        let mut equations = whole;
-        if let Some(rate) = rate {
-            equations.extend(stretches.into_iter().map(|(done, mut e)| {
-                e.work_s = done / rate;
-                e
-            }));
-        }
+        };
         // A new solo runtime or rate alone changes every speed; a shared run without reports
         // only those linked to its partners.
         let partners: Option<Vec<String>> = match (&solo, &this) {
-            (None, Some(eq)) if reported(job_row).is_empty() => {
-                Some(eq.shared.iter().map(|(p, _)| p.clone()).collect())
-            }
+            (None, Some(eq)) if !reported => Some(eq.shared.iter().map(|(p, _)| p.clone()).collect()),
             _ => None,
         };
         let fits = crate::learn::fit(&equations, prior, partners.as_deref());
-        for f in &fits {
-            let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
-                r.get(0)
-            })?;
-            tx.exec(
-                "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
-                params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
-            )?;
-            // The partner's row sees this side as `other_speed`; its own speed stays unlearned
-            // (observations 0) until a job of the partner's application finishes.
-            tx.exec(
-                "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 0)
-                 ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
-                params![model, other_id, app_id, prior, f.speed],
-            )?;
-        }
-        refresh_app_means(&tx, Some((&model, app_id)))?;
+        store_fits(&tx, &model, app_id, prior, &fits)?;
         tx.commit()?;
         Ok(match solo {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
         })
+    }
+
+    /// Learns from a progress report of the running job `job_row` while it shares its GPU:
+    /// the speeds of its application beside its current partners' applications, from the
+    /// stretches between reports so far (of this job and of the application's latest jobs),
+    /// so that a pair is known after one report interval instead of when a job of the pair
+    /// ends. Only while a pair has fewer than [`LEARN_ON_REPORTS_UNTIL`] equations: after
+    /// that, learning at job ends keeps it up to date.
+    pub fn learn_from_progress(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
+        let tx = self.conn.transaction()?;
+        let job: Option<(i64, String)> = tx
+            .row(
+                "SELECT app_id, gpu_model FROM jobs WHERE id = ?1 AND finished_at IS NULL",
+                [job_row],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        let Some((app_id, model)) = job else {
+            return Ok(Learned::Nothing("the job is not running here"));
+        };
+        let partners: Vec<(String, Option<i64>)> = tx
+            .prepare_cached(
+                "SELECT a.name, e.observations FROM intervals i
+                 JOIN applications a ON a.id = i.partner_app_id
+                 LEFT JOIN pair_estimates e ON e.gpu_model = ?2 AND e.app_id = ?3 AND e.other_id = i.partner_app_id
+                 WHERE i.job_row = ?1 AND i.ended_at IS NULL",
+            )?
+            .query_map(params![job_row, model, app_id], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<_, _>>()?;
+        let unsure: Vec<String> = partners
+            .into_iter()
+            .filter(|(_, n)| n.unwrap_or(0) < LEARN_ON_REPORTS_UNTIL)
+            .map(|(p, _)| p)
+            .collect();
+        if unsure.is_empty() {
+            return Ok(Learned::Nothing("it runs alone, or beside partners known well enough"));
+        }
+        let Some((equations, _)) = equations_of(&tx, app_id, &model, job_row)? else {
+            return Ok(Learned::NoBaseline);
+        };
+        let fits = crate::learn::fit(&equations, prior, Some(&unsure));
+        store_fits(&tx, &model, app_id, prior, &fits)?;
+        tx.commit()?;
+        Ok(Learned::Shared { fits })
     }
 
     /// Deletes the raw rows (job, steps, intervals, reports) of finished jobs beyond the latest
@@ -901,7 +861,8 @@ fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) ->
             continue;
         }
         let clipped = intervals.iter().filter_map(|(s, e, p)| {
-            let (s, e) = ((*s).max(t0), (*e)?.min(t1));
+            // An interval still open (a running job's) lasts at least to this report.
+            let (s, e) = ((*s).max(t0), e.map_or(t1, |e| e.min(t1)));
             (e > s).then(|| (s, Some(e), p.clone()))
         });
         if let Some(eq) = equation(clipped) {
@@ -910,6 +871,120 @@ fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) ->
         (t0, d0) = (t1, d1);
     }
     out
+}
+
+/// The learning equations of application `app_id` on `model` from its latest jobs (finished
+/// and completed, or still running), and whether the job `job_row` reported progress; `None`
+/// when there is nothing to measure work by yet (no solo runtime, no stretch run alone).
+fn equations_of(
+    tx: &rusqlite::Transaction,
+    app_id: i64,
+    model: &str,
+    job_row: i64,
+) -> rusqlite::Result<Option<(Vec<crate::learn::Equation>, bool)>> {
+    let baseline: Option<f64> = tx
+        .row(
+            "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+            params![model, app_id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    // Every interval and progress report of the application's latest jobs, in two queries.
+    // Running jobs come first: only their stretches between reports count. (The window is
+    // written into the SQL, not bound: SQLite re-prepares a statement each time a LIMIT
+    // parameter is bound, which cost a sixth of a large simulation's time.)
+    let window = format!(
+        "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+         AND (finished_at IS NULL OR exit_status = 0)
+         ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
+    );
+    let rows: Vec<(i64, IntervalRow)> = tx
+        .prepare_cached(&format!(
+            "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
+             LEFT JOIN applications a ON a.id = i.partner_app_id
+             WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
+        ))?
+        .query_map(params![app_id, model], |r| {
+            Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
+        })?
+        .collect::<Result<_, _>>()?;
+    let reports: Vec<(i64, f64, f64)> = tx
+        .prepare_cached(&format!(
+            "SELECT job_row, at, value FROM observations
+             WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
+             ORDER BY job_row, at"
+        ))?
+        .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    let reported = |job: i64| {
+        let from = reports.partition_point(|r| r.0 < job);
+        let to = reports.partition_point(|r| r.0 <= job);
+        &reports[from..to]
+    };
+    // Jobs that report progress give one equation per stretch between reports (their
+    // total work need not be the solo runtime); the others one equation each.
+    let mut whole: Vec<crate::learn::Equation> = Vec::new();
+    let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
+    for job in rows.chunk_by(|a, b| a.0 == b.0) {
+        let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
+        let progress = reported(job[0].0);
+        if progress.is_empty() {
+            if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
+                eq.work_s = solo;
+                whole.push(eq);
+            }
+        } else {
+            stretches.extend(progress_stretches(&intervals, progress));
+        }
+    }
+    // The application's rate alone, in its own unit, from the stretches it ran alone.
+    let (done_alone, secs_alone) = stretches
+        .iter()
+        .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
+        .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
+    let rate = (secs_alone > 0.0 && done_alone > 0.0).then(|| done_alone / secs_alone);
+    if baseline.is_none() && rate.is_none() {
+        return Ok(None);
+    }
+    let mut equations = whole;
+    if let Some(rate) = rate {
+        equations.extend(stretches.into_iter().map(|(done, mut e)| {
+            e.work_s = done / rate;
+            e
+        }));
+    }
+    Ok(Some((equations, !reported(job_row).is_empty())))
+}
+
+/// Writes fitted speeds of application `app_id` on `model`, both sides of each pair, and
+/// refreshes the application's means.
+fn store_fits(
+    tx: &rusqlite::Transaction,
+    model: &str,
+    app_id: i64,
+    prior: f64,
+    fits: &[crate::learn::Fit],
+) -> rusqlite::Result<()> {
+    for f in fits {
+        let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
+            r.get(0)
+        })?;
+        tx.exec(
+            "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+             ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
+            params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
+        )?;
+        // The partner's row sees this side as `other_speed`; its own speed stays unlearned
+        // (observations 0) until a job of the partner's application finishes.
+        tx.exec(
+            "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+             VALUES (?1, ?2, ?3, ?4, ?5, 0)
+             ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
+            params![model, other_id, app_id, prior, f.speed],
+        )?;
+    }
+    refresh_app_means(tx, Some((model, app_id)))
 }
 
 /// The learning equation of a finished job from its intervals in time order: seconds alone

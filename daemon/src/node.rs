@@ -416,6 +416,23 @@ impl Node {
         }
     }
 
+    /// Learns from a progress report of a job that shares its GPU (see
+    /// [`History::learn_from_progress`]). Failing is logged, never the job's problem.
+    fn learn_progress(&mut self, job: &ActiveJob) {
+        let prior = self.config.policy.unknown_pair_speed;
+        match self.history.learn_from_progress(job.row, prior) {
+            Ok(Learned::Shared { fits }) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                pairs = %describe(&fits),
+                "learned pair speeds from progress"
+            ),
+            Ok(Learned::NoBaseline) => tracing::debug!(job = job.job_id, "no rate alone yet to learn progress by"),
+            Ok(other) => tracing::debug!(job = job.job_id, ?other, "nothing learned from progress"),
+            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from progress failed"),
+        }
+    }
+
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
     /// `privileged`, it must be the job's own user.
     pub fn report(&mut self, req: &ReportRequest, uid: u32, privileged: bool) -> Result<Response, HistoryError> {
@@ -435,6 +452,9 @@ impl Node {
             ReportKind::Progress { done } if done.is_finite() && *done >= 0.0 => {
                 self.history
                     .record_report(job.row, "progress", Some(*done), &partners, prior, now)?;
+                if !partners.is_empty() {
+                    self.learn_progress(&job);
+                }
                 format!("progress of job {} recorded: {done}", job.job_id)
             }
             ReportKind::Progress { done } => {

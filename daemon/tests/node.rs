@@ -369,6 +369,44 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
 }
 
 #[test]
+fn progress_reports_of_running_jobs_teach_their_pair_before_either_ends() {
+    use multiplex_protocol::{ReportKind, ReportRequest};
+    let mut w = World::new();
+    let progress = |job_id, done| ReportRequest {
+        job_id,
+        kind: ReportKind::Progress { done },
+    };
+    // bert does 2 it/s alone (reports at 100 s: 200 it), then resnet joins at 100 s.
+    w.start(0.0, 1, "bert");
+    w.at(100.0).report(&progress(1, 200.0), 1000, false).unwrap();
+    w.start(100.0, 2, "resnet");
+    assert_eq!(w.estimate("bert", "resnet"), None);
+    // 300 s beside resnet: 300 it more, 1 it/s, speed 0.5; both still run.
+    w.at(400.0).report(&progress(1, 500.0), 1000, false).unwrap();
+    let (speed, _, n) = w.estimate("bert", "resnet").expect("learned from the report");
+    assert!((speed - 0.5).abs() < 1e-3 && n == 1, "{speed} {n}");
+    // Each report adds an equation while the pair is new: 0.75 it/s now (speed 0.375 over
+    // this stretch), a least-squares mean of the two stretches.
+    w.at(500.0).report(&progress(1, 575.0), 1000, false).unwrap();
+    let (speed, _, n) = w.estimate("bert", "resnet").unwrap();
+    assert!(n == 2 && speed < 0.5 && speed > 0.375, "{speed} {n}");
+    // Past LEARN_ON_REPORTS_UNTIL equations, reports no longer refit: the job's end does.
+    let until = multiplexd::history::LEARN_ON_REPORTS_UNTIL as u32;
+    let mut done = 575.0;
+    for k in 0..until + 2 {
+        done += 50.0;
+        w.at(600.0 + 100.0 * f64::from(k))
+            .report(&progress(1, done), 1000, false)
+            .unwrap();
+    }
+    assert_eq!(w.estimate("bert", "resnet").unwrap().2, until);
+    // A report of a job alone teaches no pair.
+    w.end(2000.0, 2, 0);
+    w.at(2100.0).report(&progress(1, done + 200.0), 1000, false).unwrap();
+    assert_eq!(w.estimate("bert", "resnet").unwrap().2, until);
+}
+
+#[test]
 fn gpu_telemetry_is_kept_per_job() {
     use multiplexd::telemetry::{GpuSample, ProcSample};
     let mut w = World::new();
