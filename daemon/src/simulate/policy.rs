@@ -367,11 +367,17 @@ impl<'a> Learned<'a> {
         }
     }
 
+    /// What went wrong on the learner thread, if anything (once).
+    fn failure(&self) -> Result<(), String> {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Goes on at simulated time `now`, unless something went wrong on the learner thread.
     fn at(&mut self, now: f64) -> Result<(), String> {
-        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            return Err(e);
-        }
+        self.failure()?;
         if self.share_every_s > 0.0 && now >= self.next_share {
             while self.next_share <= now {
                 self.next_share += self.share_every_s;
@@ -409,10 +415,7 @@ impl Policy for Learned<'_> {
         for n in 0..self.nodes.len() {
             drop(self.node(n)?);
         }
-        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.failure()
     }
     fn grade(&self) -> Option<String> {
         Some(Learned::grade(self))
