@@ -197,6 +197,85 @@ fn solve(mut m: Vec<Vec<f64>>, mut v: Vec<f64>) -> Option<Vec<f64>> {
     Some(x)
 }
 
+/// What is known of each application towards partners it was never seen with: a two-way
+/// additive model of the learned speeds around the prior,
+///
+/// ```text
+///     s(A beside B) ≈ prior + sensitivity(A) + impact(B)
+/// ```
+///
+/// a ridge regression over every learned pair (each effect is pulled towards none with the
+/// weight of [`EFFECT_RIDGE`] pairs), fitted jointly so that an application seen only beside
+/// gentle partners is not taken for a gentle one itself: its partners' impacts are accounted
+/// for. On the Gavel V100 table an additive model leaves a residual of 0.14 on a speed whose
+/// spread is 0.24, and the daemon's placement given each application's true effects instead
+/// of learned ones comes within 3.4% of the oracle at load 1.0 (`multiplexd simulate`, 10
+/// seeds): what the daemon knows of applications, more than of pairs, decides how well it
+/// places.
+///
+/// The history refits it whole where many estimates change at once (an import) and otherwise
+/// takes [`effect`] steps for the applications whose estimates changed, which costs what their
+/// own pairs cost, not what the whole history does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Effects {
+    /// Per application: `prior + sensitivity`, its expected speed beside a typical partner,
+    /// and how many learned pairs (this application's side) it rests on.
+    pub base: Vec<(f64, u32)>,
+    /// Per application: how much it changes its partners' speeds against their typical
+    /// speed, and how many learned pairs (the partner's side) it rests on.
+    pub impact: Vec<(f64, u32)>,
+}
+
+/// Pairs' worth of weight that pulls each effect towards none.
+pub const EFFECT_RIDGE: f64 = 2.0;
+
+/// One coordinate step of the fit: the effect that best explains what the rest of the model
+/// leaves unexplained of `n` learned speeds (`residual_sum`), pulled towards none.
+pub fn effect(residual_sum: f64, n: u32) -> f64 {
+    residual_sum / (f64::from(n) + EFFECT_RIDGE)
+}
+
+/// Fits [`Effects`] for `apps` applications (indices `0..apps`) from learned speeds
+/// `(application, partner, speed of the application beside the partner)`, by coordinate
+/// descent to convergence (the problem is strictly convex).
+pub fn fit_effects(apps: usize, speeds: &[(usize, usize, f64)], prior: f64) -> Effects {
+    let mut base_n = vec![0u32; apps];
+    let mut impact_n = vec![0u32; apps];
+    for &(a, b, _) in speeds {
+        base_n[a] += 1;
+        impact_n[b] += 1;
+    }
+    let (mut sens, mut imp) = (vec![0.0; apps], vec![0.0; apps]);
+    let mut sum = vec![0.0; apps];
+    for _ in 0..500 {
+        let mut moved: f64 = 0.0;
+        let mut step = |effects: &mut [f64], counts: &[u32], sum: &[f64]| {
+            for ((e, &n), &s) in effects.iter_mut().zip(counts).zip(sum) {
+                let new = effect(s, n);
+                moved = moved.max((new - *e).abs());
+                *e = new;
+            }
+        };
+        sum.fill(0.0);
+        for &(a, b, y) in speeds {
+            sum[a] += y - prior - imp[b];
+        }
+        step(&mut sens, &base_n, &sum);
+        sum.fill(0.0);
+        for &(a, b, y) in speeds {
+            sum[b] += y - prior - sens[a];
+        }
+        step(&mut imp, &impact_n, &sum);
+        if moved < 1e-9 {
+            break;
+        }
+    }
+    Effects {
+        base: sens.iter().zip(base_n).map(|(s, n)| (prior + s, n)).collect(),
+        impact: imp.into_iter().zip(impact_n).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,5 +387,53 @@ mod tests {
         // No work seen beside a partner (a stalled stretch): the floor, not a negative speed.
         let f = fit(&[eq_work(0.0, 0.0, &[("b", 50.0)])], 0.7, None);
         assert_eq!(f[0].speed, MIN_SPEED);
+    }
+
+    #[test]
+    fn effects_of_an_additive_table_are_recovered_and_shrunk_by_little_data() {
+        // speed(a beside b) = 0.7 + sens[a] + imp[b] for every ordered pair of 4 applications,
+        // 8 times over (as if many nodes had learned them): the fit gets close to the truth,
+        // short of it by the ridge's pull (2 pairs' weight against 32).
+        let (sens, imp) = ([0.2, 0.0, -0.1, -0.1], [0.1, -0.2, 0.05, 0.05]);
+        let mut speeds = Vec::new();
+        for _ in 0..8 {
+            for (a, s) in sens.iter().enumerate() {
+                for (b, i) in imp.iter().enumerate() {
+                    speeds.push((a, b, 0.7 + s + i));
+                }
+            }
+        }
+        let e = fit_effects(4, &speeds, 0.7);
+        for (a, s) in sens.iter().enumerate() {
+            let (base, n) = e.base[a];
+            assert!((base - (0.7 + s)).abs() < 0.02, "{a}: {base} vs {}", 0.7 + s);
+            assert_eq!(n, 32);
+        }
+        for (b, i) in imp.iter().enumerate() {
+            let (impact, n) = e.impact[b];
+            assert!((impact - i).abs() < 0.02, "{b}: {impact} vs {i}");
+            assert_eq!(n, 32);
+        }
+        // One pair learned: a is 0.3 beside b. Shrunk towards the prior 0.7, but the fit
+        // explains it partly by a (slow beside others) and partly by b (slows others).
+        let e = fit_effects(3, &[(0, 1, 0.3)], 0.7);
+        let predicted = e.base[0].0 + e.impact[1].0;
+        assert!(predicted > 0.3 && predicted < 0.7, "{e:?}");
+        assert!(e.base[0].0 < 0.7 && e.impact[1].0 < 0.0, "{e:?}");
+        // Application 2 was never seen: the prior, resting on nothing.
+        assert_eq!((e.base[2], e.impact[2]), ((0.7, 0), (0.0, 0)));
+    }
+
+    #[test]
+    fn an_application_seen_only_beside_a_gentle_partner_is_not_taken_for_a_gentle_one() {
+        // g is gentle: y runs at 0.9 beside it but at 0.6 beside h, h at 0.95 beside it.
+        // x was only ever seen beside g, at 0.9: the plain mean of x's speeds says 0.9
+        // beside anyone; the joint fit puts part of that on g, so x beside h is expected lower.
+        let (g, h, x, y) = (0, 1, 2, 3);
+        let speeds = [(x, g, 0.9), (y, g, 0.9), (y, h, 0.6), (y, h, 0.6), (h, g, 0.95)];
+        let e = fit_effects(4, &speeds, 0.7);
+        assert!(e.impact[g].0 > 0.05, "{e:?}");
+        let x_beside_h = e.base[x].0 + e.impact[h].0;
+        assert!(x_beside_h < 0.8, "{x_beside_h}: {e:?}");
     }
 }
