@@ -120,6 +120,12 @@ fn populate(db: &Path, jobs: u64, apps: u64, rng: &mut Rng) {
     )
     .unwrap();
     tx.commit().unwrap();
+    // What the daemon knows of each application beside partners never seen with it, fitted
+    // from those estimates as the daemon would have while learning them.
+    multiplexd::history::History::open(db)
+        .unwrap()
+        .refit_effects(0.7)
+        .unwrap();
     conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;").unwrap();
 }
 

@@ -119,7 +119,24 @@ const MIGRATIONS: &[&str] = &[
     // ran out of memory, and how it slows others (estimates by partner need an index).
     "ALTER TABLE app_means ADD COLUMN ooms INTEGER NOT NULL DEFAULT 0;
      CREATE INDEX pair_estimates_by_other ON pair_estimates(gpu_model, other_id);",
+    // 7: what placement knows of an application beside partners it was never seen with: the
+    // joint additive fit of all learned speeds on a model (`learn::fit_effects`), kept up to
+    // date as they change (`learn::effect` steps for the applications concerned; refitted whole
+    // by an import). Replaces the plain mean of `app_means` and the per-query average
+    // of partners' differences (both misled by which partners an application happened to meet).
+    "CREATE TABLE app_effects (
+        gpu_model TEXT NOT NULL,
+        app_id INTEGER NOT NULL REFERENCES applications(id),
+        base REAL NOT NULL,
+        base_pairs INTEGER NOT NULL,
+        impact REAL NOT NULL,
+        impact_pairs INTEGER NOT NULL,
+        PRIMARY KEY (gpu_model, app_id)
+     );",
 ];
+
+/// The migration that creates `app_effects`: an existing history's are fitted right after it.
+const EFFECTS_MIGRATION: usize = 7;
 
 /// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
 const WAL_LIMIT: u64 = 64 * 1024 * 1024;
@@ -310,9 +327,24 @@ impl History {
         for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
             let tx = self.conn.transaction()?;
             tx.execute_batch(sql)?;
+            if i + 1 == EFFECTS_MIGRATION {
+                // With the default prior: the next change on each model refits with the
+                // configured one.
+                refit_effects(&tx, crate::config::DEFAULT_UNKNOWN_PAIR_SPEED)?;
+            }
             tx.pragma_update(None, "user_version", (i + 1) as i64)?;
             tx.commit()?;
         }
+        Ok(())
+    }
+
+    /// Refits what is known of each application beside partners never seen with it from every
+    /// learned speed, with `prior` (`policy.unknown_pair_speed`): for tools that write pair
+    /// estimates straight into the database (the daemon itself keeps the fit up to date).
+    pub fn refit_effects(&mut self, prior: f64) -> Result<(), HistoryError> {
+        let tx = self.conn.transaction()?;
+        refit_effects(&tx, prior)?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -681,6 +713,7 @@ impl History {
         let tx = self.conn.transaction()?;
         tx.exec(insert, params![job_row, now, kind, value, list])?;
         let mut names = Vec::new();
+        let mut others = Vec::new();
         let (app, model): (i64, String) =
             tx.row("SELECT app_id, gpu_model FROM jobs WHERE id = ?1", [job_row], |r| {
                 Ok((r.get(0)?, r.get(1)?))
@@ -700,9 +733,12 @@ impl History {
                 )?;
             }
             refresh_app_means(&tx, Some((&model, other)))?;
+            others.push(other);
             names.push(name);
         }
         refresh_app_means(&tx, Some((&model, app)))?;
+        others.push(app);
+        update_effects(&tx, &model, &others, prior)?;
         tx.commit()?;
         Ok(names)
     }
@@ -798,7 +834,9 @@ fn reopen_intervals(tx: &rusqlite::Transaction, members: &[i64], now: f64) -> ru
 }
 
 /// An application's mean learned speed over its pairs that ran, how many those are, and how
-/// many of its pairs ran out of memory (grouped by the caller).
+/// many of its pairs ran out of memory (grouped by the caller). Placement reads the counts
+/// (an application's risk of running out of memory); what it expects of an application beside
+/// partners never seen with it comes from `app_effects`, not from this mean.
 const APP_MEANS: &str = "SELECT gpu_model, app_id,
        coalesce(avg(CASE WHEN observations > 0 AND oom = 0 THEN speed END), 0),
        count(CASE WHEN observations > 0 AND oom = 0 THEN 1 END), count(CASE WHEN oom = 1 THEN 1 END)
@@ -827,6 +865,93 @@ pub(crate) fn refresh_app_means(tx: &rusqlite::Transaction, only: Option<(&str, 
                  INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS}
                  GROUP BY gpu_model, app_id;"
             ))?;
+        }
+    }
+    Ok(())
+}
+
+/// Refits `app_effects` whole from the learned speeds of every GPU model, with `prior` as the
+/// speed effects are counted from (after an import, or when the table is new). The migration
+/// that creates the table uses the default prior; a site's own `unknown_pair_speed` takes over
+/// as applications learn.
+pub(crate) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite::Result<()> {
+    tx.exec("DELETE FROM app_effects", [])?;
+    let models: Vec<String> = {
+        let mut stmt = tx.prepare_cached("SELECT DISTINCT gpu_model FROM pair_estimates")?;
+        let rows = stmt.query_map([], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for model in models {
+        let learned: Vec<(i64, i64, f64)> = {
+            let mut stmt = tx.prepare_cached(
+                "SELECT app_id, other_id, speed FROM pair_estimates
+                 WHERE gpu_model = ?1 AND observations > 0 AND oom = 0",
+            )?;
+            let rows = stmt.query_map([&model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            rows.collect::<Result<_, _>>()?
+        };
+        let mut ids: Vec<i64> = learned.iter().flat_map(|&(a, b, _)| [a, b]).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let index = |id: i64| ids.binary_search(&id).expect("collected above");
+        let speeds: Vec<(usize, usize, f64)> = learned.iter().map(|&(a, b, y)| (index(a), index(b), y)).collect();
+        let effects = crate::learn::fit_effects(ids.len(), &speeds, prior);
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?;
+        for (k, id) in ids.iter().enumerate() {
+            let ((base, base_pairs), (impact, impact_pairs)) = (effects.base[k], effects.impact[k]);
+            insert.execute(params![model, id, base, base_pairs, impact, impact_pairs])?;
+        }
+    }
+    Ok(())
+}
+
+/// After the estimates of `apps` changed on `model`: coordinate steps of the effects fit
+/// ([`crate::learn::effect`]) for those applications, each side twice, reading only their
+/// own pairs (the whole fit would read every pair of the model on every finished job).
+pub(crate) fn update_effects(
+    tx: &rusqlite::Transaction,
+    model: &str,
+    apps: &[i64],
+    prior: f64,
+) -> rusqlite::Result<()> {
+    let mut apps = apps.to_vec();
+    apps.sort_unstable();
+    apps.dedup();
+    for _ in 0..2 {
+        for &app in &apps {
+            // This application's side: what the prior and its partners' impacts leave.
+            let (n, rest): (u32, f64) = tx.row(
+                "SELECT count(*), total(p.speed - ?3 - coalesce(e.impact, 0)) FROM pair_estimates p
+                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.other_id
+                 WHERE p.gpu_model = ?1 AND p.app_id = ?2 AND p.observations > 0 AND p.oom = 0",
+                params![model, app, prior],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            tx.exec(
+                "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+                 VALUES (?1, ?2, ?3, ?4, 0, 0)
+                 ON CONFLICT(gpu_model, app_id) DO UPDATE SET base = ?3, base_pairs = ?4",
+                params![model, app, prior + crate::learn::effect(rest, n), n],
+            )?;
+        }
+        for &app in &apps {
+            // Its effect on partners: what their own expected speeds leave.
+            let (n, rest): (u32, f64) = tx.row(
+                "SELECT count(*), total(p.speed - coalesce(e.base, ?3)) FROM pair_estimates p
+                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.app_id
+                 WHERE p.gpu_model = ?1 AND p.other_id = ?2 AND p.observations > 0 AND p.oom = 0",
+                params![model, app, prior],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            tx.exec(
+                "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+                 VALUES (?1, ?2, ?4, 0, ?3, ?5)
+                 ON CONFLICT(gpu_model, app_id) DO UPDATE SET impact = ?3, impact_pairs = ?5",
+                params![model, app, crate::learn::effect(rest, n), prior, n],
+            )?;
         }
     }
     Ok(())
@@ -965,10 +1090,12 @@ fn store_fits(
     prior: f64,
     fits: &[crate::learn::Fit],
 ) -> rusqlite::Result<()> {
+    let mut touched = vec![app_id];
     for f in fits {
         let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
             r.get(0)
         })?;
+        touched.push(other_id);
         tx.exec(
             "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
@@ -984,7 +1111,8 @@ fn store_fits(
             params![model, other_id, app_id, prior, f.speed],
         )?;
     }
-    refresh_app_means(tx, Some((model, app_id)))
+    refresh_app_means(tx, Some((model, app_id)))?;
+    update_effects(tx, model, &touched, prior)
 }
 
 /// The learning equation of a finished job from its intervals in time order: seconds alone
@@ -1023,17 +1151,12 @@ fn equation(rows: impl Iterator<Item = IntervalRow>) -> Option<crate::learn::Equ
 
 impl PairHistory for History {
     fn app_mean(&self, model: &str, app: &str) -> Option<(f64, u32)> {
-        let mut stmt = self
-            .conn
-            .prepare_cached(
-                "SELECT m.mean, m.pairs FROM app_means m JOIN applications a ON a.id = m.app_id
-                 WHERE m.gpu_model = ?1 AND a.name = ?2",
-            )
-            .ok()?;
-        stmt.query_row(params![model, app], |r| Ok((r.get(0)?, r.get(1)?)))
-            .optional()
-            .ok()
-            .flatten()
+        self.effect(
+            model,
+            app,
+            "SELECT e.base, e.base_pairs FROM app_effects e JOIN applications a ON a.id = e.app_id
+             WHERE e.gpu_model = ?1 AND a.name = ?2",
+        )
     }
 
     fn app_ooms(&self, model: &str, app: &str) -> (u32, u32) {
@@ -1049,7 +1172,12 @@ impl PairHistory for History {
     }
 
     fn app_impact(&self, model: &str, app: &str) -> Option<(f64, u32)> {
-        self.impact_on_partners(model, app)
+        self.effect(
+            model,
+            app,
+            "SELECT e.impact, e.impact_pairs FROM app_effects e JOIN applications a ON a.id = e.app_id
+             WHERE e.gpu_model = ?1 AND a.name = ?2",
+        )
     }
 
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
@@ -1058,26 +1186,13 @@ impl PairHistory for History {
 }
 
 impl History {
-    fn impact_on_partners(&self, model: &str, app: &str) -> Option<(f64, u32)> {
-        // At most 8 partners: enough for an estimate that placement shrinks by 2 / (n + 2),
-        // and a bound on the work a placement does for each pair never seen (an aggregate over
-        // a LIMITed subquery, or a bound parameter, cost more here than averaging in Rust).
-        let mut stmt = self
-            .conn
-            .prepare_cached(
-                "SELECT p.speed - m.mean FROM pair_estimates p
-                 JOIN app_means m ON m.gpu_model = p.gpu_model AND m.app_id = p.app_id
-                 WHERE p.gpu_model = ?1 AND p.other_id = (SELECT id FROM applications WHERE name = ?2)
-                   AND p.observations > 0 AND p.oom = 0 AND m.pairs > 1
-                 LIMIT 8",
-            )
-            .ok()?;
-        let diffs: Vec<f64> = stmt
-            .query_map(params![model, app], |r| r.get(0))
-            .ok()?
-            .collect::<Result<_, _>>()
-            .ok()?;
-        (!diffs.is_empty()).then(|| (diffs.iter().sum::<f64>() / diffs.len() as f64, diffs.len() as u32))
+    /// One application's row of `app_effects` on a model, by the query given.
+    fn effect(&self, model: &str, app: &str, sql: &str) -> Option<(f64, u32)> {
+        let mut stmt = self.conn.prepare_cached(sql).ok()?;
+        stmt.query_row(params![model, app], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()
+            .ok()
+            .flatten()
     }
 }
 
@@ -1135,6 +1250,36 @@ mod tests {
             predicted_speed: 1.0,
             now,
         }
+    }
+
+    #[test]
+    fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
+        use crate::placement::PairHistory;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.sqlite");
+        {
+            // What schema 6 held: learned speeds, both sides of a pair and an unlearned side.
+            let h = History::open(&path).unwrap();
+            h.connection()
+                .execute_batch(
+                    "INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c');
+                     INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+                     VALUES ('v100', 1, 2, 0.5, 0.9, 2), ('v100', 2, 1, 0.9, 0.5, 1),
+                            ('v100', 3, 1, 0.7, 0.4, 0);
+                     DROP TABLE app_effects;
+                     PRAGMA user_version = 6;",
+                )
+                .unwrap();
+        }
+        let h = History::open(&path).unwrap();
+        assert_eq!(h.schema_version().unwrap(), MIGRATIONS.len() as i64);
+        let speeds = [(0, 1, 0.5), (1, 0, 0.9)];
+        let want = crate::learn::fit_effects(2, &speeds, crate::config::DEFAULT_UNKNOWN_PAIR_SPEED);
+        assert_eq!(h.app_mean("v100", "a"), Some(want.base[0]));
+        assert_eq!(h.app_impact("v100", "b"), Some(want.impact[1]));
+        // c's only row was never learned: nothing is known of it.
+        assert_eq!(h.app_mean("v100", "c"), None);
+        assert_eq!(h.app_mean("a100", "a"), None);
     }
 
     #[test]

@@ -451,8 +451,10 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     };
     let data: report::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
+    let config = Config::load(config_path).map_err(|e| e.to_string())?;
     let mut h = open_history(config_path)?;
-    let done = report::import(&mut h, &data).map_err(|e| format!("{}: {e}", file.display()))?;
+    let done = report::import(&mut h, &data, config.policy.unknown_pair_speed)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!(
         "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; {} kept (ours had as many observations)",
         file.display(),

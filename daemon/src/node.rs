@@ -60,6 +60,11 @@ impl Node {
         &self.config.node
     }
 
+    /// The configuration this daemon runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// The history, for tools and tests.
     pub fn history(&self) -> &History {
         &self.history

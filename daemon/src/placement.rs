@@ -44,14 +44,16 @@ pub trait PairHistory {
     /// The estimate for `app` beside `other` on `model`, if any observation exists.
     fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate>;
 
-    /// What is known of `app` beside others in general: the mean of its learned speeds beside
-    /// other applications, and how many pairs that mean rests on.
+    /// What is known of `app` beside others in general: its expected speed beside a typical
+    /// partner, already weighed against the prior by how little it rests on, and how many
+    /// learned pairs it rests on.
     fn app_mean(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
         None
     }
 
-    /// How `app` slows others: the mean difference between its partners' speed beside it and
-    /// their mean speed beside anyone, and how many partners that rests on.
+    /// How `app` changes its partners' speeds against their speed beside a typical partner,
+    /// already weighed against "not at all" by how little it rests on, and how many learned
+    /// pairs it rests on.
     fn app_impact(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
         None
     }
@@ -62,14 +64,8 @@ pub trait PairHistory {
     }
 }
 
-/// How many pairs' worth of weight the flat prior keeps against an application's own mean.
-const PRIOR_WEIGHT: f64 = 2.0;
-/// Likewise for how an application slows others (against "not at all").
-const IMPACT_PRIOR_WEIGHT: f64 = 2.0;
-
 /// The speed of `app` beside `other`: learned if the pair was seen; else from what is known of
-/// `app` beside others (its mean, shrunk towards the flat prior); else the prior. The text says
-/// which.
+/// each application beside others (see [`unseen`]); else the prior. The text says which.
 pub(crate) fn estimate(
     history: &dyn PairHistory,
     model: &str,
@@ -91,22 +87,16 @@ pub(crate) fn estimate(
     (s, pair, why)
 }
 
-/// The speed of `app` beside `other` never seen together, from an additive model: how `app`
-/// fares beside others in general (its mean, shrunk towards the prior) plus how `other` slows
-/// others in general (its impact, shrunk towards none).
+/// The speed of `app` beside `other` never seen together, from an additive model (the
+/// history's [`crate::learn::fit_effects`]): how `app` fares beside a typical partner plus how
+/// `other` changes its partners' speeds.
 fn unseen(history: &dyn PairHistory, model: &str, app: &str, other: &str, prior: f64) -> (f64, String) {
     let (base, mut why) = match history.app_mean(model, app) {
-        Some((mean, n)) if n > 0 => {
-            let n = f64::from(n);
-            let s = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT);
-            (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs"))
-        }
+        Some((s, n)) if n > 0 => (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs")),
         _ => (prior, format!("never seen together, assumed {prior:.2}")),
     };
     let impact = match history.app_impact(model, other) {
         Some((d, m)) if m > 0 => {
-            let m = f64::from(m);
-            let d = d * m / (m + IMPACT_PRIOR_WEIGHT);
             why.push_str(&format!(", {d:+.2} from {other}'s effect on {m} others"));
             d
         }
@@ -676,7 +666,7 @@ mod tests {
         ]));
         let newcomer = |app| Newcomer { app, mem_mb: None };
         // Only GPU 0 has a free slot, beside `greedy`, a pair never seen: gentle's speed comes
-        // from its own other pairs, shrunk towards the prior: (4 x 0.9 + 2 x 0.7) / 6 = 0.833.
+        // from what is known of it beside others (0.9).
         let gpus = [gpu(0, &[(1, "greedy")]), gpu(1, &[(2, "x"), (3, "y")])];
         match place(&gpus, &newcomer("gentle"), &h, KNOBS) {
             Decision::Place {
@@ -686,8 +676,8 @@ mod tests {
                 ..
             } => {
                 assert_eq!(gpu, 0);
-                assert!((predicted_speed - 5.0 / 6.0).abs() < 1e-9, "{predicted_speed}");
-                assert!(reason.contains("0.83 from gentle's 4 other pairs"), "{reason}");
+                assert!((predicted_speed - 0.9).abs() < 1e-9, "{predicted_speed}");
+                assert!(reason.contains("0.90 from gentle's 4 other pairs"), "{reason}");
             }
             other => panic!("{other:?}"),
         }
@@ -731,8 +721,8 @@ mod tests {
 
     #[test]
     fn an_unseen_partner_known_to_slow_others_is_avoided() {
-        // `hog` slows its partners 0.3 below their usual speed (from 6 partners: shrunk to
-        // 0.3 x 6/8 = 0.225); `mild` leaves them 0.1 above. Nothing is known of the newcomer.
+        // `hog` slows its partners 0.3 below their usual speed; `mild` leaves them 0.1 above.
+        // Nothing is known of the newcomer.
         let h = Profiles {
             impacts: HashMap::from([("hog".to_string(), (-0.3, 6)), ("mild".to_string(), (0.1, 6))]),
             ..Default::default()
@@ -754,9 +744,9 @@ mod tests {
                 ..
             } => {
                 assert_eq!(gpu, 1, "{reason}");
-                assert!((predicted_speed - (0.7 + 0.075)).abs() < 1e-9, "{predicted_speed}");
+                assert!((predicted_speed - (0.7 + 0.1)).abs() < 1e-9, "{predicted_speed}");
                 assert!(
-                    reason.contains("assumed 0.70, +0.08 from mild's effect on 6 others"),
+                    reason.contains("assumed 0.70, +0.10 from mild's effect on 6 others"),
                     "{reason}"
                 );
             }

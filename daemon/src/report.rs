@@ -234,8 +234,9 @@ pub fn explain(history: &History, job_id: u32) -> Result<Option<Explanation>, Hi
 }
 
 /// Merges another node's export: a row is added when it is new here and replaces ours when it
-/// rests on more observations; an out-of-memory mark is never dropped.
-pub fn import(history: &mut History, data: &Export) -> Result<Imported, String> {
+/// rests on more observations; an out-of-memory mark is never dropped. What is known of each
+/// application is then refitted, with `prior` (`policy.unknown_pair_speed`).
+pub fn import(history: &mut History, data: &Export, prior: f64) -> Result<Imported, String> {
     if data.format != EXPORT_FORMAT {
         return Err(format!("not a multiplexd history export (format {:?})", data.format));
     }
@@ -337,6 +338,7 @@ pub fn import(history: &mut History, data: &Export) -> Result<Imported, String> 
         }
     }
     crate::history::refresh_app_means(&tx, None).map_err(sql)?;
+    crate::history::refit_effects(&tx, prior).map_err(sql)?;
     tx.commit().map_err(sql)?;
     Ok(done)
 }

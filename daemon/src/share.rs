@@ -113,7 +113,8 @@ fn merge(node: &Mutex<Node>, path: &Path) -> Result<usize, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
     let data: Export = serde_json::from_str(&text).map_err(|e| format!("not a multiplexd history export: {e}"))?;
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-    let done = report::import(node.history_mut(), &data)?;
+    let prior = node.config().policy.unknown_pair_speed;
+    let done = report::import(node.history_mut(), &data, prior)?;
     Ok(done.pairs_added + done.pairs_replaced)
 }
 

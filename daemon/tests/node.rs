@@ -140,17 +140,25 @@ fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
         }
         other => panic!("{other:?}"),
     }
-    // Beside an application never seen with it, bert's speed comes from its other pairs
-    // (one: resnet, learned again from jobs 5 and 6), shrunk towards the prior 0.7 with the
-    // weight of two pairs.
+    // Beside an application never seen with it, bert's speed comes from what is known of
+    // bert beside others: the joint fit of every learned speed (here bert beside resnet and
+    // resnet beside bert, learned again from jobs 5 and 6), pulled towards the prior 0.7.
     w.end(500.0, 5, 0);
     w.end(500.0, 6, 0);
     let (beside_resnet, _, _) = w.estimate("bert", "resnet").unwrap();
+    let (resnet_beside, _, _) = w.estimate("resnet", "bert").unwrap();
+    let (b, r) = (0, 1);
+    let effects = multiplexd::learn::fit_effects(2, &[(b, r, beside_resnet), (r, b, resnet_beside)], 0.7);
     w.start(600.0, 7, "gpt");
     match w.start(600.0, 8, "bert") {
         Response::Placed(p) => {
-            let want = (beside_resnet + 2.0 * 0.7) / 3.0;
-            assert!((p.predicted_speed - want).abs() < 1e-9, "{p:?} vs {want}");
+            // The daemon takes coordinate steps of that fit as it learns: close to the whole fit.
+            let want = effects.base[b].0;
+            assert!((p.predicted_speed - want).abs() < 0.01, "{p:?} vs {want}");
+            // Between what was learned and the prior.
+            let (lo, hi) = (beside_resnet.min(0.7), beside_resnet.max(0.7));
+            let got = p.predicted_speed;
+            assert!(lo < got && got < hi, "{got} not between {beside_resnet} and 0.7");
             assert!(p.reason.contains("from bert's 1 other pairs"), "{}", p.reason);
         }
         other => panic!("{other:?}"),
@@ -241,15 +249,22 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     let mut fresh = World::new();
     let mut bad = data.clone();
     bad.pairs[0].speed = 1.5;
-    let err = report::import(fresh.node.history_mut(), &bad).unwrap_err();
+    let err = report::import(fresh.node.history_mut(), &bad, 0.7).unwrap_err();
     assert!(
         err.contains("speeds must be in (0, 1]") && err.contains("nothing was imported"),
         "{err}"
     );
     assert_eq!(fresh.estimate("bert", "resnet"), None, "nothing was imported");
-    let done = report::import(fresh.node.history_mut(), &data).unwrap();
+    let done = report::import(fresh.node.history_mut(), &data, 0.7).unwrap();
     assert_eq!((done.solo_added, done.pairs_added, done.kept), (2, 2, 0));
     assert_eq!(fresh.estimate("bert", "resnet"), w.estimate("bert", "resnet"));
+    // What is known of each application (for partners never seen with it) is fitted from the
+    // import too.
+    {
+        use multiplexd::placement::PairHistory;
+        let bert = fresh.node.history().app_mean("v100", "bert");
+        assert!(bert.is_some_and(|(s, n)| n == 1 && s < 0.7), "{bert:?}");
+    }
     // The seeded node predicts from the import at once.
     fresh.start(0.0, 10, "resnet");
     match fresh.start(0.0, 11, "bert") {
@@ -257,7 +272,7 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
         other => panic!("{other:?}"),
     }
     // Importing the same again changes nothing.
-    let again = report::import(fresh.node.history_mut(), &data).unwrap();
+    let again = report::import(fresh.node.history_mut(), &data, 0.7).unwrap();
     assert_eq!((again.pairs_added, again.pairs_replaced, again.kept), (0, 0, 4));
 }
 
