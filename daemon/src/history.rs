@@ -920,16 +920,24 @@ pub(crate) fn update_effects(
     let mut apps = apps.to_vec();
     apps.sort_unstable();
     apps.dedup();
+    // One side of an application: how many of its learned speeds there are on that side and
+    // the sum of what the rest of the model leaves of them (`residual`; `?3` is the prior),
+    // with the effects of the other side's applications joined on `other`.
+    let leftover = |app: i64, residual: &str, side: &str, other: &str| -> rusqlite::Result<(u32, f64)> {
+        tx.row(
+            &format!(
+                "SELECT count(*), total({residual}) FROM pair_estimates p
+                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.{other}
+                 WHERE p.gpu_model = ?1 AND p.{side} = ?2 AND p.observations > 0 AND p.oom = 0"
+            ),
+            params![model, app, prior],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+    };
     for _ in 0..2 {
         for &app in &apps {
             // This application's side: what the prior and its partners' impacts leave.
-            let (n, rest): (u32, f64) = tx.row(
-                "SELECT count(*), total(p.speed - ?3 - coalesce(e.impact, 0)) FROM pair_estimates p
-                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.other_id
-                 WHERE p.gpu_model = ?1 AND p.app_id = ?2 AND p.observations > 0 AND p.oom = 0",
-                params![model, app, prior],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )?;
+            let (n, rest) = leftover(app, "p.speed - ?3 - coalesce(e.impact, 0)", "app_id", "other_id")?;
             tx.exec(
                 "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
                  VALUES (?1, ?2, ?3, ?4, 0, 0)
@@ -939,13 +947,7 @@ pub(crate) fn update_effects(
         }
         for &app in &apps {
             // Its effect on partners: what their own expected speeds leave.
-            let (n, rest): (u32, f64) = tx.row(
-                "SELECT count(*), total(p.speed - coalesce(e.base, ?3)) FROM pair_estimates p
-                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.app_id
-                 WHERE p.gpu_model = ?1 AND p.other_id = ?2 AND p.observations > 0 AND p.oom = 0",
-                params![model, app, prior],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )?;
+            let (n, rest) = leftover(app, "p.speed - coalesce(e.base, ?3)", "other_id", "app_id")?;
             tx.exec(
                 "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
                  VALUES (?1, ?2, ?4, 0, ?3, ?5)
