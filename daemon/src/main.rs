@@ -331,6 +331,11 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
 /// is an error, not a new empty history).
 fn open_history(config_path: &Path) -> Result<History, String> {
     let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    history_of(&config, config_path)
+}
+
+/// [`open_history`] for a config already loaded from `config_path`.
+fn history_of(config: &Config, config_path: &Path) -> Result<History, String> {
     if !config.database.exists() {
         return Err(format!(
             "no history database at {} (named by {})",
@@ -452,7 +457,7 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     let data: report::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
     let config = Config::load(config_path).map_err(|e| e.to_string())?;
-    let mut h = open_history(config_path)?;
+    let mut h = history_of(&config, config_path)?;
     let done = report::import(&mut h, &data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!(

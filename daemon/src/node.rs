@@ -60,9 +60,10 @@ impl Node {
         &self.config.node
     }
 
-    /// The configuration this daemon runs with.
-    pub fn config(&self) -> &Config {
-        &self.config
+    /// Merges another node's export into this node's history (see [`crate::report::import`]),
+    /// with this daemon's `policy.unknown_pair_speed` for the refit it ends with.
+    pub fn import(&mut self, data: &crate::report::Export) -> Result<crate::report::Imported, String> {
+        crate::report::import(&mut self.history, data, self.config.policy.unknown_pair_speed)
     }
 
     /// The history, for tools and tests.

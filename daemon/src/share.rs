@@ -113,8 +113,7 @@ fn merge(node: &Mutex<Node>, path: &Path) -> Result<usize, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
     let data: Export = serde_json::from_str(&text).map_err(|e| format!("not a multiplexd history export: {e}"))?;
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-    let prior = node.config().policy.unknown_pair_speed;
-    let done = report::import(node.history_mut(), &data, prior)?;
+    let done = node.import(&data)?;
     Ok(done.pairs_added + done.pairs_replaced)
 }
 

@@ -391,20 +391,16 @@ impl<'a> Learned<'a> {
 
     /// Every node's export merged into the first, and the result into every other.
     fn share(&mut self) -> Result<(), String> {
-        use crate::report::{export, import};
-        fn merge(node: &mut Node, e: &crate::report::Export) -> Result<(), String> {
-            let prior = node.config().policy.unknown_pair_speed;
-            import(node.history_mut(), e, prior).map(drop)
-        }
+        use crate::report::export;
         let mut first = self.node(0)?;
         for n in 1..self.nodes.len() {
             let e = export(self.node(n)?.history()).map_err(|e| e.to_string())?;
-            merge(&mut first, &e)?;
+            first.import(&e)?;
         }
         let merged = export(first.history()).map_err(|e| e.to_string())?;
         drop(first);
         for n in 1..self.nodes.len() {
-            merge(&mut *self.node(n)?, &merged)?;
+            self.node(n)?.import(&merged)?;
         }
         Ok(())
     }
