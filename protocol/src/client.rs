@@ -131,21 +131,23 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixListener;
 
-    /// A daemon that behaves as `serve` says, on a socket of its own.
+    /// A daemon that behaves as `serve` says, on a socket of its own in a directory that is
+    /// removed when the returned guard drops.
     fn fake_daemon(
         name: &str,
         serve: impl FnOnce(UnixStream) + Send + 'static,
-    ) -> (PathBuf, std::thread::JoinHandle<()>) {
-        let dir = std::env::temp_dir().join(format!("multiplex-client-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("d.sock");
+    ) -> (tempfile::TempDir, PathBuf, std::thread::JoinHandle<()>) {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("multiplex-client-{name}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let handle = std::thread::spawn(move || {
             let (stream, _) = listener.accept().unwrap();
             serve(stream);
         });
-        (path, handle)
+        (dir, path, handle)
     }
 
     fn ask(path: &Path, timeout_ms: u64) -> (Result<Response, ClientError>, Duration) {
@@ -156,7 +158,7 @@ mod tests {
 
     #[test]
     fn a_silent_daemon_is_a_timeout() {
-        let (path, _h) = fake_daemon("silent", |s| {
+        let (_dir, path, _h) = fake_daemon("silent", |s| {
             std::thread::sleep(Duration::from_secs(3));
             drop(s);
         });
@@ -167,7 +169,7 @@ mod tests {
 
     #[test]
     fn a_daemon_trickling_bytes_cannot_stretch_the_timeout() {
-        let (path, _h) = fake_daemon("trickle", |mut s| {
+        let (_dir, path, _h) = fake_daemon("trickle", |mut s| {
             // A length prefix of 1000 bytes, then one byte every 50 ms, for 3 s.
             let _ = s.write_all(&1000u32.to_be_bytes());
             for _ in 0..60 {
@@ -187,7 +189,7 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_that_says_so() {
-        let (path, h) = fake_daemon("garbage", |mut s| {
+        let (_dir, path, h) = fake_daemon("garbage", |mut s| {
             let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello");
         });
         let (r, _) = ask(&path, 1000);
@@ -196,7 +198,7 @@ mod tests {
         assert!(matches!(e, ClientError::Frame { .. }), "{e:?}");
         assert!(e.to_string().contains("larger than"), "{e}");
 
-        let (path, h) = fake_daemon("json-garbage", |mut s| {
+        let (_dir, path, h) = fake_daemon("json-garbage", |mut s| {
             let body = br#"{"version":1,"nonsense":true}"#;
             let _ = s.write_all(&(body.len() as u32).to_be_bytes());
             let _ = s.write_all(body);
@@ -209,7 +211,7 @@ mod tests {
 
     #[test]
     fn a_daemon_that_hangs_up_is_an_error() {
-        let (path, h) = fake_daemon("hangup", drop);
+        let (_dir, path, h) = fake_daemon("hangup", drop);
         let (r, _) = ask(&path, 1000);
         h.join().unwrap();
         assert!(r.is_err(), "{r:?}");
