@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 const STATE: &str = "/tmp/slurm-multiplex-emulate-test";
 
+/// Stops the cluster when the test ends, and removes its results unless it failed (then
+/// they are what tells why).
 struct Down;
 
 impl Drop for Down {
@@ -27,6 +29,9 @@ impl Drop for Down {
         let _ = Command::new(repo.join("tests/cluster/down"))
             .args(["--state", STATE])
             .status();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(format!("{STATE}-results"));
+        }
     }
 }
 
