@@ -50,8 +50,8 @@ fn main() {
         v
     };
     let all = sides(&pairs);
-    // Mean absolute error of the fit over the sides not in `seen` (all sides when `seen` is
-    // empty of them, as for the fit on everything).
+    // Mean absolute error of the fit on `seen` over the sides not in it, or over every side
+    // with `over_seen` (the in-sample error of the fit on everything).
     let error = |seen: &[(usize, usize, f64)], over_seen: bool| -> f64 {
         let fit = fit_effects(n, seen, prior);
         let known: std::collections::HashSet<(usize, usize)> = seen.iter().map(|&(a, b, _)| (a, b)).collect();

@@ -124,7 +124,7 @@ fn populate(db: &Path, jobs: u64, apps: u64, rng: &mut Rng) {
     // from those estimates as the daemon would have while learning them.
     multiplexd::history::History::open(db)
         .unwrap()
-        .refit_effects(0.7)
+        .refit_effects(multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED)
         .unwrap();
     conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;").unwrap();
 }

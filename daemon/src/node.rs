@@ -80,11 +80,6 @@ impl Node {
         self.history.checkpoint_in_background(&self.config.database, shutdown)
     }
 
-    /// The history, for importing another node's.
-    pub fn history_mut(&mut self) -> &mut History {
-        &mut self.history
-    }
-
     /// Slots taken and slots in all on this node's shared GPUs.
     pub fn load(&self) -> Result<(u32, u32), HistoryError> {
         let total = self.gpus.len() as u32 * self.config.jobs_per_gpu;

@@ -249,13 +249,13 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     let mut fresh = World::new();
     let mut bad = data.clone();
     bad.pairs[0].speed = 1.5;
-    let err = report::import(fresh.node.history_mut(), &bad, 0.7).unwrap_err();
+    let err = fresh.node.import(&bad).unwrap_err();
     assert!(
         err.contains("speeds must be in (0, 1]") && err.contains("nothing was imported"),
         "{err}"
     );
     assert_eq!(fresh.estimate("bert", "resnet"), None, "nothing was imported");
-    let done = report::import(fresh.node.history_mut(), &data, 0.7).unwrap();
+    let done = fresh.node.import(&data).unwrap();
     assert_eq!((done.solo_added, done.pairs_added, done.kept), (2, 2, 0));
     assert_eq!(fresh.estimate("bert", "resnet"), w.estimate("bert", "resnet"));
     // What is known of each application (for partners never seen with it) is fitted from the
@@ -272,7 +272,7 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
         other => panic!("{other:?}"),
     }
     // Importing the same again changes nothing.
-    let again = report::import(fresh.node.history_mut(), &data, 0.7).unwrap();
+    let again = fresh.node.import(&data).unwrap();
     assert_eq!((again.pairs_added, again.pairs_replaced, again.kept), (0, 0, 4));
 }
 
