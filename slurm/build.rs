@@ -13,13 +13,13 @@ fn main() {
 
     let version_h = format!("{include}/slurm/slurm_version.h");
     let version_text = std::fs::read_to_string(&version_h).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {version_h}: {e}. Install the Slurm headers (Debian: apt-get install libslurm-dev) \
+        fail(&format!(
+            "cannot read {version_h} ({e}): install the Slurm headers (Debian: apt-get install libslurm-dev) \
              or set SLURM_INCLUDE_DIR to the directory holding slurm/slurm.h"
-        )
+        ))
     });
-    let version =
-        parse_version_number(&version_text).unwrap_or_else(|| panic!("no SLURM_VERSION_NUMBER in {version_h}"));
+    let version = parse_version_number(&version_text)
+        .unwrap_or_else(|| fail(&format!("{version_h} has no SLURM_VERSION_NUMBER: is it Slurm's header?")));
     let (major, minor) = ((version >> 16) & 0xff, (version >> 8) & 0xff);
 
     // job_modify gained `char **err_msg` in 23.02.
@@ -28,6 +28,14 @@ fn main() {
         println!("cargo:rustc-cfg=slurm_job_modify_err_msg");
     }
 
+    // bindgen panics with a backtrace when it finds no libclang; say what to install instead.
+    if let Err(e) = clang_sys::load() {
+        fail(&format!(
+            "bindgen needs libclang to read the Slurm headers and found none: install it \
+             (Debian: apt-get install libclang-dev) or set LIBCLANG_PATH to the directory holding libclang.so \
+             (clang-sys said: {e})"
+        ));
+    }
     let bindings = bindgen::Builder::default()
         .header("wrapper.h")
         .clang_arg(format!("-I{include}"))
@@ -53,9 +61,22 @@ fn main() {
         .derive_default(false)
         .layout_tests(false)
         .generate()
-        .expect("bindgen could not generate Slurm bindings");
+        .unwrap_or_else(|e| {
+            fail(&format!(
+                "bindgen could not read the Slurm headers in {include} ({e}); if it names a missing header \
+                 such as stddef.h, install clang's headers (Debian: apt-get install libclang-dev)"
+            ))
+        });
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
-    bindings.write_to_file(out).expect("write bindings");
+    if let Err(e) = bindings.write_to_file(&out) {
+        fail(&format!("cannot write {}: {e}", out.display()));
+    }
+}
+
+/// Stops the build with one sentence saying what is missing, not a panic and its backtrace.
+fn fail(message: &str) -> ! {
+    eprintln!("error: slurm-ffi: {message}");
+    std::process::exit(1);
 }
 
 fn parse_version_number(text: &str) -> Option<u32> {
