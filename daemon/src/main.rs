@@ -529,9 +529,10 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
         a.policies
     };
     simulate::check(&shape, &policies)?;
-    if !(a.progress_every.is_finite() && a.progress_every >= 0.0) {
+    // A report every instant would stop the simulated clock.
+    if !(a.progress_every.is_finite() && (a.progress_every == 0.0 || a.progress_every >= 1.0)) {
         return Err(format!(
-            "--progress-every {}: must be 0 or more seconds",
+            "--progress-every {}: must be 0 (no reports) or at least 1 second",
             a.progress_every
         ));
     }

@@ -50,6 +50,12 @@ impl Table {
                 if !(0.0..=2.0).contains(&v) {
                     return Err(at(format!("speed {v} is outside 0..2")));
                 }
+                // A job that crawls at a millionth of its speed never ends in simulated time.
+                if v > 0.0 && v < MIN_SPEED {
+                    return Err(at(format!(
+                        "speed {v} is below {MIN_SPEED}: a pair that slow cannot share (write 0,0)"
+                    )));
+                }
                 Ok(v)
             };
             let (sa, sb) = (speed(f[3])?, speed(f[4])?);
@@ -98,6 +104,9 @@ impl Table {
         self.apps.iter().position(|a| a == name)
     }
 }
+
+/// The least speed a pair table may give a job that shares (0 aside: cannot share).
+pub const MIN_SPEED: f64 = 0.001;
 
 /// One job of the trace.
 #[derive(Debug, Clone, PartialEq)]

@@ -279,4 +279,6 @@ pub fn csv(runs: &[Run]) -> String {
 }
 
 #[cfg(test)]
+mod termination;
+#[cfg(test)]
 mod tests;

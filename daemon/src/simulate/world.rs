@@ -1,7 +1,8 @@
 //! The simulated world: Slurm's part (a FIFO queue, node choice by `Weight` then index,
 //! requeue after a decline or a failure) and reality's part (each job runs at the table's
-//! speed beside its current partners, a pair that cannot share makes the newcomer fail with
-//! out-of-memory). The policy only chooses a GPU on the node Slurm picked, or declines.
+//! speed beside its current partners; a newcomer beside a job it cannot share with fails with
+//! out-of-memory unless that job leaves first). The policy only chooses a GPU on the node
+//! Slurm picked, or declines. A watchdog stops a run that would never end.
 
 use super::input::{Rng, Table, TraceJob};
 use std::cmp::Ordering;
@@ -222,8 +223,12 @@ pub fn run(
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
     }
+    let mut watchdog = Watchdog::new(trace.len());
     while let Some(e) = w.events.pop() {
         let now = e.at;
+        if let Some(stuck) = watchdog.tick(now, e.job) {
+            return Err(stuck.describe(trace));
+        }
         match e.kind {
             Kind::Arrive => {
                 w.queue.insert(e.job);
@@ -241,7 +246,8 @@ pub fn run(
             }
             Kind::OutOfMemory(run) => {
                 let job = &w.jobs[e.job];
-                if job.run != run || job.at.is_none() {
+                // Stale: a later run, or the partners it could not share with left in time.
+                if job.run != run || job.at.is_none() || !job.doomed {
                     continue;
                 }
                 let (node, _) = w.leave(now, e.job);
@@ -286,6 +292,103 @@ pub fn run(
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
+}
+
+/// Stops a run that would never end: every event the world processes is counted against a
+/// budget proportional to the jobs, and events at one instant of simulated time against a
+/// smaller one (the clock has stopped). Legitimate runs stay far below both: a job arrives,
+/// starts, ends, and between those reports progress, is declined, or fails and is requeued,
+/// each of which moves the clock on by at least a minute.
+struct Watchdog {
+    events: u64,
+    budget: u64,
+    at: f64,
+    at_this_instant: u64,
+    instant_budget: u64,
+    /// The jobs of the latest events, to name the ones going round.
+    recent: std::collections::VecDeque<usize>,
+}
+
+/// Why the watchdog stopped a run.
+struct Stuck {
+    at: f64,
+    events: u64,
+    clock_stopped: bool,
+    jobs: Vec<usize>,
+}
+
+impl Watchdog {
+    /// Events per job a run may process in all (the worst legitimate runs seen take a few
+    /// hundred: 142 declines per job on a table where almost no pair gains), and at one
+    /// instant; each on top of a fixed allowance for small traces.
+    const EVENTS_PER_JOB: u64 = 20_000;
+    const INSTANT_EVENTS_PER_JOB: u64 = 100;
+    const RECENT: usize = 1_000;
+
+    fn new(jobs: usize) -> Watchdog {
+        let jobs = jobs.max(1) as u64;
+        Watchdog {
+            events: 0,
+            budget: 1_000_000 + Self::EVENTS_PER_JOB.saturating_mul(jobs),
+            at: f64::NEG_INFINITY,
+            at_this_instant: 0,
+            instant_budget: 10_000 + Self::INSTANT_EVENTS_PER_JOB.saturating_mul(jobs),
+            recent: std::collections::VecDeque::with_capacity(Self::RECENT),
+        }
+    }
+
+    fn tick(&mut self, now: f64, job: usize) -> Option<Stuck> {
+        self.events += 1;
+        if now > self.at {
+            self.at = now;
+            self.at_this_instant = 0;
+        }
+        self.at_this_instant += 1;
+        if self.recent.len() == Self::RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(job);
+        let clock_stopped = self.at_this_instant > self.instant_budget;
+        if !clock_stopped && self.events <= self.budget && now.is_finite() {
+            return None;
+        }
+        let mut counts: std::collections::BTreeMap<usize, usize> = Default::default();
+        for &j in &self.recent {
+            *counts.entry(j).or_default() += 1;
+        }
+        let mut jobs: Vec<(usize, usize)> = counts.into_iter().collect();
+        jobs.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut jobs: Vec<usize> = jobs.into_iter().take(5).map(|(j, _)| j).collect();
+        jobs.sort_unstable();
+        Some(Stuck {
+            at: now,
+            events: self.events,
+            clock_stopped,
+            jobs,
+        })
+    }
+}
+
+impl Stuck {
+    fn describe(&self, trace: &[TraceJob]) -> String {
+        let why = if !self.at.is_finite() {
+            "the simulated clock is no longer a finite number".to_string()
+        } else if self.clock_stopped {
+            "the simulated clock stopped advancing".to_string()
+        } else {
+            format!(
+                "the run exceeded its budget of {} events per job",
+                Watchdog::EVENTS_PER_JOB
+            )
+        };
+        let ids: Vec<&str> = self.jobs.iter().map(|&j| trace[j].id.as_str()).collect();
+        format!(
+            "the simulation would not end: {why} (at simulated time {:.0} s, after {} events); the jobs going round: {}",
+            self.at,
+            self.events,
+            ids.join(", ")
+        )
+    }
 }
 
 impl World<'_> {
@@ -357,12 +460,19 @@ impl World<'_> {
         }
     }
 
-    fn start(&mut self, now: f64, j: usize, node: usize, g: usize) {
-        let gi = node * self.shape.gpus_per_node + g;
-        let doomed = self.gpus[gi]
+    /// Whether job `j` cannot share with one of the jobs on GPU `gi` that hold their memory
+    /// for good: those not doomed themselves (a doomed job is about to fail and free it).
+    fn clashes(&self, j: usize, gi: usize) -> bool {
+        let app = self.jobs[j].app;
+        self.gpus[gi]
             .jobs
             .iter()
-            .any(|&o| self.table.speed(self.jobs[j].app, self.jobs[o].app).is_none());
+            .any(|&o| o != j && !self.jobs[o].doomed && self.table.speed(app, self.jobs[o].app).is_none())
+    }
+
+    fn start(&mut self, now: f64, j: usize, node: usize, g: usize) {
+        let gi = node * self.shape.gpus_per_node + g;
+        let doomed = self.clashes(j, gi);
         self.settle(now, gi);
         let job = &mut self.jobs[j];
         job.at = Some((node, g));
@@ -390,8 +500,28 @@ impl World<'_> {
         self.gpus[gi].jobs.retain(|&o| o != j);
         self.used[node] -= 1;
         self.jobs[j].epoch += 1;
+        self.rescue(now, gi);
         self.respeed(now, gi);
         (node, g)
+    }
+
+    /// A doomed job whose clashing partners have all left before it ran out of memory has
+    /// the memory it needs after all: it runs on (oldest first, so that of two doomed jobs
+    /// that cannot share either, the newer stays doomed). Without this a doomed job stayed
+    /// doomed alone, and the next job of an application that cannot share with itself,
+    /// placed beside it, was doomed in turn: a chain of failures that never ended.
+    fn rescue(&mut self, now: f64, gi: usize) {
+        for k in 0..self.gpus[gi].jobs.len() {
+            let m = self.gpus[gi].jobs[k];
+            if !self.jobs[m].doomed || self.clashes(m, gi) {
+                continue;
+            }
+            self.jobs[m].doomed = false;
+            if self.progress.every_s > 0.0 {
+                let run = self.jobs[m].run;
+                self.push(now + self.progress.every_s, m, Kind::Report(run));
+            }
+        }
     }
 
     /// Brings the work of a GPU's jobs and the throughput integrals up to `now`.
