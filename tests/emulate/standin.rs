@@ -10,7 +10,9 @@
 //! next job that looks. The emulated world is the one of `multiplexd simulate`: speed beside
 //! several partners is the product of the pair speeds; a newcomer beside a partner the table
 //! says it cannot share with does no work, slows no one, and fails after `--oom-after`
-//! seconds with a CUDA-style out-of-memory message (the incumbent keeps running).
+//! seconds with a CUDA-style out-of-memory message (the incumbent keeps running), unless
+//! every job it cannot share with has left by then: then it runs on. Doomed jobs hold no
+//! memory for good, so they doom no newcomer.
 //!
 //! Like a real job that opts in, it reports its progress (and its out-of-memory failure) to
 //! the node's daemon over `MULTIPLEX_SOCKET` when that is set.
@@ -120,10 +122,7 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     let (entry, doomed, first_partners) = {
         let _gpu_lock = Locked::exclusive(&dir.join(".lock"))?;
         let partners = residents(&dir, job);
-        let doomed = partners.iter().any(|p| match table.app_index(&p.app) {
-            Some(o) => table.speed(me, o).is_none(),
-            None => false,
-        });
+        let doomed = clashes(&table, me, &partners);
         (Entry::register(&dir, job, &a.app, doomed)?, doomed, partners)
     };
     let started = Instant::now();
@@ -160,6 +159,7 @@ fn run(a: &Args) -> Result<ExitCode, String> {
         }
     };
     let tick = Duration::from_millis(a.tick_ms.max(1));
+    let doomed = doomed && !wait_for_rescue(&dir, job, &table, me, &entry, &a.app, a.oom_after, tick)?;
     let outcome = if doomed {
         std::thread::sleep(Duration::from_secs_f64(a.oom_after.max(0.0)));
         report(ReportKind::OutOfMemory);
@@ -225,6 +225,44 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     })
 }
 
+/// Whether app `me` cannot share with one of `partners` that keeps its memory (is not doomed).
+fn clashes(table: &Table, me: usize, partners: &[Resident]) -> bool {
+    partners
+        .iter()
+        .filter(|p| !p.doomed)
+        .filter_map(|p| table.app_index(&p.app))
+        .any(|o| table.speed(me, o).is_none())
+}
+
+/// A doomed job waits out `oom_after` seconds; if every job it cannot share with leaves
+/// before then, it is rescued (its entry says so, under the GPU's lock) and runs on.
+#[allow(clippy::too_many_arguments)]
+fn wait_for_rescue(
+    dir: &Path,
+    job: u32,
+    table: &Table,
+    me: usize,
+    entry: &Entry,
+    app: &str,
+    oom_after: f64,
+    tick: Duration,
+) -> Result<bool, String> {
+    let started = Instant::now();
+    while started.elapsed().as_secs_f64() < oom_after {
+        std::thread::sleep(tick);
+        let _gpu_lock = Locked::exclusive(&dir.join(".lock"))?;
+        if !clashes(table, me, &residents(dir, job)) {
+            entry.mark_rescued(app)?;
+            println!(
+                "standin: rescued after {:.2} s: the jobs it could not share with have left",
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Writes `text` to `path` so that a reader sees all of it or nothing.
 fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
     let tmp = path.with_extension("tmp");
@@ -258,7 +296,7 @@ impl Locked {
 /// This job's registry file: `<job>` holding `app doomed`, locked while the job lives.
 struct Entry {
     path: PathBuf,
-    _lock: Locked,
+    lock: Locked,
 }
 
 impl Entry {
@@ -271,7 +309,17 @@ impl Entry {
             .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
         let path = dir.join(job.to_string());
         fs::rename(&tmp, &path).map_err(|e| format!("cannot register in {}: {e}", dir.display()))?;
-        Ok(Entry { path, _lock: lock })
+        Ok(Entry { path, lock })
+    }
+
+    /// No longer doomed: rewrites the flag in place (one write of the same length, so a
+    /// reader sees the old line or the new one).
+    fn mark_rescued(&self, app: &str) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        self.lock
+            .0
+            .write_all_at(format!("{app} 0\n").as_bytes(), 0)
+            .map_err(|e| format!("cannot write {}: {e}", self.path.display()))
     }
 }
 
