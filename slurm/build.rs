@@ -18,8 +18,11 @@ fn main() {
              or set SLURM_INCLUDE_DIR to the directory holding slurm/slurm.h"
         ))
     });
-    let version = parse_version_number(&version_text)
-        .unwrap_or_else(|| fail(&format!("{version_h} has no SLURM_VERSION_NUMBER: is it Slurm's header?")));
+    let version = parse_version_number(&version_text).unwrap_or_else(|| {
+        fail(&format!(
+            "{version_h} has no SLURM_VERSION_NUMBER: is it Slurm's header?"
+        ))
+    });
     let (major, minor) = ((version >> 16) & 0xff, (version >> 8) & 0xff);
 
     // job_modify gained `char **err_msg` in 23.02.

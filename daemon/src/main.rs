@@ -26,13 +26,13 @@ struct Cli {
 enum Command {
     /// Run the daemon for this node.
     Serve {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Show what runs on which GPU of a running daemon.
     Status {
         /// The daemon's config (for its socket path).
-        #[arg(long, default_value = DEFAULT_CONFIG, conflicts_with = "socket")]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG, conflicts_with = "socket")]
         config: PathBuf,
         /// The daemon's socket, instead of reading the config.
         #[arg(long)]
@@ -57,12 +57,12 @@ enum Command {
         /// the config's).
         #[arg(long)]
         socket: Option<PathBuf>,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Show what the history learned: solo runtimes and pair speeds.
     History {
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
         /// Print JSON instead of tables.
         #[arg(long)]
@@ -72,7 +72,7 @@ enum Command {
     Explain {
         /// The Slurm job id.
         job_id: u32,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -82,14 +82,14 @@ enum Command {
     Export {
         /// The file to write, or - for standard output.
         file: PathBuf,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Merge another node's export into this node's history (more observations win).
     Import {
         /// The file to read, or - for standard input.
         file: PathBuf,
-        #[arg(long, default_value = DEFAULT_CONFIG)]
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Compare placement policies on a job trace in a simulated cluster, on measured pair
@@ -193,7 +193,7 @@ fn serve(config_path: &Path) -> Result<(), String> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    let config = load_config(config_path)?;
     let gpus = multiplexd::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
     let access = Access {
         privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
@@ -301,7 +301,7 @@ fn uid_of(user: &str) -> Option<u32> {
 fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), String> {
     let socket = match socket {
         Some(s) => s.to_path_buf(),
-        None => Config::load(config_path).map_err(|e| e.to_string())?.socket,
+        None => load_config(config_path)?.socket,
     };
     let response = client::call(&socket, Duration::from_secs(5), Request::Status).map_err(|e| e.to_string())?;
     let status = match response {
@@ -329,8 +329,18 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
 
 /// The history database named by the config, opened (never created by a tool: a wrong path
 /// is an error, not a new empty history).
+/// Reads the daemon's config; a missing file says how to name another one.
+fn load_config(path: &Path) -> Result<Config, String> {
+    Config::load(path).map_err(|e| match &e {
+        multiplexd::config::ConfigError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            format!("{e} (name the node's config with --config FILE or MULTIPLEXD_CONFIG=FILE)")
+        }
+        _ => e.to_string(),
+    })
+}
+
 fn open_history(config_path: &Path) -> Result<History, String> {
-    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    let config = load_config(config_path)?;
     history_of(&config, config_path)
 }
 
@@ -387,44 +397,42 @@ fn history(config_path: &Path, json: bool) -> Result<(), String> {
 }
 
 fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
-    let h = open_history(config_path)?;
-    let e = report::explain(&h, job_id)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("job {job_id} is not in this node's history"))?;
+    let config = load_config(config_path)?;
+    let h = history_of(&config, config_path)?;
+    let Some(e) = report::explain(&h, job_id).map_err(|e| e.to_string())? else {
+        return Err(not_here(&config, job_id));
+    };
     if json {
         return json_out(&e);
     }
-    println!(
-        "job {} ({}) on {} GPU {} ({})",
-        e.job_id, e.app, e.node, e.gpu, e.gpu_model
-    );
-    println!("decision: {}", e.decision);
-    println!("predicted speed: {:.2}", e.predicted_speed);
-    let state = match (e.finished_at, e.exit_status) {
-        (None, _) => "still running".to_string(),
-        (Some(f), Some(x)) => format!("ended after {:.0} s, exit status {x}", f - e.started_at),
-        (Some(f), None) => format!(
-            "ended after {:.0} s or less; its end was not reported",
-            f - e.started_at
-        ),
-    };
-    println!("{state}; {:.0} s alone", e.seconds_alone);
-    for p in &e.partners {
-        println!("shared with job {} ({}) for {:.0} s", p.job_id, p.app, p.seconds);
-    }
-    if let Some(m) = e.gpu_mem_peak_mb {
-        println!("GPU memory peak: {m} MiB");
-    }
-    if let Some(u) = e.sm_util_mean_pct {
-        println!("mean SM utilisation: {u:.0}%");
-    }
-    for l in &e.learned {
-        println!(
-            "learned: {} beside {}: {:.2} (and {:.2} the other way), from {} observations",
-            l.app, l.other, l.speed, l.other_speed, l.observations
-        );
-    }
+    print!("{}", report::ExplanationText(&e));
     Ok(())
+}
+
+/// Why `explain` has nothing on a job here: where Slurm says it ran, and how to ask there.
+fn not_here(config: &Config, job_id: u32) -> String {
+    let here = format!("job {job_id} is not in the history of {}", config.node);
+    let args = [
+        "show".to_string(),
+        "job".to_string(),
+        "-o".to_string(),
+        job_id.to_string(),
+    ];
+    match multiplexd::command::run(&config.weight.scontrol, &args, Duration::from_secs(5)) {
+        Ok(out) => match report::node_list(&out) {
+            Some(nodes) if nodes != config.node => format!(
+                "{here}: Slurm says it ran on {nodes}; ask that node's daemon there \
+                 (multiplexd explain {job_id}, with that node's --config or MULTIPLEXD_CONFIG)"
+            ),
+            Some(_) => {
+                format!("{here}, though Slurm says it ran here: it was not multiplexed, or its record was compacted")
+            }
+            None => format!("{here}, and Slurm has not placed it on a node yet"),
+        },
+        Err(_) => format!(
+            "{here}, and Slurm no longer knows where it ran (where accounting is kept: sacct -j {job_id} -o NodeList)"
+        ),
+    }
 }
 
 fn export(config_path: &Path, file: &Path) -> Result<(), String> {
@@ -456,7 +464,7 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     };
     let data: report::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
-    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    let config = load_config(config_path)?;
     let mut h = history_of(&config, config_path)?;
     let done = report::import(&mut h, &data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;
@@ -488,7 +496,7 @@ fn report_cmd(
     };
     let socket = match socket.or_else(|| std::env::var_os("MULTIPLEX_SOCKET").map(PathBuf::from)) {
         Some(s) => s,
-        None => Config::load(config).map_err(|e| e.to_string())?.socket,
+        None => load_config(config)?.socket,
     };
     let kind = match progress {
         Some(done) if !oom => multiplex_protocol::ReportKind::Progress { done },

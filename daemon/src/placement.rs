@@ -64,6 +64,11 @@ pub trait PairHistory {
     }
 }
 
+/// "1 observation", "4 observations".
+fn observations(n: u32) -> String {
+    format!("{n} observation{}", if n == 1 { "" } else { "s" })
+}
+
 /// The speed of `app` beside `other`: learned if the pair was seen; else from what is known of
 /// each application beside others (see [`unseen`]); else the prior. The text says which.
 pub(crate) fn estimate(
@@ -78,7 +83,7 @@ pub(crate) fn estimate(
         return (
             e.speed,
             Some(e),
-            format!("{:.2} from {} observations", e.speed, e.observations),
+            format!("{:.2} from {}", e.speed, observations(e.observations)),
         );
     }
     // A row without observations of this side (only the other side was learned, or only an
@@ -365,8 +370,12 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
         gain += now * theirs - now;
         notes.push(match est.filter(|e| e.observations > 0) {
             Some(e) => format!(
-                "beside {} (job {}): {:.2}/{:.2} from {} observations",
-                r.app, r.job_id, mine, theirs, e.observations
+                "beside {} (job {}): {:.2}/{:.2} from {}",
+                r.app,
+                r.job_id,
+                mine,
+                theirs,
+                observations(e.observations)
             ),
             None => format!("beside {} (job {}): {why}", r.app, r.job_id),
         });

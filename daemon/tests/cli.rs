@@ -65,7 +65,26 @@ fn history_tools_from_the_command_line() {
     assert_eq!(v["pairs"][0]["observations"], 4);
 
     let (ok, _, err) = multiplexd(&["explain", "77", "--config", &a]);
-    assert!(!ok && err.contains("job 77 is not in this node's history"), "{err}");
+    assert!(!ok && err.contains("job 77 is not in the history of n1"), "{err}");
+
+    // Where a user stands: the config named once in the environment.
+    let out = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["history"])
+        .env("MULTIPLEXD_CONFIG", &a)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("bert"), "{text}");
+    let out = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["history"])
+        .env("MULTIPLEXD_CONFIG", dir.path().join("missing.toml"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("missing.toml") && err.contains("MULTIPLEXD_CONFIG=FILE"),
+        "{err}"
+    );
 
     // Export from a, import into b.
     let file = dir.path().join("seed.json");

@@ -136,7 +136,11 @@ fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
     match w.start(400.0, 6, "bert") {
         Response::Placed(p) => {
             assert!((p.predicted_speed - 2.0 / 3.0).abs() < 0.01, "{p:?}");
-            assert!(p.reason.contains("from 1 observations"), "{}", p.reason);
+            assert!(
+                p.reason.contains("from 1 observation") && !p.reason.contains("1 observations"),
+                "{}",
+                p.reason
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -268,7 +272,11 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     // The seeded node predicts from the import at once.
     fresh.start(0.0, 10, "resnet");
     match fresh.start(0.0, 11, "bert") {
-        Response::Placed(p) => assert!(p.reason.contains("from 1 observations"), "{}", p.reason),
+        Response::Placed(p) => assert!(
+            p.reason.contains("from 1 observation") && !p.reason.contains("1 observations"),
+            "{}",
+            p.reason
+        ),
         other => panic!("{other:?}"),
     }
     // Importing the same again changes nothing.
