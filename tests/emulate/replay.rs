@@ -397,6 +397,30 @@ fn queued() -> Result<HashSet<u32>, String> {
         .collect())
 }
 
+/// The comparison in one sentence a user reads at once.
+fn verdict(p: &Summary, d: &Summary) -> String {
+    let change = d.avg_jct_s / p.avg_jct_s - 1.0;
+    let how = if change <= -0.005 {
+        format!("finished {:.0}% sooner on average", -100.0 * change)
+    } else if change >= 0.005 {
+        format!("finished {:.0}% later on average", 100.0 * change)
+    } else {
+        "finished as soon on average".to_string()
+    };
+    let ran_out = |n: u64| match n {
+        1 => "1 ran".to_string(),
+        n => format!("{n} ran"),
+    };
+    format!(
+        "With the daemons deciding, jobs {how} ({:.0} s against {:.0} s with plain Slurm shards) \
+         and {} out of GPU memory, against {}.",
+        d.avg_jct_s,
+        p.avg_jct_s,
+        ran_out(d.oom_failures),
+        p.oom_failures
+    )
+}
+
 fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
     let v: Value = serde_json::from_str(&read(path)?).map_err(|e| format!("{}: {e}", path.display()))?;
     let s = v
@@ -526,7 +550,8 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 sim(sd, "oom_failures")
             );
         }
-        other => return Err(format!("--format {other}: use table, json or csv")),
+        "words" => println!("{}", verdict(&p, &d)),
+        other => return Err(format!("--format {other}: use table, json, csv or words")),
     }
     Ok(())
 }
