@@ -95,9 +95,9 @@ fn check_outcome(o: &Outcome, trace: &[TraceJob], shape: &Shape, what: &str) {
 fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
     let mut rng = Rng::new(26);
     let mut runs = 0;
-    for table_kind in 0..TABLES.len() {
+    for (table_kind, table_name) in TABLES.iter().enumerate() {
         let t = table(table_kind, &mut rng);
-        for trace_kind in 0..TRACES.len() {
+        for (trace_kind, trace_name) in TRACES.iter().enumerate() {
             for round in 0..2 {
                 let shape = Shape {
                     nodes: 1 + rng.below(2),
@@ -111,10 +111,8 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                 };
                 for name in policy::ALL {
                     let what = format!(
-                        "{name} on \"{}\" ({} apps), \"{}\" ({} jobs), {shape:?}",
-                        TABLES[table_kind],
+                        "{name} on \"{table_name}\" ({} apps), \"{trace_name}\" ({} jobs), {shape:?}",
                         t.apps.len(),
-                        TRACES[trace_kind],
                         jobs.len()
                     );
                     let mut p = policy::make(name, &t, shape, 7).unwrap();
