@@ -159,9 +159,9 @@ fn run(a: &Args) -> Result<ExitCode, String> {
         }
     };
     let tick = Duration::from_millis(a.tick_ms.max(1));
+    // A doomed job waits out --oom-after in wait_for_rescue, then fails, unless rescued.
     let doomed = doomed && !wait_for_rescue(&dir, job, &table, me, &entry, &a.app, a.oom_after, tick)?;
     let outcome = if doomed {
-        std::thread::sleep(Duration::from_secs_f64(a.oom_after.max(0.0)));
         report(ReportKind::OutOfMemory);
         eprintln!(
             "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU {gpu}; {} beside [{}] does not fit) [emulated by multiplex-standin]",
