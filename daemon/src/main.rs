@@ -327,8 +327,6 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
     Ok(())
 }
 
-/// The history database named by the config, opened (never created by a tool: a wrong path
-/// is an error, not a new empty history).
 /// Reads the daemon's config; a missing file says how to name another one.
 fn load_config(path: &Path) -> Result<Config, String> {
     Config::load(path).map_err(|e| match &e {
@@ -339,6 +337,8 @@ fn load_config(path: &Path) -> Result<Config, String> {
     })
 }
 
+/// The history database named by the config, opened (never created by a tool: a wrong path
+/// is an error, not a new empty history).
 fn open_history(config_path: &Path) -> Result<History, String> {
     let config = load_config(config_path)?;
     history_of(&config, config_path)
