@@ -51,7 +51,8 @@ pub struct Partner {
     pub seconds: f64,
 }
 
-/// A job beside another, by Slurm job id (0 when its record was compacted away) and app.
+/// A job beside another, by Slurm job id and app (one whose record was compacted away is left
+/// out).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Corunner {
     pub job_id: u32,
@@ -319,9 +320,10 @@ impl std::fmt::Display for ExplanationText<'_> {
                 .iter()
                 .map(|c| format!("{} (job {})", c.app, c.job_id))
                 .collect();
-            match beside.is_empty() {
-                true => writeln!(f, "ran out of GPU memory")?,
-                false => writeln!(f, "ran out of GPU memory beside {}", beside.join(", "))?,
+            if beside.is_empty() {
+                writeln!(f, "ran out of GPU memory")?;
+            } else {
+                writeln!(f, "ran out of GPU memory beside {}", beside.join(", "))?;
             }
         }
         if let Some(m) = e.gpu_mem_peak_mb {
