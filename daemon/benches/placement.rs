@@ -111,17 +111,9 @@ fn populate(db: &Path, jobs: u64, apps: u64, rng: &mut Rng) {
         }
         t += 10.0;
     }
-    // The per-application means the daemon derives from the estimates as it learns.
-    tx.execute(
-        "INSERT INTO app_means(gpu_model, app_id, mean, pairs)
-         SELECT gpu_model, app_id, avg(speed), count(*) FROM pair_estimates
-         WHERE observations > 0 AND oom = 0 GROUP BY gpu_model, app_id",
-        [],
-    )
-    .unwrap();
     tx.commit().unwrap();
-    // What the daemon knows of each application beside partners never seen with it, fitted
-    // from those estimates as the daemon would have while learning them.
+    // What the daemon derives from those estimates as it learns them (each application's
+    // record and what is known of it beside partners never seen), by the daemon's own code.
     multiplexd::history::History::open(db)
         .unwrap()
         .refit_effects(multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED)

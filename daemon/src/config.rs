@@ -1,16 +1,11 @@
 //! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
+//!
+//! The configuration of every part of the daemon lives here, so that the parts depend on the
+//! configuration and never the other way round.
 
-use crate::reconcile::ReconcileConfig;
-use crate::share::ShareConfig;
-use crate::weight::WeightConfig;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
-
-/// Default of `policy.explore_margin`: none. On the Gavel V100 world of `multiplexd
-/// simulate` a margin of 0.05 made the average JCT 1 to 2% worse over 1,000 and 5,000 jobs:
-/// the estimate of an unseen pair from each application's profile is already good enough
-/// that trying pairs on purpose costs more than it teaches there.
-pub const DEFAULT_EXPLORE_MARGIN: f64 = 0.0;
+use std::time::Duration;
 
 /// Default of `policy.unknown_pair_speed`, the prior speed of each side of a pair never seen.
 pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
@@ -84,7 +79,6 @@ struct RawGpu {
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
     unknown_pair_speed: Option<f64>,
-    explore_margin: Option<f64>,
     min_gain: Option<f64>,
     decline_retry_s: Option<u32>,
     mode: Option<Mode>,
@@ -126,9 +120,6 @@ pub enum GpuSource {
 pub struct PolicyConfig {
     /// Assumed speed of each side of a pair never seen together (prior).
     pub unknown_pair_speed: f64,
-    /// Predicted gain (jobs' worth of throughput) placement gives up, at most, to try a pair
-    /// never seen.
-    pub explore_margin: f64,
     /// The least predicted gain worth sharing a GPU for; below it the job is declined.
     pub min_gain: f64,
     /// How long a declined job waits before Slurm tries again.
@@ -217,10 +208,6 @@ impl Config {
                 "policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"
             ));
         }
-        let explore_margin = raw.policy.explore_margin.unwrap_or(DEFAULT_EXPLORE_MARGIN);
-        if !(0.0..=1.0).contains(&explore_margin) {
-            return Err(format!("policy.explore_margin = {explore_margin}: must be in [0, 1]"));
-        }
         let min_gain = raw.policy.min_gain.unwrap_or(DEFAULT_MIN_GAIN);
         check_min_gain(min_gain, unknown_pair_speed).map_err(|e| format!("policy.min_gain = {min_gain}: {e}"))?;
         let dw = WeightConfig::default();
@@ -283,7 +270,6 @@ impl Config {
             gpus,
             policy: PolicyConfig {
                 unknown_pair_speed,
-                explore_margin,
                 min_gain,
                 decline_retry_s: raw.policy.decline_retry_s.unwrap_or(60),
                 mode: raw.policy.mode.unwrap_or_default(),
@@ -311,6 +297,71 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().split('.').next().unwrap_or("").to_string())
         .unwrap_or_default()
+}
+
+/// How the daemon reconciles with Slurm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReconcileConfig {
+    /// Seconds between checks (0: never).
+    pub interval_s: u64,
+    /// The squeue to run.
+    pub squeue: PathBuf,
+    /// Jobs placed less than this long ago are left alone (Slurm may not list them yet).
+    pub grace_s: f64,
+}
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        ReconcileConfig {
+            interval_s: 60,
+            squeue: PathBuf::from("squeue"),
+            grace_s: 30.0,
+        }
+    }
+}
+
+/// Where and how often the daemon shares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShareConfig {
+    /// The shared directory; `None`: this node learns alone.
+    pub dir: Option<PathBuf>,
+    /// Seconds between two exchanges.
+    pub every_s: u64,
+}
+
+impl Default for ShareConfig {
+    fn default() -> Self {
+        ShareConfig {
+            dir: None,
+            every_s: 600,
+        }
+    }
+}
+
+/// How the daemon publishes its node's weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightConfig {
+    pub publish: bool,
+    /// The weight of the idle node; a busy one gets up to `base + 100`.
+    pub base: u32,
+    /// Publish again this often even without a change (0: never).
+    pub republish_s: u64,
+    /// The scontrol to run.
+    pub scontrol: PathBuf,
+    /// How soon a failed publication is tried again.
+    pub retry: Duration,
+}
+
+impl Default for WeightConfig {
+    fn default() -> Self {
+        WeightConfig {
+            publish: true,
+            base: 1,
+            republish_s: 60,
+            scontrol: PathBuf::from("scontrol"),
+            retry: Duration::from_secs(5),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -361,7 +412,8 @@ mod tests {
                 "listed twice",
             ),
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
-            ("[policy]\nexplore_margin = -0.1", "explore_margin"),
+            // Removed: placement no longer gives up predicted gain to try pairs never seen.
+            ("[policy]\nexplore_margin = 0.05", "unknown field `explore_margin`"),
             ("[policy]\nmin_gain = -0.1", "min_gain"),
             (
                 "[share]\ndir = \"shared/x\"",

@@ -1,7 +1,24 @@
 //! The node's shared GPUs: listed in the config, or found through NVML (loaded at run time,
-//! so the daemon starts on nodes without a driver).
+//! so the daemon starts on nodes without a driver); and what telemetry sees running on them.
 
 use crate::config::{GpuSource, GpuSpec};
+
+/// One process on a GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcSample {
+    pub pid: u32,
+    /// GPU memory the process uses, MiB (`None` where the driver does not say).
+    pub mem_mb: Option<u64>,
+    /// Its share of the GPU's SM time over the last interval, percent.
+    pub sm_util_pct: Option<u32>,
+}
+
+/// One GPU at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSample {
+    pub index: u32,
+    pub processes: Vec<ProcSample>,
+}
 
 /// Why no GPU list could be made.
 #[derive(Debug, thiserror::Error)]

@@ -5,8 +5,8 @@ use clap::{Parser, Subcommand};
 use multiplex_protocol::{client, Request, Response};
 use multiplexd::config::{Config, DEFAULT_CONFIG};
 use multiplexd::history::History;
+use multiplexd::inspect;
 use multiplexd::node::{wall_clock, Node};
-use multiplexd::report;
 use multiplexd::server::{self, Access};
 use multiplexd::weight::{weight_for, Publisher};
 use std::path::{Path, PathBuf};
@@ -238,6 +238,9 @@ fn serve(config_path: &Path) -> Result<(), String> {
     if let Err(e) = node.checkpoint_in_background(Arc::clone(&shutdown)) {
         tracing::warn!(error = %e, "checkpointing on commit instead of in the background");
     }
+    if let Err(e) = node.learn_in_background() {
+        tracing::warn!(error = %e, "learning inside each finish request instead of on a thread of its own");
+    }
     let node = Arc::new(Mutex::new(node));
     multiplexd::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
     multiplexd::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
@@ -255,8 +258,10 @@ fn serve(config_path: &Path) -> Result<(), String> {
             "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
         ),
     }
-    server::run(listener, node, access, shutdown);
+    server::run(listener, Arc::clone(&node), access, shutdown);
     let _ = std::fs::remove_file(&socket);
+    // What ended jobs still have to teach is learned before the daemon exits.
+    node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
     tracing::info!("stopped");
     Ok(())
 }
@@ -363,7 +368,7 @@ fn json_out<T: serde::Serialize>(v: &T) -> Result<(), String> {
 
 fn history(config_path: &Path, json: bool) -> Result<(), String> {
     let h = open_history(config_path)?;
-    let data = report::export(&h).map_err(|e| e.to_string())?;
+    let data = h.export().map_err(|e| e.to_string())?;
     if json {
         return json_out(&data);
     }
@@ -399,13 +404,13 @@ fn history(config_path: &Path, json: bool) -> Result<(), String> {
 fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
     let config = load_config(config_path)?;
     let h = history_of(&config, config_path)?;
-    let Some(e) = report::explain(&h, job_id).map_err(|e| e.to_string())? else {
+    let Some(e) = h.explain(job_id).map_err(|e| e.to_string())? else {
         return Err(not_here(&config, job_id));
     };
     if json {
         return json_out(&e);
     }
-    print!("{}", report::ExplanationText(&e));
+    print!("{}", inspect::ExplanationText(&e));
     Ok(())
 }
 
@@ -419,7 +424,7 @@ fn not_here(config: &Config, job_id: u32) -> String {
         job_id.to_string(),
     ];
     match multiplexd::command::run(&config.weight.scontrol, &args, Duration::from_secs(5)) {
-        Ok(out) => match report::node_list(&out) {
+        Ok(out) => match inspect::node_list(&out) {
             Some(nodes) if nodes != config.node => format!(
                 "{here}: Slurm says it ran on {nodes}; ask that node's daemon there \
                  (multiplexd explain {job_id}, with that node's --config or MULTIPLEXD_CONFIG)"
@@ -437,7 +442,7 @@ fn not_here(config: &Config, job_id: u32) -> String {
 
 fn export(config_path: &Path, file: &Path) -> Result<(), String> {
     let h = open_history(config_path)?;
-    let data = report::export(&h).map_err(|e| e.to_string())?;
+    let data = h.export().map_err(|e| e.to_string())?;
     let text = serde_json::to_string_pretty(&data).map_err(|e| e.to_string())?;
     if file == Path::new("-") {
         println!("{text}");
@@ -462,11 +467,12 @@ fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     } else {
         read(file)?
     };
-    let data: report::Export =
+    let data: multiplexd::history::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
     let config = load_config(config_path)?;
     let mut h = history_of(&config, config_path)?;
-    let done = report::import(&mut h, &data, config.policy.unknown_pair_speed)
+    let done = h
+        .import(&data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!(
         "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; {} kept (ours had as many observations)",

@@ -2,8 +2,9 @@
 //! finish and status requests. The server calls this; tests call it directly.
 
 use crate::config::{Config, GpuSpec, Mode};
-use crate::history::{ActiveJob, History, HistoryError, Learned, NewJob};
-use crate::placement::{self, Decision, GpuState, Knobs, Newcomer};
+use crate::history::{ActiveJob, History, HistoryError, NewJob};
+use crate::lessons::{Learner, Lesson, Teacher};
+use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, Wanted};
 use multiplex_protocol::{
     FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response, TaskStatus,
 };
@@ -30,25 +31,26 @@ pub struct Node {
     history: History,
     clock: Clock,
     on_load: Option<LoadListener>,
-    finishes_since_compaction: u32,
+    /// Learning inline, through `history`; unused while `learner` runs.
+    teacher: Teacher,
+    /// The learning thread, once [`Self::learn_in_background`] started it.
+    learner: Option<Learner>,
 }
-
-/// Compact the history after this many finished jobs (and at start).
-const COMPACT_EVERY: u32 = 500;
 
 impl Node {
     /// Opens the node's history. `gpus` are the shared GPUs (from the config or NVML).
     pub fn open(config: Config, gpus: Vec<GpuSpec>, clock: Clock) -> Result<Node, HistoryError> {
         let history = History::open(&config.database)?;
         let mut node = Node {
+            teacher: Teacher::new(config.policy.unknown_pair_speed),
             config,
             gpus,
             history,
             clock,
             on_load: None,
-            finishes_since_compaction: 0,
+            learner: None,
         };
-        node.compact();
+        node.teacher.compact(&mut node.history);
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
         }
@@ -60,10 +62,10 @@ impl Node {
         &self.config.node
     }
 
-    /// Merges another node's export into this node's history (see [`crate::report::import`]),
+    /// Merges another node's export into this node's history (see [`History::import`]),
     /// with this daemon's `policy.unknown_pair_speed` for the refit it ends with.
-    pub fn import(&mut self, data: &crate::report::Export) -> Result<crate::report::Imported, String> {
-        crate::report::import(&mut self.history, data, self.config.policy.unknown_pair_speed)
+    pub fn import(&mut self, data: &crate::history::Export) -> Result<crate::history::Imported, String> {
+        self.history.import(data, self.config.policy.unknown_pair_speed)
     }
 
     /// The history, for tools and tests.
@@ -78,6 +80,36 @@ impl Node {
         shutdown: std::sync::Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<(), HistoryError> {
         self.history.checkpoint_in_background(&self.config.database, shutdown)
+    }
+
+    /// From now on learns on a thread of its own, through a connection of its own (see
+    /// [`crate::lessons`]): a finish or a report answers once its row is committed.
+    pub fn learn_in_background(&mut self) -> Result<(), HistoryError> {
+        if self.learner.is_none() {
+            let teacher = std::mem::replace(&mut self.teacher, Teacher::new(self.config.policy.unknown_pair_speed));
+            self.learner = Some(Learner::start(&self.config.database, teacher)?);
+        }
+        Ok(())
+    }
+
+    /// Learns what is still queued, then stops the learning thread (at shutdown): later
+    /// lessons are learned inline.
+    pub fn stop_learning(&mut self) {
+        if let Some(learner) = self.learner.take() {
+            learner.stop();
+        }
+    }
+
+    /// Learns `lesson` on the learning thread if it runs, else now.
+    fn teach(&mut self, lesson: Lesson) {
+        if let Some(learner) = &self.learner {
+            if learner.send(lesson.clone()) {
+                return;
+            }
+            tracing::error!("the learning thread is gone; learning inline");
+            self.learner = None;
+        }
+        self.teacher.learn(&mut self.history, &lesson);
     }
 
     /// Slots taken and slots in all on this node's shared GPUs.
@@ -144,46 +176,47 @@ impl Node {
                 job.predicted_speed,
                 reason,
                 job.mem_mb,
-            )));
+            )?));
         }
         if self.config.policy.mode == Mode::Observe {
             return self.observe(req, &active, now);
         }
-        let states: Vec<GpuState> = self
-            .gpus
-            .iter()
-            .map(|g| GpuState {
+        let mut states = Vec::with_capacity(self.gpus.len());
+        for g in &self.gpus {
+            let mut residents = Vec::new();
+            for j in active.iter().filter(|j| j.gpu == g.index) {
+                let mut r = j.resident();
+                if r.mem_mb.is_none() {
+                    r.mem_mb = self.history.app_mem_peak(&j.app)?;
+                }
+                residents.push(r);
+            }
+            states.push(GpuState {
                 index: g.index,
                 model: g.model.clone(),
                 memory_mb: g.memory_mb,
-                residents: active
-                    .iter()
-                    .filter(|j| j.gpu == g.index)
-                    .map(|j| {
-                        let mut r = j.resident();
-                        r.mem_mb = r.mem_mb.or_else(|| self.learned_mem(&j.app));
-                        r
-                    })
-                    .collect(),
-            })
-            .collect();
+                residents,
+            });
+        }
         // Without a hint, the memory the application's earlier runs were measured to use.
-        let learned_mem = req.mem_mb.is_none().then(|| self.learned_mem(&req.app)).flatten();
+        let learned_mem = match req.mem_mb {
+            Some(_) => None,
+            None => self.history.app_mem_peak(&req.app)?,
+        };
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
-            explore_margin: self.config.policy.explore_margin,
             min_gain: self.config.policy.min_gain,
         };
-        let decision = placement::place(
-            &states,
-            &Newcomer {
-                app: &req.app,
-                mem_mb: req.mem_mb.or(learned_mem),
-            },
-            &self.history,
-            knobs,
-        );
+        let newcomer = Newcomer {
+            app: &req.app,
+            mem_mb: req.mem_mb.or(learned_mem),
+        };
+        // Everything the decision reads, read now: an unreadable history fails the request.
+        let estimates = self
+            .history
+            .estimates(&placement::wanted(&states, &newcomer, knobs.slots))?;
+        let decision = placement::place(&states, &newcomer, &estimates, knobs);
         match decision {
             Decision::Place {
                 gpu,
@@ -230,10 +263,15 @@ impl Node {
         };
         let model = gpu_model(&self.gpus, gpu);
         let prior = self.config.policy.unknown_pair_speed;
-        let predicted_speed: f64 = active
+        let residents: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
+        let mut wanted = Wanted::default();
+        for p in &residents {
+            wanted.pair(model, &req.app, &p.app);
+        }
+        let estimates = self.history.estimates(&wanted)?;
+        let predicted_speed: f64 = residents
             .iter()
-            .filter(|j| j.gpu == gpu)
-            .map(|p| placement::estimate(&self.history, model, &req.app, &p.app, prior).0)
+            .map(|p| placement::estimate(&estimates, model, &req.app, &p.app, prior).0)
             .product();
         let reason = format!("observe mode: GPU {gpu}, where Slurm bound the job's shard");
         self.commit(req, active, gpu, predicted_speed, reason, now)
@@ -277,7 +315,7 @@ impl Node {
             predicted_speed,
             reason,
             req.mem_mb,
-        )))
+        )?))
     }
 
     /// The answer for a step of `app` on `gpu` beside `partners`; with MPS, the step's thread
@@ -290,34 +328,40 @@ impl Node {
         predicted_speed: f64,
         reason: String,
         mem_mb: Option<u64>,
-    ) -> Placement {
+    ) -> Result<Placement, HistoryError> {
         let (mps_thread_percentage, mps_mem_limit_mb) = if self.config.mps {
             let model = gpu_model(&self.gpus, gpu);
             let prior = self.config.policy.unknown_pair_speed;
+            let mut wanted = Wanted::default();
+            for p in partners {
+                wanted.pair(model, &p.app, app);
+            }
+            let estimates = self.history.estimates(&wanted)?;
             let theirs: Vec<f64> = partners
                 .iter()
-                .map(|p| placement::estimate(&self.history, model, &p.app, app, prior).0)
+                .map(|p| placement::estimate(&estimates, model, &p.app, app, prior).0)
                 .collect();
             (Some(placement::mps_share(predicted_speed, &theirs)), mem_mb)
         } else {
             (None, None)
         };
-        Placement {
+        Ok(Placement {
             gpu,
             corunners: partners.iter().map(|p| p.job_id).collect(),
             predicted_speed,
             reason,
             mps_thread_percentage,
             mps_mem_limit_mb,
-        }
+        })
     }
 
     /// Records a step's end. The step that was placed first releases the job's GPU slot,
-    /// and the node learns from the job.
+    /// and the node learns from the job (on the learning thread if it runs: the answer comes
+    /// once the end is committed).
     pub fn finish(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
         let (response, ended) = self.finish_deferred(req)?;
         if let Some(job) = ended {
-            self.learn_ended(&job);
+            self.teach(Lesson::Ended(job));
         }
         Ok(response)
     }
@@ -325,8 +369,11 @@ impl Node {
     /// [`Self::finish`] without the learning: the slot is free when this returns, and the
     /// job that released it (if any) must be handed to [`Self::learn_ended`] before anything
     /// else is asked of this node, so that it sees what it would have seen. (The simulator
-    /// learns on another thread while other nodes go on.)
-    pub fn finish_deferred(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
+    /// learns on a thread of its own while other nodes go on, deterministically.)
+    pub(crate) fn finish_deferred(
+        &mut self,
+        req: &FinishRequest,
+    ) -> Result<(Response, Option<ActiveJob>), HistoryError> {
         let r = self.finish_step(req);
         self.report_load();
         r
@@ -361,77 +408,10 @@ impl Node {
         Ok((Response::Finished, releases.then(|| job.clone())))
     }
 
-    /// What follows a job's end: learning from it, its application's measured memory, and
-    /// now and then compacting the history.
-    pub fn learn_ended(&mut self, job: &ActiveJob) {
-        self.learn(job);
-        if let Err(e) = self.history.refresh_app_memory(job.row) {
-            tracing::warn!(job = job.job_id, error = %e, "cannot refresh the application's measured memory");
-        }
-        self.finishes_since_compaction += 1;
-        if self.finishes_since_compaction >= COMPACT_EVERY {
-            self.compact();
-        }
-    }
-
-    /// Deletes raw rows of old jobs (see [`History::compact`]); failing is only logged.
-    fn compact(&mut self) {
-        self.finishes_since_compaction = 0;
-        match self.history.compact(crate::history::LEARN_WINDOW) {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(jobs = n, "compacted old jobs into the estimates"),
-            Err(e) => tracing::warn!(error = %e, "cannot compact the history"),
-        }
-    }
-
-    /// The GPU memory an application's earlier runs were measured to use (NVML), if any.
-    fn learned_mem(&self, app: &str) -> Option<u64> {
-        self.history.app_mem_peak(app).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, app, "cannot read measured memory");
-            None
-        })
-    }
-
-    /// Learns from a job that ended. Learning failing is logged, never the job's problem.
-    fn learn(&mut self, job: &ActiveJob) {
-        let prior = self.config.policy.unknown_pair_speed;
-        match self.history.learn_from(job.row, prior) {
-            Ok(Learned::Solo { runtime_s, runs, fits }) => tracing::info!(
-                job = job.job_id,
-                app = %job.app,
-                solo_s = format!("{runtime_s:.1}"),
-                runs,
-                pairs = %describe(&fits),
-                "learned the solo runtime"
-            ),
-            Ok(Learned::Shared { fits }) => {
-                tracing::info!(job = job.job_id, app = %job.app, pairs = %describe(&fits), "learned pair speeds")
-            }
-            Ok(Learned::NoBaseline) => tracing::info!(
-                job = job.job_id,
-                app = %job.app,
-                "shared its GPU, but this application has no solo runtime yet to compare with"
-            ),
-            Ok(Learned::Nothing(why)) => tracing::debug!(job = job.job_id, why, "nothing learned"),
-            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from the job failed"),
-        }
-    }
-
-    /// Learns from a progress report of a job that shares its GPU (see
-    /// [`History::learn_from_progress`]). Failing is logged, never the job's problem.
-    fn learn_progress(&mut self, job: &ActiveJob) {
-        let prior = self.config.policy.unknown_pair_speed;
-        match self.history.learn_from_progress(job.row, prior) {
-            Ok(Learned::Shared { fits }) => tracing::info!(
-                job = job.job_id,
-                app = %job.app,
-                pairs = %describe(&fits),
-                "learned pair speeds from progress"
-            ),
-            Ok(Learned::NoBaseline) => tracing::debug!(job = job.job_id, "no rate alone yet to learn progress by"),
-            Ok(other) => tracing::debug!(job = job.job_id, ?other, "nothing learned from progress"),
-            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from progress failed"),
-        }
+    /// What follows a job's end, inline: learning from it, its application's measured memory,
+    /// and now and then compacting the history (see [`Teacher::learn`]).
+    pub(crate) fn learn_ended(&mut self, job: &ActiveJob) {
+        self.teacher.learn(&mut self.history, &Lesson::Ended(job.clone()));
     }
 
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
@@ -454,7 +434,7 @@ impl Node {
                 self.history
                     .record_report(job.row, "progress", Some(*done), &partners, prior, now)?;
                 if !partners.is_empty() {
-                    self.learn_progress(&job);
+                    self.teach(Lesson::Progress(job.clone()));
                 }
                 format!("progress of job {} recorded: {done}", job.job_id)
             }
@@ -491,7 +471,7 @@ impl Node {
     /// utilisation added up. Processes of other jobs (or none) are ignored.
     pub fn record_telemetry(
         &mut self,
-        samples: &[crate::telemetry::GpuSample],
+        samples: &[crate::gpus::GpuSample],
         job_of: &dyn Fn(u32) -> Option<u32>,
     ) -> Result<(), HistoryError> {
         let active = self.active()?;
@@ -579,13 +559,6 @@ impl Node {
                 .collect(),
         })
     }
-}
-
-fn describe(fits: &[crate::learn::Fit]) -> String {
-    fits.iter()
-        .map(|f| format!("{}:{:.2}({})", f.partner, f.speed, f.observations))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// The model of GPU `gpu` among `gpus` (the key of the pair history), "unknown" if none.

@@ -6,8 +6,7 @@
 //! its pairwise speeds with every co-runner (1.0 alone). Pairs known to run out of memory and
 //! memory hints that do not fit rule a GPU out; when every GPU is ruled out the job is declined.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// A job already running on a GPU.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,29 +38,98 @@ pub struct PairEstimate {
     pub oom: bool,
 }
 
-/// The history the policy reads.
-pub trait PairHistory {
-    /// The estimate for `app` beside `other` on `model`, if any observation exists.
-    fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate>;
-
-    /// What is known of `app` beside others in general: its expected speed beside a typical
-    /// partner, already weighed against the prior by how little it rests on, and how many
-    /// learned pairs it rests on.
-    fn app_mean(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
-        None
-    }
-
-    /// How `app` changes its partners' speeds against their speed beside a typical partner,
+/// What is known of one application on one GPU model beside partners in general.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AppProfile {
+    /// Its expected speed beside a typical partner, already weighed against the prior by how
+    /// little it rests on, and how many learned pairs it rests on.
+    pub base: Option<(f64, u32)>,
+    /// How it changes its partners' speeds against their speed beside a typical partner,
     /// already weighed against "not at all" by how little it rests on, and how many learned
     /// pairs it rests on.
-    fn app_impact(&self, _model: &str, _app: &str) -> Option<(f64, u32)> {
-        None
+    pub impact: Option<(f64, u32)>,
+    /// How many of its pairs ran out of memory, and how many were tried (ran or failed).
+    pub ooms: (u32, u32),
+}
+
+/// Everything one decision reads of the history, loaded before it is scored: placement never
+/// reads the database itself, so a history that cannot be read fails the request instead of
+/// passing for "nothing known". The daemon's history fills it ([`Wanted`] says with what); the
+/// simulator's oracle fills it from the true table.
+#[derive(Debug, Clone, Default)]
+pub struct Estimates {
+    /// GPU model, then application, then partner.
+    pairs: HashMap<String, HashMap<String, HashMap<String, PairEstimate>>>,
+    /// GPU model, then application.
+    apps: HashMap<String, HashMap<String, AppProfile>>,
+}
+
+impl Estimates {
+    /// Adds what is known of `app` beside `other` on `model`.
+    pub fn insert_pair(&mut self, model: &str, app: &str, other: &str, estimate: PairEstimate) {
+        self.pairs
+            .entry(model.to_string())
+            .or_default()
+            .entry(app.to_string())
+            .or_default()
+            .insert(other.to_string(), estimate);
     }
 
-    /// How many of `app`'s pairs ran out of memory, and how many were tried (ran or failed).
-    fn app_ooms(&self, _model: &str, _app: &str) -> (u32, u32) {
-        (0, 0)
+    /// Adds what is known of `app` on `model` beside partners in general.
+    pub fn insert_app(&mut self, model: &str, app: &str, profile: AppProfile) {
+        self.apps
+            .entry(model.to_string())
+            .or_default()
+            .insert(app.to_string(), profile);
     }
+
+    /// The estimate for `app` beside `other` on `model`, if the history has a row for it.
+    pub fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
+        self.pairs.get(model)?.get(app)?.get(other).copied()
+    }
+
+    /// What is known of `app` on `model` beside partners in general (nothing, if not loaded).
+    pub fn app(&self, model: &str, app: &str) -> AppProfile {
+        self.apps
+            .get(model)
+            .and_then(|m| m.get(app))
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+/// What a decision will read: the pairs (`model`, `app`, `other`) and the applications
+/// (`model`, `app`). Built by [`wanted`] (or by hand, for other questions), loaded by the
+/// history into [`Estimates`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Wanted {
+    pub pairs: BTreeSet<(String, String, String)>,
+    pub apps: BTreeSet<(String, String)>,
+}
+
+impl Wanted {
+    /// Asks for both sides of the pair `a`, `b` on `model`, and for both applications.
+    pub fn pair(&mut self, model: &str, a: &str, b: &str) {
+        for (x, y) in [(a, b), (b, a)] {
+            self.pairs.insert((model.to_string(), x.to_string(), y.to_string()));
+            self.apps.insert((model.to_string(), x.to_string()));
+        }
+    }
+}
+
+/// What [`place`] will read to decide where `job` goes among `gpus`: the newcomer beside every
+/// resident of a GPU with a free slot, and each such resident beside the others there.
+pub fn wanted(gpus: &[GpuState], job: &Newcomer, slots: u32) -> Wanted {
+    let mut w = Wanted::default();
+    for gpu in gpus.iter().filter(|g| (g.residents.len() as u32) < slots) {
+        for (i, r) in gpu.residents.iter().enumerate() {
+            w.pair(&gpu.model, job.app, &r.app);
+            for o in &gpu.residents[i + 1..] {
+                w.pair(&gpu.model, &r.app, &o.app);
+            }
+        }
+    }
+    w
 }
 
 /// "1 observation", "4 observations".
@@ -71,8 +139,8 @@ fn observations(n: u32) -> String {
 
 /// The speed of `app` beside `other`: learned if the pair was seen; else from what is known of
 /// each application beside others (see [`unseen`]); else the prior. The text says which.
-pub(crate) fn estimate(
-    history: &dyn PairHistory,
+pub fn estimate(
+    history: &Estimates,
     model: &str,
     app: &str,
     other: &str,
@@ -95,12 +163,12 @@ pub(crate) fn estimate(
 /// The speed of `app` beside `other` never seen together, from an additive model (the
 /// history's [`crate::learn::fit_effects`]): how `app` fares beside a typical partner plus how
 /// `other` changes its partners' speeds.
-fn unseen(history: &dyn PairHistory, model: &str, app: &str, other: &str, prior: f64) -> (f64, String) {
-    let (base, mut why) = match history.app_mean(model, app) {
+fn unseen(history: &Estimates, model: &str, app: &str, other: &str, prior: f64) -> (f64, String) {
+    let (base, mut why) = match history.app(model, app).base {
         Some((s, n)) if n > 0 => (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs")),
         _ => (prior, format!("never seen together, assumed {prior:.2}")),
     };
-    let impact = match history.app_impact(model, other) {
+    let impact = match history.app(model, other).impact {
         Some((d, m)) if m > 0 => {
             why.push_str(&format!(", {d:+.2} from {other}'s effect on {m} others"));
             d
@@ -112,9 +180,9 @@ fn unseen(history: &dyn PairHistory, model: &str, app: &str, other: &str, prior:
 
 /// The chance that `a` and `b`, never tried together, run out of memory: from how often each
 /// ran out of memory with the partners it was tried with (shrunk towards none).
-fn oom_risk(history: &dyn PairHistory, model: &str, a: &str, b: &str) -> f64 {
+fn oom_risk(history: &Estimates, model: &str, a: &str, b: &str) -> f64 {
     let rate = |app: &str| {
-        let (ooms, tried) = history.app_ooms(model, app);
+        let (ooms, tried) = history.app(model, app).ooms;
         f64::from(ooms) / (f64::from(tried) + OOM_PRIOR_WEIGHT)
     };
     1.0 - (1.0 - rate(a)) * (1.0 - rate(b))
@@ -139,8 +207,6 @@ pub struct Knobs {
     pub slots: u32,
     /// Assumed speed of each side of a pair never seen together.
     pub unknown_pair_speed: f64,
-    /// How much predicted gain placement gives up, at most, to try a pair never seen.
-    pub explore_margin: f64,
     /// The least predicted gain (jobs' worth of throughput) worth sharing a GPU for: below
     /// it the job is declined and waits for a better partner or a free GPU (0: never).
     pub min_gain: f64,
@@ -172,47 +238,7 @@ struct Scored {
     speed: f64,
     gain: f64,
     residents: usize,
-    /// It would pair the newcomer with an application it was never seen beside.
-    explores: bool,
     reason: String,
-}
-
-/// The history as one placement reads it: what is known of each application is asked once
-/// (scoring asks it for the newcomer beside every resident, and for every resident beside
-/// the newcomer), pairs are asked as they come.
-struct Memo<'a> {
-    history: &'a dyn PairHistory,
-    means: PerApp<Option<(f64, u32)>>,
-    impacts: PerApp<Option<(f64, u32)>>,
-    ooms: PerApp<(u32, u32)>,
-}
-
-/// Answers per (GPU model, application).
-type PerApp<T> = RefCell<HashMap<(String, String), T>>;
-
-fn memo<T: Copy>(map: &PerApp<T>, model: &str, app: &str, ask: impl FnOnce() -> T) -> T {
-    let key = (model.to_string(), app.to_string());
-    if let Some(v) = map.borrow().get(&key) {
-        return *v;
-    }
-    let v = ask();
-    map.borrow_mut().insert(key, v);
-    v
-}
-
-impl PairHistory for Memo<'_> {
-    fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
-        self.history.pair(model, app, other)
-    }
-    fn app_mean(&self, model: &str, app: &str) -> Option<(f64, u32)> {
-        memo(&self.means, model, app, || self.history.app_mean(model, app))
-    }
-    fn app_impact(&self, model: &str, app: &str) -> Option<(f64, u32)> {
-        memo(&self.impacts, model, app, || self.history.app_impact(model, app))
-    }
-    fn app_ooms(&self, model: &str, app: &str) -> (u32, u32) {
-        memo(&self.ooms, model, app, || self.history.app_ooms(model, app))
-    }
 }
 
 /// The newcomer's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` where the site runs MPS: its share of
@@ -238,14 +264,8 @@ pub fn mps_share(speed: f64, partner_speeds: &[f64]) -> u32 {
 }
 
 /// Chooses a GPU for `job`, or declines with the reason for every GPU.
-pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Decision {
-    let memo = Memo {
-        history,
-        means: Default::default(),
-        impacts: Default::default(),
-        ooms: Default::default(),
-    };
-    let history: &dyn PairHistory = &memo;
+/// `history` must hold what [`wanted`] asks for (what it lacks counts as never seen).
+pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knobs) -> Decision {
     let largest = gpus.iter().map(|g| g.memory_mb).max().unwrap_or(0);
     if let Some(need) = job.mem_mb.filter(|&m| !gpus.is_empty() && m > largest) {
         return Decision::Decline {
@@ -262,24 +282,11 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
             Err(why) => refusals.push(format!("GPU {}: {why}", gpu.index)),
         }
     }
-    let top = candidates.iter().map(|s| s.gain).fold(f64::NEG_INFINITY, f64::max);
-    let margin = knobs.explore_margin;
     for s in candidates {
-        let better = match &best {
-            None => true,
-            Some(b) => {
-                // Within `margin` of the best gain, a pair never seen wins: what it teaches
-                // is worth that much (bounded: no choice loses more than `margin`).
-                let tries = |c: &Scored| margin > 0.0 && c.explores && c.gain >= top - margin;
-                let (s_x, b_x) = (tries(&s), tries(b));
-                if s_x != b_x {
-                    s_x
-                } else {
-                    // Higher gain wins; on a tie the emptier GPU, then the lower index.
-                    (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents)
-                }
-            }
-        };
+        // Higher gain wins; on a tie the emptier GPU, then the lower index.
+        let better = best
+            .as_ref()
+            .is_none_or(|b| (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents));
         if better {
             best = Some(s);
         }
@@ -313,7 +320,7 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &dyn PairHistory, knobs
     }
 }
 
-fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs) -> Result<Scored, String> {
+fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
     if gpu.residents.len() as u32 >= knobs.slots {
         return Err(format!("full ({} of {} jobs)", gpu.residents.len(), knobs.slots));
     }
@@ -333,7 +340,6 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
             speed: 1.0,
             gain: 1.0,
             residents: 0,
-            explores: false,
             reason: format!("GPU {} is free: runs alone", gpu.index),
         });
     }
@@ -341,7 +347,6 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
     let mut speed = 1.0;
     let mut gain = 0.0;
     let mut safe = 1.0;
-    let mut explores = false;
     let mut notes = Vec::new();
     for r in &gpu.residents {
         let (mine, est, why) = estimate(history, &gpu.model, job.app, &r.app, prior);
@@ -352,7 +357,6 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
             ));
         }
         if est.is_none_or(|e| e.observations == 0) {
-            explores = true;
             safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
         }
         let theirs = match est {
@@ -394,7 +398,6 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
         speed,
         gain,
         residents: gpu.residents.len(),
-        explores,
         reason,
     })
 }
@@ -402,40 +405,32 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &dyn PairHistory, knobs: Knobs
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    #[derive(Default)]
-    struct Table(HashMap<(String, String), PairEstimate>);
+    /// Both sides of a pair seen 3 times.
+    trait With {
+        fn with(self, a: &str, b: &str, sa: f64, sb: f64, oom: bool) -> Self;
+    }
 
-    impl Table {
+    impl With for Estimates {
         fn with(mut self, a: &str, b: &str, sa: f64, sb: f64, oom: bool) -> Self {
-            self.0.insert(
-                (a.into(), b.into()),
-                PairEstimate {
-                    speed: sa,
-                    other_speed: sb,
-                    observations: 3,
-                    oom,
-                },
-            );
-            self.0.insert(
-                (b.into(), a.into()),
-                PairEstimate {
-                    speed: sb,
-                    other_speed: sa,
-                    observations: 3,
-                    oom,
-                },
-            );
+            for (x, y, sx, sy) in [(a, b, sa, sb), (b, a, sb, sa)] {
+                self.insert_pair(
+                    "v100",
+                    x,
+                    y,
+                    PairEstimate {
+                        speed: sx,
+                        other_speed: sy,
+                        observations: 3,
+                        oom,
+                    },
+                );
+            }
             self
         }
     }
 
-    impl PairHistory for Table {
-        fn pair(&self, _model: &str, app: &str, other: &str) -> Option<PairEstimate> {
-            self.0.get(&(app.to_string(), other.to_string())).copied()
-        }
-    }
+    type Table = Estimates;
 
     fn gpu(index: u32, residents: &[(u32, &str)]) -> GpuState {
         GpuState {
@@ -456,7 +451,6 @@ mod tests {
     const KNOBS: Knobs = Knobs {
         slots: 2,
         unknown_pair_speed: 0.7,
-        explore_margin: 0.0,
         min_gain: 0.0,
     };
 
@@ -655,24 +649,21 @@ mod tests {
         }
     }
 
-    /// A history that knows each application's mean speed beside others, and no pair.
-    struct Means(HashMap<String, (f64, u32)>);
-
-    impl PairHistory for Means {
-        fn pair(&self, _model: &str, _app: &str, _other: &str) -> Option<PairEstimate> {
-            None
+    /// A history that knows of each application what `profile` makes of a number, and no pair.
+    fn profiles<T: Copy>(of: &[(&str, T)], profile: impl Fn(T) -> AppProfile) -> Estimates {
+        let mut h = Estimates::default();
+        for &(app, v) in of {
+            h.insert_app("v100", app, profile(v));
         }
-        fn app_mean(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
-            self.0.get(app).copied()
-        }
+        h
     }
 
     #[test]
     fn an_unseen_pair_is_estimated_from_what_is_known_of_each_application() {
-        let h = Means(HashMap::from([
-            ("gentle".to_string(), (0.9, 4)),
-            ("greedy".to_string(), (0.4, 4)),
-        ]));
+        let h = profiles(&[("gentle", (0.9, 4)), ("greedy", (0.4, 4))], |m| AppProfile {
+            base: Some(m),
+            ..Default::default()
+        });
         let newcomer = |app| Newcomer { app, mem_mb: None };
         // Only GPU 0 has a free slot, beside `greedy`, a pair never seen: gentle's speed comes
         // from what is known of it beside others (0.9).
@@ -704,38 +695,14 @@ mod tests {
         }
     }
 
-    /// A history that knows, per application, its mean, its effect on others and its
-    /// out-of-memory record, and no pair.
-    #[derive(Default)]
-    struct Profiles {
-        means: HashMap<String, (f64, u32)>,
-        impacts: HashMap<String, (f64, u32)>,
-        ooms: HashMap<String, (u32, u32)>,
-    }
-
-    impl PairHistory for Profiles {
-        fn pair(&self, _model: &str, _app: &str, _other: &str) -> Option<PairEstimate> {
-            None
-        }
-        fn app_mean(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
-            self.means.get(app).copied()
-        }
-        fn app_impact(&self, _model: &str, app: &str) -> Option<(f64, u32)> {
-            self.impacts.get(app).copied()
-        }
-        fn app_ooms(&self, _model: &str, app: &str) -> (u32, u32) {
-            self.ooms.get(app).copied().unwrap_or((0, 0))
-        }
-    }
-
     #[test]
     fn an_unseen_partner_known_to_slow_others_is_avoided() {
         // `hog` slows its partners 0.3 below their usual speed; `mild` leaves them 0.1 above.
         // Nothing is known of the newcomer.
-        let h = Profiles {
-            impacts: HashMap::from([("hog".to_string(), (-0.3, 6)), ("mild".to_string(), (0.1, 6))]),
+        let h = profiles(&[("hog", (-0.3, 6)), ("mild", (0.1, 6))], |m| AppProfile {
+            impact: Some(m),
             ..Default::default()
-        };
+        });
         let gpus = [gpu(0, &[(1, "hog")]), gpu(1, &[(2, "mild")])];
         match place(
             &gpus,
@@ -768,10 +735,10 @@ mod tests {
         // `big` ran out of memory with 6 of the 7 partners it was tried with: a pair with it
         // never tried is likely to fail (6 / (7 + 2) = 67%), so the newcomer joins the other
         // GPU, although the prior says both pairs are alike.
-        let h = Profiles {
-            ooms: HashMap::from([("big".to_string(), (6, 7))]),
+        let h = profiles(&[("big", (6, 7))], |ooms| AppProfile {
+            ooms,
             ..Default::default()
-        };
+        });
         let gpus = [gpu(0, &[(1, "big")]), gpu(1, &[(2, "small")])];
         let d = place(
             &gpus,
@@ -826,26 +793,74 @@ mod tests {
     }
 
     #[test]
-    fn within_the_margin_a_pair_never_seen_is_tried() {
-        // GPU 0 pairs the newcomer with `known` (0.72 each way, seen); GPU 1 with `fresh`,
-        // never seen (0.7 each way assumed): gains 0.44 and 0.40. Without a margin the known
-        // pair wins; with a margin of 0.05 the unseen one is tried; 0.03 is not enough.
-        let h = Table::default().with("new", "known", 0.72, 0.72, false);
-        let gpus = [gpu(0, &[(1, "known")]), gpu(1, &[(2, "fresh")])];
-        let job = Newcomer {
-            app: "new",
-            mem_mb: None,
+    fn a_snapshot_of_what_wanted_names_decides_as_the_whole_history_does() {
+        // Random nodes of 3 GPUs x 3 slots over 6 applications, every pair and profile known
+        // (some pairs out of memory): placement over only what `wanted` asked for must decide
+        // exactly as placement over everything, or `wanted` misses something scoring reads.
+        let apps = ["a", "b", "c", "d", "e", "f"];
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
         };
-        let with = |m| Knobs {
-            explore_margin: m,
-            ..KNOBS
-        };
-        assert_eq!(chosen(&place(&gpus, &job, &h, with(0.0))), 0);
-        assert_eq!(chosen(&place(&gpus, &job, &h, with(0.05))), 1);
-        assert_eq!(chosen(&place(&gpus, &job, &h, with(0.03))), 0);
-        // A free GPU is never given up for exploration: its gain (1.0) is far above.
-        let gpus = [gpu(0, &[]), gpu(1, &[(2, "fresh")])];
-        assert_eq!(chosen(&place(&gpus, &job, &h, with(0.05))), 0);
+        let mut all = Estimates::default();
+        for a in apps {
+            for b in apps {
+                let speed = 0.2 + next(80) as f64 / 100.0;
+                let other_speed = 0.2 + next(80) as f64 / 100.0;
+                let (observations, oom) = (next(3) as u32, next(10) == 0);
+                let e = PairEstimate {
+                    speed,
+                    other_speed,
+                    observations,
+                    oom,
+                };
+                all.insert_pair("v100", a, b, e);
+            }
+            let profile = AppProfile {
+                base: Some((0.4 + next(50) as f64 / 100.0, next(5) as u32)),
+                impact: Some((next(40) as f64 / 100.0 - 0.2, next(5) as u32)),
+                ooms: (next(3) as u32, 3 + next(3) as u32),
+            };
+            all.insert_app("v100", a, profile);
+        }
+        let knobs = Knobs { slots: 3, ..KNOBS };
+        for _ in 0..300 {
+            let mut job = 1;
+            let gpus: Vec<GpuState> = (0..3)
+                .map(|g| {
+                    let n = next(4) as usize;
+                    let residents: Vec<(u32, &str)> = (0..n)
+                        .map(|_| {
+                            job += 1;
+                            (job, apps[next(6) as usize])
+                        })
+                        .collect();
+                    gpu(g, &residents)
+                })
+                .collect();
+            let newcomer = Newcomer {
+                app: apps[next(6) as usize],
+                mem_mb: None,
+            };
+            let w = wanted(&gpus, &newcomer, knobs.slots);
+            let mut snapshot = Estimates::default();
+            for (model, a, b) in &w.pairs {
+                if let Some(e) = all.pair(model, a, b) {
+                    snapshot.insert_pair(model, a, b, e);
+                }
+            }
+            for (model, a) in &w.apps {
+                snapshot.insert_app(model, a, all.app(model, a));
+            }
+            assert_eq!(
+                place(&gpus, &newcomer, &snapshot, knobs),
+                place(&gpus, &newcomer, &all, knobs),
+                "{gpus:?} {newcomer:?}"
+            );
+        }
     }
 
     #[test]

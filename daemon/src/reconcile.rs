@@ -5,33 +5,13 @@
 //! the others.
 
 use crate::background::Trouble;
+pub use crate::config::ReconcileConfig;
 use crate::node::Node;
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// How the daemon reconciles with Slurm.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReconcileConfig {
-    /// Seconds between checks (0: never).
-    pub interval_s: u64,
-    /// The squeue to run.
-    pub squeue: PathBuf,
-    /// Jobs placed less than this long ago are left alone (Slurm may not list them yet).
-    pub grace_s: f64,
-}
-
-impl Default for ReconcileConfig {
-    fn default() -> Self {
-        ReconcileConfig {
-            interval_s: 60,
-            squeue: PathBuf::from("squeue"),
-            grace_s: 30.0,
-        }
-    }
-}
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -93,6 +73,7 @@ pub fn spawn(node: Arc<Mutex<Node>>, config: ReconcileConfig, shutdown: Arc<Atom
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn fake_squeue(dir: &Path, output: &str) -> PathBuf {
         let script = dir.join("squeue");

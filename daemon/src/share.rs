@@ -12,31 +12,14 @@
 //! learned policy's average JCT by a further 7% (7,566 s to 7,055 s; see the README).
 
 use crate::background::Trouble;
+pub use crate::config::ShareConfig;
+use crate::history::Export;
 use crate::node::Node;
-use crate::report::{self, Export};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
-
-/// Where and how often the daemon shares.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ShareConfig {
-    /// The shared directory; `None`: this node learns alone.
-    pub dir: Option<PathBuf>,
-    /// Seconds between two exchanges.
-    pub every_s: u64,
-}
-
-impl Default for ShareConfig {
-    fn default() -> Self {
-        ShareConfig {
-            dir: None,
-            every_s: 600,
-        }
-    }
-}
 
 /// What one exchange did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -65,7 +48,10 @@ impl Sharer {
     pub fn exchange(&mut self, node: &Mutex<Node>, dir: &Path) -> Result<Exchanged, String> {
         let (name, data) = {
             let node = node.lock().unwrap_or_else(|p| p.into_inner());
-            let data = report::export(node.history()).map_err(|e| format!("cannot export the history: {e}"))?;
+            let data = node
+                .history()
+                .export()
+                .map_err(|e| format!("cannot export the history: {e}"))?;
             (node.name().to_string(), data)
         };
         let own = dir.join(format!("{name}.json"));

@@ -5,29 +5,11 @@
 //! and learns from the other signals (start and end times, job reports).
 
 use crate::background::Trouble;
+pub use crate::gpus::{GpuSample, ProcSample};
 use crate::node::Node;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// One process on a GPU.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ProcSample {
-    pub pid: u32,
-    /// GPU memory the process uses, MiB (`None` where the driver does not say).
-    pub mem_mb: Option<u64>,
-    /// Its share of the GPU's SM time over the last interval, percent.
-    pub sm_util_pct: Option<u32>,
-}
-
-/// One GPU at one moment.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GpuSample {
-    pub index: u32,
-    pub util_pct: u32,
-    pub mem_used_mb: u64,
-    pub processes: Vec<ProcSample>,
-}
 
 /// Where samples come from: NVML on a GPU node, a fake in tests.
 pub trait Probe: Send {
@@ -63,8 +45,6 @@ impl Probe for NvmlProbe {
                 .nvml
                 .device_by_index(index)
                 .map_err(|e| format!("GPU {index}: {e}"))?;
-            let util = dev.utilization_rates().map_err(|e| format!("GPU {index}: {e}"))?;
-            let mem = dev.memory_info().map_err(|e| format!("GPU {index}: {e}"))?;
             let mut processes: Vec<ProcSample> = dev
                 .running_compute_processes()
                 .map_err(|e| format!("GPU {index}: {e}"))?
@@ -88,12 +68,7 @@ impl Probe for NvmlProbe {
                     }
                 }
             }
-            out.push(GpuSample {
-                index,
-                util_pct: util.gpu,
-                mem_used_mb: mem.used / (1024 * 1024),
-                processes,
-            });
+            out.push(GpuSample { index, processes });
         }
         Ok(out)
     }

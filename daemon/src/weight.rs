@@ -7,35 +7,9 @@
 //! slow or absent slurmctld delays the weight, not a job. The weight is published again every
 //! `republish_s` (slurmctld forgets it on restart and reconfigure), and retried after failures.
 
-use std::path::PathBuf;
+pub use crate::config::WeightConfig;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-/// How the daemon publishes its node's weight.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WeightConfig {
-    pub publish: bool,
-    /// The weight of the idle node; a busy one gets up to `base + 100`.
-    pub base: u32,
-    /// Publish again this often even without a change (0: never).
-    pub republish_s: u64,
-    /// The scontrol to run.
-    pub scontrol: PathBuf,
-    /// How soon a failed publication is tried again.
-    pub retry: Duration,
-}
-
-impl Default for WeightConfig {
-    fn default() -> Self {
-        WeightConfig {
-            publish: true,
-            base: 1,
-            republish_s: 60,
-            scontrol: PathBuf::from("scontrol"),
-            retry: Duration::from_secs(5),
-        }
-    }
-}
 
 /// The weight of a node with `used` of its `total` shared-GPU slots taken: `base` when idle,
 /// rising with the share of slots taken (rounded up, so any load weighs more than none).
@@ -159,6 +133,7 @@ fn update_weight(scontrol: &std::path::Path, node: &str, weight: u32) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[test]
     fn weight_rises_with_load_and_idle_is_base() {

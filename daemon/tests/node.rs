@@ -111,10 +111,10 @@ impl World {
     }
 
     fn estimate(&self, app: &str, other: &str) -> Option<(f64, f64, u32)> {
-        use multiplexd::placement::PairHistory;
         self.node
             .history()
             .pair("v100", app, other)
+            .unwrap()
             .map(|e| (e.speed, e.other_speed, e.observations))
     }
 }
@@ -229,11 +229,10 @@ fn jobs_slurm_no_longer_runs_free_their_slots_and_teach_nothing() {
 
 #[test]
 fn explain_export_and_import_say_and_carry_what_was_learned() {
-    use multiplexd::report;
     let mut w = World::new();
     w.bert_and_resnet();
 
-    let e = report::explain(w.node.history(), 3).unwrap().expect("job 3 is known");
+    let e = w.node.history().explain(3).unwrap().expect("job 3 is known");
     assert_eq!(
         (e.app.as_str(), e.exit_status, e.seconds_alone),
         ("bert", Some(0), 50.0)
@@ -245,10 +244,10 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     );
     assert_eq!(e.learned.len(), 1);
     assert!((e.learned[0].speed - 2.0 / 3.0).abs() < 0.01);
-    assert!(report::explain(w.node.history(), 99).unwrap().is_none());
+    assert!(w.node.history().explain(99).unwrap().is_none());
 
     // Seed a new node with what this one learned.
-    let data = report::export(w.node.history()).unwrap();
+    let data = w.node.history().export().unwrap();
     assert_eq!((data.solo.len(), data.pairs.len()), (2, 2));
     let mut fresh = World::new();
     let mut bad = data.clone();
@@ -265,8 +264,7 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     // What is known of each application (for partners never seen with it) is fitted from the
     // import too.
     {
-        use multiplexd::placement::PairHistory;
-        let bert = fresh.node.history().app_mean("v100", "bert");
+        let bert = fresh.node.history().app("v100", "bert").unwrap().base;
         assert!(bert.is_some_and(|(s, n)| n == 1 && s < 0.7), "{bert:?}");
     }
     // The seeded node predicts from the import at once.
@@ -309,12 +307,12 @@ fn nodes_sharing_a_directory_learn_from_each_other_and_skip_broken_files() {
     let got = sb.exchange(&b_node, shared.path()).unwrap();
     assert_eq!(got.pairs_changed, 2, "bert/resnet both ways: {got:?}");
     assert!(got.merged.iter().any(|f| f.ends_with("a1.json")), "{got:?}");
-    use multiplexd::placement::PairHistory;
     let b_estimate = b_node
         .lock()
         .unwrap()
         .history()
         .pair("v100", "bert", "resnet")
+        .unwrap()
         .map(|e| (e.speed, e.other_speed, e.observations));
     assert_eq!(b_estimate, a_estimate);
     assert!(a_estimate.is_some());
@@ -450,8 +448,6 @@ fn gpu_telemetry_is_kept_per_job() {
     let round = |procs: Vec<ProcSample>| {
         vec![GpuSample {
             index: 0,
-            util_pct: 90,
-            mem_used_mb: 9000,
             processes: procs,
         }]
     };
@@ -473,10 +469,10 @@ fn gpu_telemetry_is_kept_per_job() {
             &job_of,
         )
         .unwrap();
-    let e1 = multiplexd::report::explain(w.node.history(), 1).unwrap().unwrap();
+    let e1 = w.node.history().explain(1).unwrap().unwrap();
     assert_eq!(e1.gpu_mem_peak_mb, Some(4000), "3000 + 1000 at once beats 3500 alone");
     assert_eq!(e1.sm_util_mean_pct, Some(40.0), "(50 + 30) / 2");
-    let e2 = multiplexd::report::explain(w.node.history(), 2).unwrap().unwrap();
+    let e2 = w.node.history().explain(2).unwrap().unwrap();
     assert_eq!((e2.gpu_mem_peak_mb, e2.sm_util_mean_pct), (Some(2000), None));
 }
 
@@ -488,8 +484,6 @@ fn measured_memory_stands_in_for_a_missing_hint() {
     w.start(0.0, 1, "big");
     let sample = vec![GpuSample {
         index: 0,
-        util_pct: 99,
-        mem_used_mb: 12000,
         processes: vec![ProcSample {
             pid: 4000,
             mem_mb: Some(12000),

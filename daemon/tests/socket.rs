@@ -229,29 +229,32 @@ fn rusqlite_count(path: &Path) -> i64 {
         .unwrap()
 }
 
+/// The real `multiplexd serve` on `config`, once it answers.
+fn serve(config: &Path, socket: &Path) -> std::process::Child {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..200 {
+        if client::call(socket, T, Request::Status).is_ok() {
+            return child;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("multiplexd did not come up");
+}
+
 #[test]
 fn kill_9_loses_nothing_and_the_restart_never_double_books() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("multiplexd.toml");
     std::fs::write(&config, config_text(dir.path(), 1)).unwrap();
     let socket = dir.path().join("d.sock");
-    let start = || {
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_multiplexd"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        for _ in 0..200 {
-            if client::call(&socket, T, Request::Status).is_ok() {
-                return child;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("multiplexd did not come up");
-    };
+    let start = || serve(&config, &socket);
     let mut first = start();
     let gpu_of = |r: Response| match r {
         Response::Placed(p) => p.gpu,
@@ -305,4 +308,68 @@ fn a_second_daemon_on_the_same_socket_is_refused() {
     buf.resize(u32::from_be_bytes(len) as usize, 0);
     s.read_exact(&mut buf).unwrap();
     assert!(matches!(wire::decode_response(&buf).unwrap(), Response::Status(_)));
+}
+
+#[test]
+fn a_history_that_cannot_be_read_fails_the_placement_instead_of_guessing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("multiplexd.toml");
+    std::fs::write(&config, config_text(dir.path(), 2)).unwrap();
+    let socket = dir.path().join("d.sock");
+    let mut daemon = serve(&config, &socket);
+    for (job, app) in [(1, "a"), (2, "b")] {
+        assert!(matches!(
+            client::call(&socket, T, place(job, app)).unwrap(),
+            Response::Placed(_)
+        ));
+    }
+    // Both GPUs now have a resident, so the next decision must read what is known of the
+    // applications, and that table is gone.
+    rusqlite::Connection::open(dir.path().join("h.sqlite"))
+        .unwrap()
+        .execute_batch("DROP TABLE app_effects")
+        .unwrap();
+    match client::call(&socket, T, place(3, "c")).unwrap() {
+        Response::Error { message } => assert!(message.contains("no such table: app_effects"), "{message}"),
+        other => panic!("a placement without its estimates must fail, not guess: {other:?}"),
+    }
+    let mut jobs = status_jobs(&socket);
+    jobs.sort();
+    assert_eq!(
+        jobs.iter().map(|j| j.0).collect::<Vec<_>>(),
+        vec![1, 2],
+        "job 3 was not recorded"
+    );
+    daemon.kill().unwrap();
+    daemon.wait().unwrap();
+}
+
+#[test]
+fn a_finish_answers_before_learning_and_a_stopping_daemon_learns_what_is_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("multiplexd.toml");
+    std::fs::write(&config, config_text(dir.path(), 2)).unwrap();
+    let socket = dir.path().join("d.sock");
+    let mut daemon = serve(&config, &socket);
+    assert!(matches!(
+        client::call(&socket, T, place(1, "a")).unwrap(),
+        Response::Placed(_)
+    ));
+    assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
+    // The end is committed when the finish answers: the slot is free at once.
+    assert!(status_jobs(&socket).is_empty());
+    // SIGTERM right away: whatever the learning thread has not done yet is done before exit.
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) }, 0);
+    assert!(daemon.wait().unwrap().success());
+    let h = multiplexd::history::History::open(&dir.path().join("h.sqlite")).unwrap();
+    let runs: i64 = h
+        .connection()
+        .query_row(
+            "SELECT observations FROM solo_baselines s JOIN applications a ON a.id = s.app_id WHERE a.name = 'a'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(runs, 1, "the solo run of job 1 was learned");
 }

@@ -8,7 +8,7 @@ use super::world::{JobRef, Policy, Shape};
 use crate::config::{Config, GpuSpec, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use crate::history::ActiveJob;
 use crate::node::Node;
-use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, PairEstimate, PairHistory, Resident};
+use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted};
 use crate::weight::weight_for;
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
 use std::collections::VecDeque;
@@ -106,25 +106,32 @@ impl Policy for Random {
     }
 }
 
-/// The true table as a history: every pair seen, infeasible pairs known.
-struct Truth<'a>(&'a Table);
-
-impl PairHistory for Truth<'_> {
-    fn pair(&self, _model: &str, app: &str, other: &str) -> Option<PairEstimate> {
-        let (a, b) = (self.0.app_index(app)?, self.0.app_index(other)?);
-        let (s, o) = (self.0.speed(a, b), self.0.speed(b, a));
-        Some(PairEstimate {
-            speed: s.unwrap_or(0.0),
-            other_speed: o.unwrap_or(0.0),
-            observations: 1,
-            oom: s.is_none() || o.is_none(),
-        })
+/// The true table as placement's snapshot: every pair seen, infeasible pairs known.
+fn truth(table: &Table) -> Estimates {
+    let mut e = Estimates::default();
+    for (a, app) in table.apps.iter().enumerate() {
+        for (b, other) in table.apps.iter().enumerate() {
+            let (s, o) = (table.speed(a, b), table.speed(b, a));
+            e.insert_pair(
+                &table.model,
+                app,
+                other,
+                PairEstimate {
+                    speed: s.unwrap_or(0.0),
+                    other_speed: o.unwrap_or(0.0),
+                    observations: 1,
+                    oom: s.is_none() || o.is_none(),
+                },
+            );
+        }
     }
+    e
 }
 
 /// The daemon's placement and weight publishing, knowing the table.
 struct Oracle<'a> {
     table: &'a Table,
+    truth: Estimates,
     shape: Shape,
     min_gain: f64,
     used: Vec<u32>,
@@ -134,6 +141,7 @@ impl<'a> Oracle<'a> {
     fn new(table: &'a Table, shape: Shape, min_gain: f64) -> Self {
         Oracle {
             table,
+            truth: truth(table),
             shape,
             min_gain,
             used: vec![0; shape.nodes],
@@ -163,14 +171,13 @@ impl Policy for Oracle<'_> {
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            explore_margin: 0.0,
             min_gain: self.min_gain,
         };
         let newcomer = Newcomer {
             app: &self.table.apps[job.app],
             mem_mb: None,
         };
-        Ok(match placement::place(&states, &newcomer, &Truth(self.table), knobs) {
+        Ok(match placement::place(&states, &newcomer, &self.truth, knobs) {
             Decision::Place { gpu, .. } => {
                 self.used[node] += 1;
                 Some(gpu as usize)
@@ -391,13 +398,12 @@ impl<'a> Learned<'a> {
 
     /// Every node's export merged into the first, and the result into every other.
     fn share(&mut self) -> Result<(), String> {
-        use crate::report::export;
         let mut first = self.node(0)?;
         for n in 1..self.nodes.len() {
-            let e = export(self.node(n)?.history()).map_err(|e| e.to_string())?;
+            let e = self.node(n)?.history().export().map_err(|e| e.to_string())?;
             first.import(&e)?;
         }
-        let merged = export(first.history()).map_err(|e| e.to_string())?;
+        let merged = first.history().export().map_err(|e| e.to_string())?;
         drop(first);
         for n in 1..self.nodes.len() {
             self.node(n)?.import(&merged)?;
@@ -501,9 +507,19 @@ impl Learned<'_> {
         let step = self.nodes.len().div_ceil(GRADED_NODES).max(1);
         // After `settle`: every node has done its queued work.
         let graded: Vec<&Mutex<Slot>> = self.nodes.iter().step_by(step).collect();
+        let mut every_pair = Wanted::default();
+        for a in &self.table.apps {
+            for b in &self.table.apps {
+                every_pair.pair(model, a, b);
+            }
+        }
         for slot in &graded {
             let slot = lock(slot);
-            let h = slot.node.history();
+            let h = match slot.node.history().estimates(&every_pair) {
+                Ok(h) => h,
+                Err(e) => return format!("learned: cannot read a node's estimates: {e}"),
+            };
+            let h = &h;
             for (ai, a) in self.table.apps.iter().enumerate() {
                 for (bi, b) in self.table.apps.iter().enumerate() {
                     let Some(truth) = self.table.speed(ai, bi) else {

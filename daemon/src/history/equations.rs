@@ -1,0 +1,166 @@
+//! The learning equations of jobs, from their sharing intervals and progress reports.
+
+use super::Cached;
+use rusqlite::{params, OptionalExtension};
+
+/// How many of an application's latest finished jobs its speeds are fitted from (and how
+/// many [`History::compact`] keeps, at least).
+pub const LEARN_WINDOW: i64 = 200;
+
+/// One interval of a job: start, end (`None` while open), partner application (`None`: alone).
+type IntervalRow = (f64, Option<f64>, Option<String>);
+
+/// The intervals of the job `job_row`, in time order.
+pub(super) fn intervals_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite::Result<Vec<IntervalRow>> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT i.started_at, i.ended_at, a.name FROM intervals i
+         LEFT JOIN applications a ON a.id = i.partner_app_id
+         WHERE i.job_row = ?1 ORDER BY i.started_at",
+    )?;
+    let rows = stmt.query_map([job_row], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    rows.collect()
+}
+
+/// The equations of a job's stretches between progress reports (`(at, done)` in time order;
+/// the job's start counts as done 0): the progress made in each, and the time alone and beside
+/// each partner within it (`work_s` is left for the caller, who knows the rate alone).
+/// Stretches with several partners at once are left out.
+fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) -> Vec<(f64, crate::learn::Equation)> {
+    let Some(&(start, _, _)) = intervals.first() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let (mut t0, mut d0) = (start, 0.0);
+    for &(_, t1, d1) in reports {
+        if t1 <= t0 {
+            continue;
+        }
+        let clipped = intervals.iter().filter_map(|(s, e, p)| {
+            // An interval still open (a running job's) lasts at least to this report.
+            let (s, e) = ((*s).max(t0), e.map_or(t1, |e| e.min(t1)));
+            (e > s).then(|| (s, Some(e), p.clone()))
+        });
+        if let Some(eq) = equation(clipped) {
+            out.push((d1 - d0, eq));
+        }
+        (t0, d0) = (t1, d1);
+    }
+    out
+}
+
+/// The learning equations of application `app_id` on `model` from its latest jobs (finished
+/// and completed, or still running), and whether the job `job_row` reported progress; `None`
+/// when there is nothing to measure work by yet (no solo runtime, no stretch run alone).
+pub(super) fn equations_of(
+    tx: &rusqlite::Transaction,
+    app_id: i64,
+    model: &str,
+    job_row: i64,
+) -> rusqlite::Result<Option<(Vec<crate::learn::Equation>, bool)>> {
+    let baseline: Option<f64> = tx
+        .row(
+            "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+            params![model, app_id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    // Every interval and progress report of the application's latest jobs, in two queries.
+    // Running jobs come first: only their stretches between reports count. (The window is
+    // written into the SQL, not bound: SQLite re-prepares a statement each time a LIMIT
+    // parameter is bound, which cost a sixth of a large simulation's time.)
+    let window = format!(
+        "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+         AND (finished_at IS NULL OR exit_status = 0)
+         ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
+    );
+    let rows: Vec<(i64, IntervalRow)> = tx
+        .prepare_cached(&format!(
+            "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
+             LEFT JOIN applications a ON a.id = i.partner_app_id
+             WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
+        ))?
+        .query_map(params![app_id, model], |r| {
+            Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
+        })?
+        .collect::<Result<_, _>>()?;
+    let reports: Vec<(i64, f64, f64)> = tx
+        .prepare_cached(&format!(
+            "SELECT job_row, at, value FROM observations
+             WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
+             ORDER BY job_row, at"
+        ))?
+        .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    let reported = |job: i64| {
+        let from = reports.partition_point(|r| r.0 < job);
+        let to = reports.partition_point(|r| r.0 <= job);
+        &reports[from..to]
+    };
+    // Jobs that report progress give one equation per stretch between reports (their
+    // total work need not be the solo runtime); the others one equation each.
+    let mut whole: Vec<crate::learn::Equation> = Vec::new();
+    let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
+    for job in rows.chunk_by(|a, b| a.0 == b.0) {
+        let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
+        let progress = reported(job[0].0);
+        if progress.is_empty() {
+            if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
+                eq.work_s = solo;
+                whole.push(eq);
+            }
+        } else {
+            stretches.extend(progress_stretches(&intervals, progress));
+        }
+    }
+    // The application's rate alone, in its own unit, from the stretches it ran alone.
+    let (done_alone, secs_alone) = stretches
+        .iter()
+        .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
+        .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
+    let rate = (secs_alone > 0.0 && done_alone > 0.0).then(|| done_alone / secs_alone);
+    if baseline.is_none() && rate.is_none() {
+        return Ok(None);
+    }
+    let mut equations = whole;
+    if let Some(rate) = rate {
+        equations.extend(stretches.into_iter().map(|(done, mut e)| {
+            e.work_s = done / rate;
+            e
+        }));
+    }
+    Ok(Some((equations, !reported(job_row).is_empty())))
+}
+
+/// The learning equation of a finished job from its intervals in time order: seconds alone
+/// and seconds beside each partner application; `None` when a stretch had several partners at
+/// once (the linear model does not hold there) or an interval is still open.
+pub(super) fn equation(rows: impl Iterator<Item = IntervalRow>) -> Option<crate::learn::Equation> {
+    let mut eq = crate::learn::Equation {
+        work_s: 0.0,
+        alone_s: 0.0,
+        shared: Vec::new(),
+    };
+    // Partner rows of one stretch share its start: two of them mean two partners at once.
+    let mut last_partner_start = f64::NAN;
+    for (start, end, partner) in rows {
+        let end = end?;
+        if end <= start {
+            continue; // membership changed twice at one instant
+        }
+        if partner.is_some() {
+            if start == last_partner_start {
+                return None;
+            }
+            last_partner_start = start;
+        }
+        let t = end - start;
+        match partner {
+            None => eq.alone_s += t,
+            Some(p) => match eq.shared.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, acc)) => *acc += t,
+                None => eq.shared.push((p, t)),
+            },
+        }
+    }
+    Some(eq)
+}

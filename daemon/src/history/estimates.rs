@@ -1,0 +1,74 @@
+//! The snapshot one placement decision reads ([`crate::placement::Estimates`]), loaded before
+//! it is scored: an error here is the request's error, never "nothing known".
+
+use super::{History, HistoryError};
+use crate::placement::{AppProfile, Estimates, PairEstimate, Wanted};
+use rusqlite::{params, OptionalExtension};
+
+impl History {
+    /// What the history knows of the pairs and applications `wanted` names.
+    pub fn estimates(&self, wanted: &Wanted) -> Result<Estimates, HistoryError> {
+        let mut out = Estimates::default();
+        let mut pair = self.conn.prepare_cached(
+            "SELECT e.speed, e.other_speed, e.observations, e.oom FROM pair_estimates e
+             JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
+             WHERE e.gpu_model = ?1 AND a.name = ?2 AND o.name = ?3",
+        )?;
+        for (model, app, other) in &wanted.pairs {
+            let found = pair
+                .query_row(params![model, app, other], |r| {
+                    Ok(PairEstimate {
+                        speed: r.get(0)?,
+                        other_speed: r.get(1)?,
+                        observations: r.get(2)?,
+                        oom: r.get(3)?,
+                    })
+                })
+                .optional()?;
+            if let Some(e) = found {
+                out.insert_pair(model, app, other, e);
+            }
+        }
+        let mut profile = self.conn.prepare_cached(
+            "SELECT e.base, e.base_pairs, e.impact, e.impact_pairs, m.ooms, m.pairs + m.ooms
+             FROM applications a
+             LEFT JOIN app_effects e ON e.app_id = a.id AND e.gpu_model = ?1
+             LEFT JOIN app_means m ON m.app_id = a.id AND m.gpu_model = ?1
+             WHERE a.name = ?2",
+        )?;
+        for (model, app) in &wanted.apps {
+            let found = profile
+                .query_row(params![model, app], |r| {
+                    let both = |x: Option<f64>, n: Option<u32>| x.zip(n);
+                    Ok(AppProfile {
+                        base: both(r.get(0)?, r.get(1)?),
+                        impact: both(r.get(2)?, r.get(3)?),
+                        ooms: (
+                            r.get::<_, Option<u32>>(4)?.unwrap_or(0),
+                            r.get::<_, Option<u32>>(5)?.unwrap_or(0),
+                        ),
+                    })
+                })
+                .optional()?;
+            if let Some(p) = found {
+                out.insert_app(model, app, p);
+            }
+        }
+        Ok(out)
+    }
+
+    /// What the history knows of `app` beside `other` on `model` (for tools and tests).
+    pub fn pair(&self, model: &str, app: &str, other: &str) -> Result<Option<PairEstimate>, HistoryError> {
+        let mut w = Wanted::default();
+        w.pair(model, app, other);
+        Ok(self.estimates(&w)?.pair(model, app, other))
+    }
+
+    /// What the history knows of `app` on `model` beside partners in general (for tools and
+    /// tests).
+    pub fn app(&self, model: &str, app: &str) -> Result<AppProfile, HistoryError> {
+        let mut w = Wanted::default();
+        w.apps.insert((model.to_string(), app.to_string()));
+        Ok(self.estimates(&w)?.app(model, app))
+    }
+}

@@ -1,0 +1,213 @@
+//! What a node learned, for other nodes and for people: `export` writes it, `import` merges
+//! another node's, `history` lists it.
+
+use super::{History, HistoryError};
+use rusqlite::{params, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+/// One learned pair.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairRow {
+    pub gpu_model: String,
+    pub app: String,
+    pub other: String,
+    /// Speed of `app` beside `other`, relative to alone.
+    pub speed: f64,
+    /// Speed of `other` beside `app`.
+    pub other_speed: f64,
+    pub observations: u32,
+    pub variance: Option<f64>,
+    pub oom: bool,
+}
+
+/// One application's solo runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SoloRow {
+    pub gpu_model: String,
+    pub app: String,
+    pub runtime_s: f64,
+    pub runs: u32,
+}
+
+/// What `export` writes and `import` reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Export {
+    /// Always [`EXPORT_FORMAT`].
+    pub format: String,
+    pub version: u32,
+    pub solo: Vec<SoloRow>,
+    pub pairs: Vec<PairRow>,
+}
+
+pub const EXPORT_FORMAT: &str = "multiplexd-history";
+pub const EXPORT_VERSION: u32 = 1;
+
+/// What an import changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Imported {
+    pub solo_added: usize,
+    pub solo_replaced: usize,
+    pub pairs_added: usize,
+    pub pairs_replaced: usize,
+    pub kept: usize,
+}
+
+impl History {
+    pub(super) fn pair_rows(&self, filter: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<PairRow>, HistoryError> {
+        let sql = format!(
+            "SELECT e.gpu_model, a.name, o.name, e.speed, e.other_speed, e.observations, e.variance, e.oom
+             FROM pair_estimates e JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
+             {filter} ORDER BY e.gpu_model, a.name, o.name"
+        );
+        let mut stmt = self.conn.prepare(&sql)?;
+        let rows = stmt.query_map(args, |r| {
+            Ok(PairRow {
+                gpu_model: r.get(0)?,
+                app: r.get(1)?,
+                other: r.get(2)?,
+                speed: r.get(3)?,
+                other_speed: r.get(4)?,
+                observations: r.get(5)?,
+                variance: r.get(6)?,
+                oom: r.get(7)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Every pair estimate.
+    pub fn pairs(&self) -> Result<Vec<PairRow>, HistoryError> {
+        self.pair_rows("", &[])
+    }
+
+    /// Every solo runtime.
+    pub fn solos(&self) -> Result<Vec<SoloRow>, HistoryError> {
+        let mut stmt = self.conn.prepare(
+            "SELECT s.gpu_model, a.name, s.runtime_s, s.observations FROM solo_baselines s
+             JOIN applications a ON a.id = s.app_id ORDER BY s.gpu_model, a.name",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok(SoloRow {
+                gpu_model: r.get(0)?,
+                app: r.get(1)?,
+                runtime_s: r.get(2)?,
+                runs: r.get(3)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Everything learned, for another node.
+    pub fn export(&self) -> Result<Export, HistoryError> {
+        Ok(Export {
+            format: EXPORT_FORMAT.into(),
+            version: EXPORT_VERSION,
+            solo: self.solos()?,
+            pairs: self.pairs()?,
+        })
+    }
+
+    /// Merges another node's export: a row is added when it is new here and replaces ours when it
+    /// rests on more observations; an out-of-memory mark is never dropped. What is known of each
+    /// application is then refitted, with `prior` (`policy.unknown_pair_speed`).
+    pub fn import(&mut self, data: &Export, prior: f64) -> Result<Imported, String> {
+        if data.format != EXPORT_FORMAT {
+            return Err(format!("not a multiplexd history export (format {:?})", data.format));
+        }
+        if data.version != EXPORT_VERSION {
+            return Err(format!(
+                "export version {} is not supported (this multiplexd reads version {EXPORT_VERSION})",
+                data.version
+            ));
+        }
+        for p in &data.pairs {
+            let speed = |x: f64| x > 0.0 && x <= 1.0;
+            if !speed(p.speed) || !speed(p.other_speed) {
+                return Err(format!(
+                    "pair {} / {} on {}: speeds must be in (0, 1], not {} / {}; nothing was imported",
+                    p.app, p.other, p.gpu_model, p.speed, p.other_speed
+                ));
+            }
+        }
+        if let Some(s) = data.solo.iter().find(|s| s.runtime_s.is_nan() || s.runtime_s <= 0.0) {
+            return Err(format!(
+                "solo runtime of {} on {} must be positive, not {}; nothing was imported",
+                s.app, s.gpu_model, s.runtime_s
+            ));
+        }
+        let mut done = Imported::default();
+        let sql = |e: rusqlite::Error| e.to_string();
+        let tx = self.write().map_err(sql)?;
+        let app = super::jobs::app_id;
+        for s in &data.solo {
+            let id = app(&tx, &s.app).map_err(sql)?;
+            let have: Option<u32> = tx
+                .query_row(
+                    "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                    params![s.gpu_model, id],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(sql)?;
+            match have {
+                Some(n) if n >= s.runs => done.kept += 1,
+                _ => {
+                    tx.execute(
+                        "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                         ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                        params![s.gpu_model, id, s.runtime_s, s.runs],
+                    )
+                    .map_err(sql)?;
+                    if have.is_some() {
+                        done.solo_replaced += 1;
+                    } else {
+                        done.solo_added += 1;
+                    }
+                }
+            }
+        }
+        for p in &data.pairs {
+            let (a, o) = (app(&tx, &p.app).map_err(sql)?, app(&tx, &p.other).map_err(sql)?);
+            let have: Option<(u32, bool)> = tx
+                .query_row(
+                    "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                    params![p.gpu_model, a, o],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()
+                .map_err(sql)?;
+            match have {
+                Some((n, oom)) if n >= p.observations => {
+                    if p.oom && !oom {
+                        tx.execute(
+                            "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                            params![p.gpu_model, a, o],
+                        )
+                        .map_err(sql)?;
+                    }
+                    done.kept += 1;
+                }
+                _ => {
+                    let oom = p.oom || have.is_some_and(|(_, oom)| oom);
+                    tx.execute(
+                        "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                         ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
+                           observations = ?6, variance = ?7, oom = ?8",
+                        params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
+                    )
+                    .map_err(sql)?;
+                    if have.is_some() {
+                        done.pairs_replaced += 1;
+                    } else {
+                        done.pairs_added += 1;
+                    }
+                }
+            }
+        }
+        super::effects::refresh_app_means(&tx, None).map_err(sql)?;
+        super::effects::refit_effects(&tx, prior).map_err(sql)?;
+        tx.commit().map_err(sql)?;
+        Ok(done)
+    }
+}

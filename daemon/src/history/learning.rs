@@ -1,0 +1,179 @@
+//! Learning: what a finished job, or a running job's progress, teaches about its application's
+//! speeds alone and beside partners (the equations come from [`super::equations`], the fit
+//! from [`crate::learn`]).
+
+pub use super::equations::LEARN_WINDOW;
+use super::equations::{equation, equations_of, intervals_of};
+use super::{Cached, History, HistoryError};
+use rusqlite::{params, OptionalExtension};
+
+/// A running job's progress reports teach the speed beside a partner until the pair has this
+/// many equations (see [`History::learn_from_progress`]).
+pub const LEARN_ON_REPORTS_UNTIL: i64 = 3;
+
+/// The solo baseline is a running mean over at most this many runs (later runs weigh more).
+const SOLO_WINDOW: i64 = 20;
+
+/// What one finished job taught the history.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Learned {
+    /// Nothing: the job failed, or was not found.
+    Nothing(&'static str),
+    /// It ran alone: the application's solo runtime is now `runtime_s` (from `runs` runs),
+    /// and its speeds beside others were fitted again.
+    Solo {
+        runtime_s: f64,
+        runs: i64,
+        fits: Vec<crate::learn::Fit>,
+    },
+    /// It shared its GPU: the application's speeds beside its partners.
+    Shared { fits: Vec<crate::learn::Fit> },
+    /// It shared, but the application has no solo runtime yet to compare with.
+    NoBaseline,
+}
+
+impl History {
+    /// Learns from the finished job `job_row`: its solo runtime if it ran alone, and the
+    /// pairwise speeds of its application from its latest jobs (see [`crate::learn`]).
+    /// Estimates are written for both sides of each pair. Jobs that failed teach nothing (their
+    /// runtime is not one run's work), nor do stretches with more than one partner at once.
+    pub fn learn_from(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
+        let tx = self.write()?;
+        type JobRow = (i64, String, f64, Option<f64>, Option<i32>);
+        let job: Option<JobRow> = tx
+            .row(
+                "SELECT app_id, gpu_model, started_at, finished_at, exit_status FROM jobs WHERE id = ?1",
+                [job_row],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .optional()?;
+        let Some((app_id, model, started, Some(finished), exit)) = job else {
+            return Ok(Learned::Nothing("the job has not finished here"));
+        };
+        if exit != Some(0) {
+            return Ok(Learned::Nothing("the job failed"));
+        }
+        let this = equation(intervals_of(&tx, job_row)?.into_iter());
+        let mut solo = None;
+        if let Some(eq) = &this {
+            if eq.shared.is_empty() {
+                let runtime = finished - started;
+                let old: Option<(f64, i64)> = tx
+                    .row(
+                        "SELECT runtime_s, observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                        params![model, app_id],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )
+                    .optional()?;
+                let (mean, runs) = match old {
+                    Some((m, n)) => {
+                        let w = n.min(SOLO_WINDOW - 1) as f64;
+                        ((m * w + runtime) / (w + 1.0), n + 1)
+                    }
+                    None => (runtime, 1),
+                };
+                tx.exec(
+                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                    params![model, app_id, mean, runs],
+                )?;
+                solo = Some((mean, runs));
+            }
+        }
+        let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row)? else {
+            tx.commit()?;
+            return Ok(Learned::NoBaseline);
+        };
+        // A new solo runtime or rate alone changes every speed; a shared run without reports
+        // only those linked to its partners.
+        let partners: Option<Vec<String>> = match (&solo, &this) {
+            (None, Some(eq)) if !reported => Some(eq.shared.iter().map(|(p, _)| p.clone()).collect()),
+            _ => None,
+        };
+        let fits = crate::learn::fit(&equations, prior, partners.as_deref());
+        store_fits(&tx, &model, app_id, prior, &fits)?;
+        tx.commit()?;
+        Ok(match solo {
+            Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
+            None => Learned::Shared { fits },
+        })
+    }
+
+    /// Learns from a progress report of the running job `job_row` while it shares its GPU:
+    /// the speeds of its application beside its current partners' applications, from the
+    /// stretches between reports so far (of this job and of the application's latest jobs),
+    /// so that a pair is known after one report interval instead of when a job of the pair
+    /// ends. Only while a pair has fewer than [`LEARN_ON_REPORTS_UNTIL`] equations: after
+    /// that, learning at job ends keeps it up to date.
+    pub fn learn_from_progress(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
+        let tx = self.write()?;
+        let job: Option<(i64, String)> = tx
+            .row(
+                "SELECT app_id, gpu_model FROM jobs WHERE id = ?1 AND finished_at IS NULL",
+                [job_row],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        let Some((app_id, model)) = job else {
+            return Ok(Learned::Nothing("the job is not running here"));
+        };
+        let partners: Vec<(String, Option<i64>)> = tx
+            .prepare_cached(
+                "SELECT a.name, e.observations FROM intervals i
+                 JOIN applications a ON a.id = i.partner_app_id
+                 LEFT JOIN pair_estimates e ON e.gpu_model = ?2 AND e.app_id = ?3 AND e.other_id = i.partner_app_id
+                 WHERE i.job_row = ?1 AND i.ended_at IS NULL",
+            )?
+            .query_map(params![job_row, model, app_id], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<_, _>>()?;
+        let unsure: Vec<String> = partners
+            .into_iter()
+            .filter(|(_, n)| n.unwrap_or(0) < LEARN_ON_REPORTS_UNTIL)
+            .map(|(p, _)| p)
+            .collect();
+        if unsure.is_empty() {
+            return Ok(Learned::Nothing("it runs alone, or beside partners known well enough"));
+        }
+        let Some((equations, _)) = equations_of(&tx, app_id, &model, job_row)? else {
+            return Ok(Learned::NoBaseline);
+        };
+        let fits = crate::learn::fit(&equations, prior, Some(&unsure));
+        store_fits(&tx, &model, app_id, prior, &fits)?;
+        tx.commit()?;
+        Ok(Learned::Shared { fits })
+    }
+}
+
+/// Writes fitted speeds of application `app_id` on `model`, both sides of each pair, and
+/// refreshes the application's means.
+fn store_fits(
+    tx: &rusqlite::Transaction,
+    model: &str,
+    app_id: i64,
+    prior: f64,
+    fits: &[crate::learn::Fit],
+) -> rusqlite::Result<()> {
+    let mut touched = vec![app_id];
+    for f in fits {
+        let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
+            r.get(0)
+        })?;
+        touched.push(other_id);
+        tx.exec(
+            "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+             ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
+            params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
+        )?;
+        // The partner's row sees this side as `other_speed`; its own speed stays unlearned
+        // (observations 0) until a job of the partner's application finishes.
+        tx.exec(
+            "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+             VALUES (?1, ?2, ?3, ?4, ?5, 0)
+             ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
+            params![model, other_id, app_id, prior, f.speed],
+        )?;
+    }
+    super::effects::refresh_app_means(tx, Some((model, app_id)))?;
+    super::effects::update_effects(tx, model, &touched, prior)
+}

@@ -1,0 +1,248 @@
+use super::equations::{equation, intervals_of};
+use super::schema::MIGRATIONS;
+use super::*;
+use crate::placement::{AppProfile, PairEstimate};
+
+fn known(h: &History, model: &str, app: &str) -> AppProfile {
+    h.app(model, app).unwrap()
+}
+
+fn pair(h: &History, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
+    h.pair(model, app, other).unwrap()
+}
+
+fn job<'a>(job_id: u32, app: &'a str, gpu: u32, now: f64) -> NewJob<'a> {
+    NewJob {
+        job_id,
+        node: "n1",
+        uid: 0,
+        app,
+        gpu,
+        gpu_model: "v100",
+        mem_mb: Some(100),
+        owner_step: 0,
+        slurm_gpus: Some("0"),
+        decision: "test",
+        predicted_speed: 1.0,
+        now,
+    }
+}
+
+#[test]
+fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    {
+        // What schema 6 held: learned speeds, both sides of a pair and an unlearned side.
+        let h = History::open(&path).unwrap();
+        h.connection()
+            .execute_batch(
+                "INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c');
+                 INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+                 VALUES ('v100', 1, 2, 0.5, 0.9, 2), ('v100', 2, 1, 0.9, 0.5, 1),
+                        ('v100', 3, 1, 0.7, 0.4, 0);
+                 DROP TABLE app_effects;
+                 PRAGMA user_version = 6;",
+            )
+            .unwrap();
+    }
+    let h = History::open(&path).unwrap();
+    assert_eq!(h.schema_version().unwrap(), MIGRATIONS.len() as i64);
+    let speeds = [(0, 1, 0.5), (1, 0, 0.9)];
+    let want = crate::learn::fit_effects(2, &speeds, crate::config::DEFAULT_UNKNOWN_PAIR_SPEED);
+    assert_eq!(known(&h, "v100", "a").base, Some(want.base[0]));
+    assert_eq!(known(&h, "v100", "b").impact, Some(want.impact[1]));
+    // c's only row was never learned: nothing is known of it.
+    assert_eq!(known(&h, "v100", "c").base, None);
+    assert_eq!(known(&h, "a100", "a").base, None);
+}
+
+#[test]
+fn placement_finish_and_intervals() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let mut h = History::open(&path).unwrap();
+    assert_eq!(h.schema_version().unwrap(), MIGRATIONS.len() as i64);
+    let a = h.record_placement(&job(10, "bert", 0, 100.0), &[]).unwrap();
+    let b = h.record_placement(&job(11, "resnet", 0, 150.0), &[a]).unwrap();
+    h.record_finish(b, 0, 0, true, &[a], 200.0).unwrap();
+    let active = h.active_jobs("n1").unwrap();
+    assert_eq!(active.len(), 1);
+    assert_eq!(active[0].job_id, 10);
+    // a: alone 100-150, with b 150-200, alone from 200 (open). b: with a 150-200.
+    let rows: Vec<(i64, Option<i64>, f64, Option<f64>)> = h
+        .connection()
+        .prepare("SELECT job_row, partner_row, started_at, ended_at FROM intervals ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (a, None, 100.0, Some(150.0)),
+            (a, Some(b), 150.0, Some(200.0)),
+            (b, Some(a), 150.0, Some(200.0)),
+            (a, None, 200.0, None),
+        ]
+    );
+    // Reopening keeps everything.
+    drop(h);
+    let h = History::open(&path).unwrap();
+    assert_eq!(h.active_jobs("n1").unwrap().len(), 1);
+}
+
+#[test]
+fn equations_from_intervals() {
+    let row = |a: f64, b: Option<f64>, p: Option<&str>| (a, b, p.map(String::from));
+    // Alone 0-10, beside b 10-40, an instant beside c, alone 40-50.
+    let eq = equation(
+        [
+            row(0.0, Some(10.0), None),
+            row(10.0, Some(40.0), Some("b")),
+            row(40.0, Some(40.0), Some("c")),
+            row(40.0, Some(50.0), None),
+        ]
+        .into_iter(),
+    )
+    .unwrap();
+    assert_eq!(eq.alone_s, 20.0);
+    assert_eq!(eq.shared, vec![("b".to_string(), 30.0)]);
+    // Two partners at once: the linear model does not hold, no equation.
+    assert!(equation([row(0.0, Some(5.0), Some("b")), row(0.0, Some(5.0), Some("c"))].into_iter()).is_none());
+    // Still open: no equation.
+    assert!(equation([row(0.0, None, None)].into_iter()).is_none());
+}
+
+#[test]
+fn progress_reports_teach_speeds_whatever_the_jobs_lengths() {
+    // Application `a` does 2 iterations per second alone and 1 beside `b` (speed 0.5).
+    // Its jobs differ in length, so their start and end times alone would mislead; their
+    // reports do not. Job 1: alone 0-100 (200 it), beside b 100-300 (200 more).
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    let a = h.record_placement(&job(1, "a", 0, 0.0), &[]).unwrap();
+    h.record_report(a, "progress", Some(100.0), &[], 0.7, 50.0).unwrap();
+    h.record_report(a, "progress", Some(200.0), &[], 0.7, 100.0).unwrap();
+    let b = h.record_placement(&job(2, "b", 0, 100.0), &[a]).unwrap();
+    h.record_report(a, "progress", Some(300.0), &[b], 0.7, 200.0).unwrap();
+    h.record_report(a, "progress", Some(400.0), &[b], 0.7, 300.0).unwrap();
+    h.record_finish(b, 0, 0, true, &[a], 300.0).unwrap();
+    // The last stretch (300-350, alone) ends without a report: its work is unknown.
+    h.record_finish(a, 0, 0, true, &[], 350.0).unwrap();
+    let learned = h.learn_from(a, 0.7).unwrap();
+    let Learned::Shared { fits } = learned else {
+        panic!("{learned:?}")
+    };
+    assert_eq!(fits.len(), 1);
+    assert!((fits[0].speed - 0.5).abs() < 1e-3, "{fits:?}");
+    // A later, much longer job of `a` beside b (3 it/s would be wrong: it is 1 it/s)
+    // keeps the estimate where it is, though its runtime is nothing like the first's.
+    let a2 = h.record_placement(&job(3, "a", 0, 1000.0), &[]).unwrap();
+    let b2 = h.record_placement(&job(4, "b", 0, 1000.0), &[a2]).unwrap();
+    h.record_report(a2, "progress", Some(2000.0), &[b2], 0.7, 3000.0)
+        .unwrap();
+    h.record_finish(b2, 0, 0, true, &[a2], 3000.0).unwrap();
+    h.record_finish(a2, 0, 0, true, &[], 3100.0).unwrap();
+    h.learn_from(a2, 0.7).unwrap();
+    let e = pair(&h, "v100", "a", "b").unwrap();
+    assert!((e.speed - 0.5).abs() < 1e-3 && e.observations == 3, "{e:?}");
+}
+
+#[test]
+fn compaction_keeps_the_latest_jobs_and_what_they_shared_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    // Five rounds: an `a` job shares with a `b` job that ends first; `a` ends later.
+    // Round k: a from 100k to 100k+60, b from 100k to 100k+40.
+    let mut last_a = 0;
+    for k in 0..5u32 {
+        let t = 100.0 * f64::from(k);
+        let a = h.record_placement(&job(10 + k, "a", 0, t), &[]).unwrap();
+        let b = h.record_placement(&job(20 + k, "b", 0, t + 1.0), &[a]).unwrap();
+        h.record_finish(b, 0, 0, true, &[a], t + 40.0).unwrap();
+        h.record_finish(a, 0, 0, true, &[], t + 60.0).unwrap();
+        last_a = a;
+    }
+    let before = equation(
+        intervals_of(&h.conn.transaction().unwrap(), last_a)
+            .unwrap()
+            .into_iter(),
+    );
+    // Keep 2 of each: `b` finishes first in each round, so the newest `a` may outlive its
+    // partner's record only through the interval's own application column.
+    assert_eq!(h.compact(2).unwrap(), 6);
+    let count = |app: &str| -> i64 {
+        h.conn
+            .query_row(
+                "SELECT count(*) FROM jobs j JOIN applications a ON a.id = j.app_id WHERE a.name = ?1",
+                [app],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    assert_eq!((count("a"), count("b")), (2, 2));
+    let after = equation(
+        intervals_of(&h.conn.transaction().unwrap(), last_a)
+            .unwrap()
+            .into_iter(),
+    );
+    assert_eq!(before, after, "the kept job's equation is unchanged");
+    assert_eq!(after.unwrap().shared[0].0, "b");
+    let orphans: i64 = h
+        .conn
+        .query_row(
+            "SELECT count(*) FROM intervals WHERE job_row NOT IN (SELECT id FROM jobs)",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(orphans, 0);
+    assert_eq!(h.compact(2).unwrap(), 0, "nothing more to do");
+    // Running jobs are never compacted.
+    h.record_placement(&job(99, "a", 1, 1000.0), &[]).unwrap();
+    assert_eq!(h.compact(0).unwrap(), 4);
+    assert_eq!(h.active_jobs("n1").unwrap().len(), 1);
+}
+
+#[test]
+fn corrupt_database_is_reported_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let junk = b"this is not a database, but someone's precious file".repeat(100);
+    std::fs::write(&path, &junk).unwrap();
+    let err = History::open(&path).err().expect("must fail");
+    let text = err.to_string();
+    assert!(text.contains("corrupt") && text.contains("left as is"), "{text}");
+    assert_eq!(std::fs::read(&path).unwrap(), junk);
+}
+
+#[test]
+fn newer_schema_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    drop(History::open(&path).unwrap());
+    Connection::open(&path)
+        .unwrap()
+        .pragma_update(None, "user_version", 99)
+        .unwrap();
+    let err = History::open(&path).err().expect("must fail");
+    assert!(matches!(err, HistoryError::TooNew { found: 99, .. }), "{err}");
+}
+
+#[test]
+fn estimates_are_read_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    h.connection()
+        .execute_batch(
+            "INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b');
+             INSERT INTO pair_estimates VALUES ('v100', 1, 2, 0.8, 0.6, 4, 0.01, 0);",
+        )
+        .unwrap();
+    let e = pair(&h, "v100", "a", "b").unwrap();
+    assert_eq!((e.speed, e.other_speed, e.observations, e.oom), (0.8, 0.6, 4, false));
+    assert!(pair(&h, "a100", "a", "b").is_none());
+    assert!(pair(&h, "v100", "b", "a").is_none());
+}

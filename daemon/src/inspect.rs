@@ -1,0 +1,189 @@
+//! What the history knows, in words for people: `multiplexd explain`'s text, wait statuses,
+//! and the node list of `scontrol show job`. (The queries are the history's: see
+//! [`crate::history::exchange`] and [`crate::history::explain`].)
+
+use crate::history::Explanation;
+
+/// An [`Explanation`] as the text `multiplexd explain` prints.
+pub struct ExplanationText<'a>(pub &'a Explanation);
+
+impl std::fmt::Display for ExplanationText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.0;
+        writeln!(
+            f,
+            "job {} ({}) on {} GPU {} ({})",
+            e.job_id, e.app, e.node, e.gpu, e.gpu_model
+        )?;
+        writeln!(f, "decision: {}", e.decision)?;
+        writeln!(f, "predicted speed: {:.2}", e.predicted_speed)?;
+        let shared: f64 = e.partners.iter().map(|p| p.seconds).sum();
+        // One precision for every duration of the job, so that the parts add up to the whole.
+        let total = e.finished_at.map_or(e.seconds_alone + shared, |end| end - e.started_at);
+        let secs = |x: f64| {
+            if total < 100.0 {
+                format!("{x:.1} s")
+            } else {
+                format!("{x:.0} s")
+            }
+        };
+        let parts = format!("{} alone, {} beside others", secs(e.seconds_alone), secs(shared));
+        match (e.finished_at, e.exit_status) {
+            (None, _) => writeln!(f, "still running, for {} so far ({parts})", secs(total))?,
+            (Some(_), Some(x)) => writeln!(f, "ended after {} with {} ({parts})", secs(total), exit_text(x))?,
+            (Some(_), None) => writeln!(
+                f,
+                "ended after {} or less; its end was not reported ({parts})",
+                secs(total)
+            )?,
+        }
+        for p in &e.partners {
+            let who = if p.job_id == 0 {
+                "a job no longer in the history".to_string()
+            } else {
+                format!("job {}", p.job_id)
+            };
+            writeln!(f, "shared with {who} ({}) for {}", p.app, secs(p.seconds))?;
+        }
+        if e.out_of_memory {
+            let beside: Vec<String> = e
+                .out_of_memory_beside
+                .iter()
+                .map(|c| format!("{} (job {})", c.app, c.job_id))
+                .collect();
+            if beside.is_empty() {
+                writeln!(f, "ran out of GPU memory")?;
+            } else {
+                writeln!(f, "ran out of GPU memory beside {}", beside.join(", "))?;
+            }
+        }
+        if let Some(m) = e.gpu_mem_peak_mb {
+            writeln!(f, "GPU memory peak: {m} MiB")?;
+        }
+        if let Some(u) = e.sm_util_mean_pct {
+            writeln!(f, "mean SM utilisation: {u:.0}%")?;
+        }
+        for l in &e.learned {
+            let what = if l.oom {
+                "never again: they ran out of memory together".to_string()
+            } else {
+                format!(
+                    "{:.2} (and {:.2} the other way), from {} observation{}",
+                    l.speed,
+                    l.other_speed,
+                    l.observations,
+                    if l.observations == 1 { "" } else { "s" }
+                )
+            };
+            writeln!(f, "learned: {} beside {}: {what}", l.app, l.other)?;
+        }
+        Ok(())
+    }
+}
+
+/// A step's wait status (as slurmstepd reports it) in words.
+pub fn exit_text(status: i32) -> String {
+    let signal = status & 0x7f;
+    if status < 0 {
+        format!("status {status}")
+    } else if signal == 0 {
+        format!("exit code {}", (status >> 8) & 0xff)
+    } else {
+        format!("killed by signal {signal}")
+    }
+}
+
+/// The `NodeList` of `scontrol show job -o` output; `None` while the job has none.
+pub fn node_list(scontrol: &str) -> Option<String> {
+    let list = scontrol
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("NodeList="))?;
+    (!list.is_empty() && list != "(null)").then(|| list.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::{Corunner, PairRow, Partner};
+
+    fn explanation() -> Explanation {
+        Explanation {
+            job_id: 12,
+            node: "n2".into(),
+            app: "bert".into(),
+            gpu: 1,
+            gpu_model: "v100".into(),
+            decision: "GPU 1: alone".into(),
+            predicted_speed: 1.0,
+            started_at: 1000.0,
+            finished_at: Some(1028.0),
+            exit_status: Some(256),
+            seconds_alone: 27.6,
+            partners: vec![Partner {
+                job_id: 13,
+                app: "resnet".into(),
+                seconds: 0.4,
+            }],
+            out_of_memory_beside: vec![Corunner {
+                job_id: 13,
+                app: "resnet".into(),
+            }],
+            out_of_memory: true,
+            learned: vec![PairRow {
+                gpu_model: "v100".into(),
+                app: "bert".into(),
+                other: "resnet".into(),
+                speed: 0.7,
+                other_speed: 0.7,
+                observations: 1,
+                variance: None,
+                oom: false,
+            }],
+            gpu_mem_peak_mb: None,
+            sm_util_mean_pct: None,
+        }
+    }
+
+    #[test]
+    fn explain_says_what_happened_in_words_and_durations_that_add_up() {
+        let text = ExplanationText(&explanation()).to_string();
+        assert_eq!(
+            text,
+            "job 12 (bert) on n2 GPU 1 (v100)\n\
+             decision: GPU 1: alone\n\
+             predicted speed: 1.00\n\
+             ended after 28.0 s with exit code 1 (27.6 s alone, 0.4 s beside others)\n\
+             shared with job 13 (resnet) for 0.4 s\n\
+             ran out of GPU memory beside resnet (job 13)\n\
+             learned: bert beside resnet: 0.70 (and 0.70 the other way), from 1 observation\n"
+        );
+        let mut long = explanation();
+        long.finished_at = None;
+        long.out_of_memory = false;
+        long.seconds_alone = 500.0;
+        long.learned[0].observations = 3;
+        long.learned[0].oom = true;
+        let text = ExplanationText(&long).to_string();
+        assert!(
+            text.contains("still running, for 500 s so far (500 s alone, 0 s beside others)"),
+            "{text}"
+        );
+        assert!(!text.contains("ran out of GPU memory beside"), "{text}");
+        assert!(
+            text.contains("learned: bert beside resnet: never again: they ran out of memory together"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn wait_statuses_and_node_lists_in_words() {
+        assert_eq!(exit_text(0), "exit code 0");
+        assert_eq!(exit_text(256), "exit code 1");
+        assert_eq!(exit_text(9), "killed by signal 9");
+        assert_eq!(exit_text(-1), "status -1");
+        let out = "JobId=12 JobName=wrap UserId=root(0) NodeList=n2 BatchHost=n2 NumNodes=1\n";
+        assert_eq!(node_list(out).as_deref(), Some("n2"));
+        assert_eq!(node_list("JobId=12 NodeList=(null) ReqNodeList=(null)"), None);
+        assert_eq!(node_list("JobId=12"), None);
+    }
+}

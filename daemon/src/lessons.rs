@@ -1,0 +1,148 @@
+//! What ended and running jobs teach the history, off the request path: a finish answers once
+//! the job's end is committed, and a thread of its own, on a connection of its own, learns
+//! from it (least squares, the effects update, now and then a compaction). Tests, tools and
+//! the simulator learn inline instead, so that what they ask next sees what was learned.
+
+use crate::history::{ActiveJob, History, HistoryError, Learned, LEARN_WINDOW};
+use std::path::Path;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+/// Compact the history after this many finished jobs (and at start).
+const COMPACT_EVERY: u32 = 500;
+
+/// One thing to learn from.
+#[derive(Debug, Clone)]
+pub enum Lesson {
+    /// A job that ended here and released its GPU slot.
+    Ended(ActiveJob),
+    /// A running job that reported progress beside partners.
+    Progress(ActiveJob),
+}
+
+/// How a node learns: the state of learning, whichever connection it writes through.
+#[derive(Debug)]
+pub struct Teacher {
+    /// `policy.unknown_pair_speed`.
+    prior: f64,
+    finishes_since_compaction: u32,
+}
+
+impl Teacher {
+    pub fn new(prior: f64) -> Teacher {
+        Teacher {
+            prior,
+            finishes_since_compaction: 0,
+        }
+    }
+
+    /// Learns `lesson` into `history`. Failing is logged, never a job's problem.
+    pub fn learn(&mut self, history: &mut History, lesson: &Lesson) {
+        match lesson {
+            Lesson::Ended(job) => {
+                self.ended(history, job);
+                if let Err(e) = history.refresh_app_memory(job.row) {
+                    tracing::warn!(job = job.job_id, error = %e, "cannot refresh the application's measured memory");
+                }
+                self.finishes_since_compaction += 1;
+                if self.finishes_since_compaction >= COMPACT_EVERY {
+                    self.compact(history);
+                }
+            }
+            Lesson::Progress(job) => self.progress(history, job),
+        }
+    }
+
+    /// Deletes raw rows of old jobs (see [`History::compact`]); failing is only logged.
+    pub fn compact(&mut self, history: &mut History) {
+        self.finishes_since_compaction = 0;
+        match history.compact(LEARN_WINDOW) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(jobs = n, "compacted old jobs into the estimates"),
+            Err(e) => tracing::warn!(error = %e, "cannot compact the history"),
+        }
+    }
+
+    fn ended(&self, history: &mut History, job: &ActiveJob) {
+        match history.learn_from(job.row, self.prior) {
+            Ok(Learned::Solo { runtime_s, runs, fits }) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                solo_s = format!("{runtime_s:.1}"),
+                runs,
+                pairs = %describe(&fits),
+                "learned the solo runtime"
+            ),
+            Ok(Learned::Shared { fits }) => {
+                tracing::info!(job = job.job_id, app = %job.app, pairs = %describe(&fits), "learned pair speeds")
+            }
+            Ok(Learned::NoBaseline) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                "shared its GPU, but this application has no solo runtime yet to compare with"
+            ),
+            Ok(Learned::Nothing(why)) => tracing::debug!(job = job.job_id, why, "nothing learned"),
+            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from the job failed"),
+        }
+    }
+
+    /// See [`History::learn_from_progress`].
+    fn progress(&self, history: &mut History, job: &ActiveJob) {
+        match history.learn_from_progress(job.row, self.prior) {
+            Ok(Learned::Shared { fits }) => tracing::info!(
+                job = job.job_id,
+                app = %job.app,
+                pairs = %describe(&fits),
+                "learned pair speeds from progress"
+            ),
+            Ok(Learned::NoBaseline) => tracing::debug!(job = job.job_id, "no rate alone yet to learn progress by"),
+            Ok(other) => tracing::debug!(job = job.job_id, ?other, "nothing learned from progress"),
+            Err(e) => tracing::error!(job = job.job_id, error = %e, "learning from progress failed"),
+        }
+    }
+}
+
+fn describe(fits: &[crate::learn::Fit]) -> String {
+    fits.iter()
+        .map(|f| format!("{}:{:.2}({})", f.partner, f.speed, f.observations))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The learning thread of a serving daemon.
+pub struct Learner {
+    lessons: mpsc::Sender<Lesson>,
+    thread: JoinHandle<()>,
+}
+
+impl Learner {
+    /// Opens a second connection to the history at `path` and starts the thread that learns
+    /// through it, with `teacher`.
+    pub fn start(path: &Path, mut teacher: Teacher) -> Result<Learner, HistoryError> {
+        let mut history = History::open(path)?;
+        let (lessons, inbox) = mpsc::channel::<Lesson>();
+        let thread = std::thread::Builder::new()
+            .name("learn".into())
+            .spawn(move || {
+                for lesson in inbox {
+                    teacher.learn(&mut history, &lesson);
+                }
+            })
+            .map_err(|e| HistoryError::Thread(e.to_string()))?;
+        Ok(Learner { lessons, thread })
+    }
+
+    /// Queues `lesson`; false if the thread is gone (it never stops before [`Self::stop`]
+    /// unless it panicked).
+    pub fn send(&self, lesson: Lesson) -> bool {
+        self.lessons.send(lesson).is_ok()
+    }
+
+    /// Learns what is still queued, then ends the thread.
+    pub fn stop(self) {
+        drop(self.lessons);
+        if self.thread.join().is_err() {
+            tracing::error!("the learning thread panicked");
+        }
+    }
+}
