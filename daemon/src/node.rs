@@ -87,7 +87,7 @@ impl Node {
     pub fn learn_in_background(&mut self) -> Result<(), HistoryError> {
         if self.learner.is_none() {
             let teacher = std::mem::replace(&mut self.teacher, Teacher::new(self.config.policy.unknown_pair_speed));
-            self.learner = Some(Learner::start(&self.config.database, teacher)?);
+            self.learner = Some(Learner::start(&self.history, &self.config.database, teacher)?);
         }
         Ok(())
     }
@@ -148,6 +148,7 @@ impl Node {
     }
 
     fn place_step(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
+        self.history.request_seen();
         if req.node != self.config.node {
             return Ok(Response::Error {
                 message: format!("this multiplexd serves node {}, not {}", self.config.node, req.node),
@@ -380,6 +381,7 @@ impl Node {
     }
 
     fn finish_step(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
+        self.history.request_seen();
         let now = (self.clock)();
         let active = self.active()?;
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
@@ -417,6 +419,7 @@ impl Node {
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
     /// `privileged`, it must be the job's own user.
     pub fn report(&mut self, req: &ReportRequest, uid: u32, privileged: bool) -> Result<Response, HistoryError> {
+        self.history.request_seen();
         let Some((job, partners)) = self.history.running_job(&self.config.node, req.job_id)? else {
             return Ok(Response::Error {
                 message: format!("job {} is not running on node {}", req.job_id, self.config.node),

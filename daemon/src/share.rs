@@ -9,7 +9,8 @@
 //!
 //! Why: each node alone sees few of the pairs its applications form; in `multiplexd simulate`
 //! (4 nodes x 4 GPUs, 1,000 jobs, load 1.0, 30 seeds) merging every 10 minutes cut the
-//! learned policy's average JCT by a further 7% (7,566 s to 7,055 s; see the README).
+//! learned policy's average JCT by a further 6% (7,357 s to 6,890 s) and by 36% at load 1.5
+//! (see docs/results.md).
 
 use crate::background::Trouble;
 pub use crate::config::ShareConfig;

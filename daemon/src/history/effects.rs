@@ -28,7 +28,7 @@ const APP_MEANS: &str = "SELECT gpu_model, app_id,
      FROM pair_estimates";
 
 /// Recomputes `app_means` for one application on one model, or (`None`) for all.
-pub(super) fn refresh_app_means(tx: &rusqlite::Transaction, only: Option<(&str, i64)>) -> rusqlite::Result<()> {
+pub(super) fn refresh_app_means(tx: &rusqlite::Connection, only: Option<(&str, i64)>) -> rusqlite::Result<()> {
     // Plain equalities (not `?1 IS NULL OR ...`) so that the primary keys are used.
     match only {
         Some((model, app)) => {
@@ -97,10 +97,11 @@ pub(super) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite:
 /// ([`crate::learn::effect`]) for those applications, each side twice, reading only their
 /// own pairs (the whole fit would read every pair of the model on every finished job).
 pub(super) fn update_effects(
-    tx: &rusqlite::Transaction,
+    tx: &rusqlite::Connection,
     model: &str,
     apps: &[i64],
     prior: f64,
+    pause: &dyn Fn() -> rusqlite::Result<()>,
 ) -> rusqlite::Result<()> {
     let mut apps = apps.to_vec();
     apps.sort_unstable();
@@ -121,6 +122,7 @@ pub(super) fn update_effects(
     };
     for _ in 0..2 {
         for &app in &apps {
+            pause()?;
             // This application's side: what the prior and its partners' impacts leave.
             let (n, rest) = leftover(app, "p.speed - ?3 - coalesce(e.impact, 0)", "app_id", "other_id")?;
             tx.exec(
@@ -131,6 +133,7 @@ pub(super) fn update_effects(
             )?;
         }
         for &app in &apps {
+            pause()?;
             // Its effect on partners: what their own expected speeds leave.
             let (n, rest) = leftover(app, "p.speed - coalesce(e.base, ?3)", "other_id", "app_id")?;
             tx.exec(

@@ -56,14 +56,19 @@ pub(super) fn equations_of(
     app_id: i64,
     model: &str,
     job_row: i64,
+    solo: Option<f64>,
 ) -> rusqlite::Result<Option<(Vec<crate::learn::Equation>, bool)>> {
-    let baseline: Option<f64> = tx
-        .row(
-            "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
-            params![model, app_id],
-            |r| r.get(0),
-        )
-        .optional()?;
+    // The solo runtime the caller just computed, else the stored one.
+    let baseline: Option<f64> = match solo {
+        Some(s) => Some(s),
+        None => tx
+            .row(
+                "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                params![model, app_id],
+                |r| r.get(0),
+            )
+            .optional()?,
+    };
     // Every interval and progress report of the application's latest jobs, in two queries.
     // Running jobs come first: only their stretches between reports count. (The window is
     // written into the SQL, not bound: SQLite re-prepares a statement each time a LIMIT

@@ -143,7 +143,7 @@ impl History {
 
     /// Records another step joining a job that already holds a GPU (idempotent).
     pub fn record_step(&mut self, job_row: i64, step_id: u32, now: f64) -> Result<(), HistoryError> {
-        self.conn.exec(
+        self.write_one(
             "INSERT INTO steps(job_row, step_id, started_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
             params![job_row, step_id, now],
         )?;
@@ -223,7 +223,7 @@ impl History {
         if kind != "oom" {
             // One statement is atomic on its own: a progress report, the most frequent call
             // of a running job, costs no transaction.
-            self.conn.exec(insert, params![job_row, now, kind, value, list])?;
+            self.write_one(insert, params![job_row, now, kind, value, list])?;
             return Ok(Vec::new());
         }
         let tx = self.write()?;
@@ -254,7 +254,7 @@ impl History {
         }
         super::effects::refresh_app_means(&tx, Some((&model, app)))?;
         others.push(app);
-        super::effects::update_effects(&tx, &model, &others, prior)?;
+        super::effects::update_effects(&tx, &model, &others, prior, &|| Ok(()))?;
         tx.commit()?;
         Ok(names)
     }

@@ -37,8 +37,12 @@ impl History {
     /// pairwise speeds of its application from its latest jobs (see [`crate::learn`]).
     /// Estimates are written for both sides of each pair. Jobs that failed teach nothing (their
     /// runtime is not one run's work), nor do stretches with more than one partner at once.
+    ///
+    /// Everything is read and fitted in a read transaction, which takes no lock in WAL mode;
+    /// only the results are written in a short write transaction, so that learning on its
+    /// own thread barely delays the requests' writes.
     pub fn learn_from(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
-        let tx = self.write()?;
+        let tx = self.conn.transaction()?;
         type JobRow = (i64, String, f64, Option<f64>, Option<i32>);
         let job: Option<JobRow> = tx
             .row(
@@ -72,16 +76,12 @@ impl History {
                     }
                     None => (runtime, 1),
                 };
-                tx.exec(
-                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
-                    params![model, app_id, mean, runs],
-                )?;
                 solo = Some((mean, runs));
             }
         }
-        let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row)? else {
-            tx.commit()?;
+        let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row, solo.map(|s| s.0))? else {
+            drop(tx);
+            self.store(&model, app_id, solo, prior, None)?;
             return Ok(Learned::NoBaseline);
         };
         // A new solo runtime or rate alone changes every speed; a shared run without reports
@@ -91,8 +91,8 @@ impl History {
             _ => None,
         };
         let fits = crate::learn::fit(&equations, prior, partners.as_deref());
-        store_fits(&tx, &model, app_id, prior, &fits)?;
-        tx.commit()?;
+        drop(tx);
+        self.store(&model, app_id, solo, prior, Some(&fits))?;
         Ok(match solo {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
@@ -106,7 +106,7 @@ impl History {
     /// ends. Only while a pair has fewer than [`LEARN_ON_REPORTS_UNTIL`] equations: after
     /// that, learning at job ends keeps it up to date.
     pub fn learn_from_progress(&mut self, job_row: i64, prior: f64) -> Result<Learned, HistoryError> {
-        let tx = self.write()?;
+        let tx = self.conn.transaction()?;
         let job: Option<(i64, String)> = tx
             .row(
                 "SELECT app_id, gpu_model FROM jobs WHERE id = ?1 AND finished_at IS NULL",
@@ -134,27 +134,58 @@ impl History {
         if unsure.is_empty() {
             return Ok(Learned::Nothing("it runs alone, or beside partners known well enough"));
         }
-        let Some((equations, _)) = equations_of(&tx, app_id, &model, job_row)? else {
+        let Some((equations, _)) = equations_of(&tx, app_id, &model, job_row, None)? else {
             return Ok(Learned::NoBaseline);
         };
         let fits = crate::learn::fit(&equations, prior, Some(&unsure));
-        store_fits(&tx, &model, app_id, prior, &fits)?;
-        tx.commit()?;
+        drop(tx);
+        self.store(&model, app_id, None, prior, Some(&fits))?;
         Ok(Learned::Shared { fits })
+    }
+
+    /// Writes what learning found, in one short write transaction: the application's new solo
+    /// runtime and runs, if any, and its fitted speeds, if it fitted any (the application's
+    /// effects are updated even when the fit found no pair).
+    fn store(
+        &mut self,
+        model: &str,
+        app_id: i64,
+        solo: Option<(f64, i64)>,
+        prior: f64,
+        fits: Option<&[crate::learn::Fit]>,
+    ) -> Result<(), HistoryError> {
+        if solo.is_none() && fits.is_none() {
+            return Ok(());
+        }
+        self.write_in_steps(|h| {
+            if let Some((mean, runs)) = solo {
+                h.conn.exec(
+                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                    params![model, app_id, mean, runs],
+                )?;
+            }
+            match fits {
+                Some(fits) => store_fits(&h.conn, model, app_id, prior, fits, &|| h.let_requests_in()),
+                None => Ok(()),
+            }
+        })
     }
 }
 
 /// Writes fitted speeds of application `app_id` on `model`, both sides of each pair, and
-/// refreshes the application's means.
+/// refreshes the application's means; `pause` runs between steps.
 fn store_fits(
-    tx: &rusqlite::Transaction,
+    tx: &rusqlite::Connection,
     model: &str,
     app_id: i64,
     prior: f64,
     fits: &[crate::learn::Fit],
+    pause: &dyn Fn() -> rusqlite::Result<()>,
 ) -> rusqlite::Result<()> {
     let mut touched = vec![app_id];
     for f in fits {
+        pause()?;
         let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
             r.get(0)
         })?;
@@ -175,5 +206,5 @@ fn store_fits(
         )?;
     }
     super::effects::refresh_app_means(tx, Some((model, app_id)))?;
-    super::effects::update_effects(tx, model, &touched, prior)
+    super::effects::update_effects(tx, model, &touched, prior, pause)
 }

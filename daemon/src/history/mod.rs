@@ -31,6 +31,9 @@ pub use learning::{Learned, LEARN_ON_REPORTS_UNTIL, LEARN_WINDOW};
 
 use rusqlite::{Connection, OpenFlags};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// A history problem; the text says which file and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +48,22 @@ pub enum HistoryError {
     Sql(#[from] rusqlite::Error),
     #[error("cannot start a history thread: {0}")]
     Thread(String),
+}
+
+/// How long a connection waits for another's write lock before it fails, in polls of
+/// [`BUSY_POLL`]: about 5 s.
+const BUSY_POLLS: i32 = 50_000;
+const BUSY_POLL: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// SQLite's busy handler: poll every 0.1 ms. SQLite's own timeout sleeps 1, 2, 5, 10, ... ms
+/// between tries, so a request that meets the learning thread's write of half a millisecond
+/// would wait a millisecond or more, and far longer after a few tries.
+fn wait_briefly(tries: i32) -> bool {
+    if tries >= BUSY_POLLS {
+        return false;
+    }
+    std::thread::sleep(BUSY_POLL);
+    true
 }
 
 /// `execute` and `query_row` through the connection's statement cache: the history runs the
@@ -81,11 +100,45 @@ const STATEMENT_CACHE: usize = 64;
 /// The open SQLite history.
 pub struct History {
     conn: Connection,
+    /// Shared by the connections of one daemon to one database.
+    gate: Arc<Gate>,
+}
+
+/// Who goes first among one daemon's connections: a request waiting for the write lock is
+/// counted here, and a long write on the learning thread commits what it has done and lets
+/// it go first (see [`History::let_requests_in`]), so that a placement waits for one step of
+/// learning at most, never for a whole job's.
+#[derive(Debug)]
+struct Gate {
+    waiting: AtomicUsize,
+    /// When the last request touched the history, in nanoseconds since `epoch`.
+    last_request_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for Gate {
+    fn default() -> Gate {
+        Gate {
+            waiting: AtomicUsize::new(0),
+            last_request_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
 }
 
 impl History {
     /// Opens (creating if absent) and migrates the database at `path`.
     pub fn open(path: &Path) -> Result<History, HistoryError> {
+        History::open_with(path, Arc::default())
+    }
+
+    /// Opens a second connection to this history's database at `path`, for a thread of the
+    /// same daemon: its long writes give way to this one's (see [`Gate`]).
+    pub fn open_beside(&self, path: &Path) -> Result<History, HistoryError> {
+        History::open_with(path, Arc::clone(&self.gate))
+    }
+
+    fn open_with(path: &Path, gate: Arc<Gate>) -> Result<History, HistoryError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| HistoryError::Open {
                 path: path.to_path_buf(),
@@ -108,13 +161,13 @@ impl History {
         if check != "ok" {
             return Err(corrupt(check));
         }
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.busy_handler(Some(wait_briefly))?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.pragma_update(None, "journal_mode", "WAL")?;
         // NORMAL in WAL mode: a committed transaction survives a crash of the process.
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        let mut history = History { conn };
+        let mut history = History { conn, gate };
         history.migrate(path)?;
         Ok(history)
     }
@@ -126,8 +179,74 @@ impl History {
     /// transaction that reads first and writes later would fail at once, not wait, if the
     /// other connection committed in between.
     fn write(&mut self) -> rusqlite::Result<rusqlite::Transaction<'_>> {
-        self.conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        self.gate.waiting.fetch_add(1, Ordering::SeqCst);
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate);
+        self.gate.waiting.fetch_sub(1, Ordering::SeqCst);
+        tx
+    }
+
+    /// Notes that a request is being served (see [`Self::wait_for_a_pause`]).
+    pub fn request_seen(&self) {
+        let ns = self.gate.epoch.elapsed().as_nanos() as u64;
+        self.gate.last_request_ns.store(ns, Ordering::SeqCst);
+    }
+
+    /// For work that can wait (learning): returns once no request of this daemon was seen for
+    /// `quiet`, or after `at_most`. A burst of requests (a job array's steps starting) is
+    /// served first, and learning still goes on under any load.
+    pub fn wait_for_a_pause(&self, quiet: Duration, at_most: Duration) {
+        let start = Instant::now();
+        loop {
+            let last = Duration::from_nanos(self.gate.last_request_ns.load(Ordering::SeqCst));
+            let since = self.gate.epoch.elapsed().saturating_sub(last);
+            if since >= quiet || start.elapsed() >= at_most {
+                return;
+            }
+            std::thread::sleep((quiet - since).min(at_most.saturating_sub(start.elapsed())));
+        }
+    }
+
+    /// One statement that writes, outside any transaction, on the request path: counted as
+    /// waiting for the write lock (see [`Gate`]) until it is done.
+    fn write_one<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.gate.waiting.fetch_add(1, Ordering::SeqCst);
+        let r = self.conn.exec(sql, params);
+        self.gate.waiting.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    /// Runs `steps` as a write of the learning kind: in a transaction begun by hand, which
+    /// [`Self::let_requests_in`] (called by `steps` between steps) may commit and begin again.
+    /// On an error nothing of the step under way is kept.
+    fn write_in_steps<T>(&mut self, steps: impl FnOnce(&History) -> rusqlite::Result<T>) -> Result<T, HistoryError> {
+        self.conn.execute_batch("BEGIN IMMEDIATE")?;
+        match steps(self) {
+            Ok(v) => {
+                self.conn.execute_batch("COMMIT")?;
+                Ok(v)
+            }
+            Err(e) => {
+                if !self.conn.is_autocommit() {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Between two steps of [`Self::write_in_steps`]: if a request of this daemon waits for
+    /// the write lock, commits what is done, waits until no request waits, and begins again.
+    fn let_requests_in(&self) -> rusqlite::Result<()> {
+        if self.gate.waiting.load(Ordering::SeqCst) == 0 {
+            return Ok(());
+        }
+        self.conn.execute_batch("COMMIT")?;
+        while self.gate.waiting.load(Ordering::SeqCst) > 0 {
+            std::thread::sleep(BUSY_POLL);
+        }
+        self.conn.execute_batch("BEGIN IMMEDIATE")
     }
 
     /// The schema version in use.

@@ -12,7 +12,7 @@ impl History {
         mem_mb: Option<u64>,
         sm_util_pct: Option<u32>,
     ) -> Result<(), HistoryError> {
-        self.conn.exec(
+        self.write_one(
             "INSERT INTO job_telemetry(job_row, samples, mem_peak_mb, sm_util_sum, sm_util_samples)
              VALUES (?1, 1, ?2, coalesce(?3, 0), ?3 IS NOT NULL)
              ON CONFLICT(job_row) DO UPDATE SET samples = samples + 1,

@@ -246,3 +246,48 @@ fn estimates_are_read_by_name() {
     assert!(pair(&h, "a100", "a", "b").is_none());
     assert!(pair(&h, "v100", "b", "a").is_none());
 }
+
+#[test]
+fn a_long_write_of_the_learning_kind_lets_a_waiting_request_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let mut h = History::open(&path).unwrap();
+    let mut learner = h.open_beside(&path).unwrap();
+    let inside = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let (steps, step) = (400, std::time::Duration::from_millis(5));
+    std::thread::scope(|s| {
+        let inside_too = std::sync::Arc::clone(&inside);
+        let long = s.spawn(move || {
+            learner
+                .write_in_steps(|l| {
+                    for i in 0..steps {
+                        l.let_requests_in()?;
+                        l.conn
+                            .exec("INSERT INTO applications(name) VALUES (?1)", [format!("x{i}")])?;
+                        if i == 0 {
+                            inside_too.wait();
+                        }
+                        std::thread::sleep(step);
+                    }
+                    Ok(())
+                })
+                .unwrap()
+        });
+        // The learning kind of write holds the lock now, for about 2 s in all; a request's
+        // write gets in at its next step instead of after all of them.
+        inside.wait();
+        let t = std::time::Instant::now();
+        h.record_placement(&job(1, "a", 0, 1.0), &[]).unwrap();
+        let waited = t.elapsed();
+        long.join().unwrap();
+        assert!(
+            waited < step * steps / 4,
+            "the request waited {waited:?}, as long as the whole write"
+        );
+    });
+    let apps: i64 = h
+        .connection()
+        .query_row("SELECT count(*) FROM applications", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(apps, steps as i64 + 1, "both writes are whole");
+}

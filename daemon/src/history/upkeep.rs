@@ -1,9 +1,12 @@
 //! Keeping the history bounded and its writes off the request path: compaction of old jobs,
 //! and WAL checkpoints from a thread of their own.
 
-use super::{Cached, History, HistoryError, STATEMENT_CACHE};
+use super::{History, HistoryError, STATEMENT_CACHE};
 use rusqlite::{Connection, OpenFlags};
 use std::path::{Path, PathBuf};
+
+/// How many old jobs one step of [`History::compact`] deletes.
+const COMPACT_CHUNK: usize = 100;
 
 /// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
 const WAL_LIMIT: u64 = 64 * 1024 * 1024;
@@ -14,28 +17,44 @@ impl History {
     /// runtimes and pair estimates, and learning only reads the latest jobs anyway. Intervals
     /// of kept jobs that shared with a deleted one keep its application. Returns how many
     /// jobs were deleted.
+    ///
+    /// The jobs to delete are found by a read, and deleted [`COMPACT_CHUNK`] at a time, giving
+    /// way to the requests of this daemon between chunks.
     pub fn compact(&mut self, keep: i64) -> Result<usize, HistoryError> {
-        let tx = self.write()?;
-        tx.execute_batch("CREATE TEMP TABLE IF NOT EXISTS doomed(id INTEGER PRIMARY KEY); DELETE FROM temp.doomed;")?;
-        let n = tx.exec(
-            "INSERT INTO temp.doomed(id) SELECT id FROM (
-                SELECT id, row_number() OVER (PARTITION BY app_id, gpu_model ORDER BY finished_at DESC, id DESC) AS k
-                FROM jobs WHERE finished_at IS NOT NULL) WHERE k > ?1",
-            [keep],
-        )?;
-        if n > 0 {
-            tx.execute_batch(
-                "UPDATE intervals SET partner_row = NULL WHERE partner_row IN (SELECT id FROM temp.doomed);
-                 DELETE FROM intervals WHERE job_row IN (SELECT id FROM temp.doomed);
-                 DELETE FROM steps WHERE job_row IN (SELECT id FROM temp.doomed);
-                 DELETE FROM observations WHERE job_row IN (SELECT id FROM temp.doomed);
-                 DELETE FROM job_telemetry WHERE job_row IN (SELECT id FROM temp.doomed);
-                 DELETE FROM jobs WHERE id IN (SELECT id FROM temp.doomed);",
-            )?;
+        let doomed: Vec<i64> = self
+            .conn
+            .prepare_cached(
+                "SELECT id FROM (
+                    SELECT id, row_number() OVER (PARTITION BY app_id, gpu_model ORDER BY finished_at DESC, id DESC) AS k
+                    FROM jobs WHERE finished_at IS NOT NULL) WHERE k > ?1",
+            )?
+            .query_map([keep], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        if doomed.is_empty() {
+            return Ok(0);
         }
-        tx.execute_batch("DELETE FROM temp.doomed;")?;
-        tx.commit()?;
-        Ok(n)
+        self.write_in_steps(|h| {
+            h.conn.execute_batch(
+                "CREATE TEMP TABLE IF NOT EXISTS doomed(id INTEGER PRIMARY KEY); DELETE FROM temp.doomed;",
+            )?;
+            for chunk in doomed.chunks(COMPACT_CHUNK) {
+                h.let_requests_in()?;
+                let mut doom = h.conn.prepare_cached("INSERT INTO temp.doomed(id) VALUES (?1)")?;
+                for id in chunk {
+                    doom.execute([id])?;
+                }
+                h.conn.execute_batch(
+                    "UPDATE intervals SET partner_row = NULL WHERE partner_row IN (SELECT id FROM temp.doomed);
+                     DELETE FROM intervals WHERE job_row IN (SELECT id FROM temp.doomed);
+                     DELETE FROM steps WHERE job_row IN (SELECT id FROM temp.doomed);
+                     DELETE FROM observations WHERE job_row IN (SELECT id FROM temp.doomed);
+                     DELETE FROM job_telemetry WHERE job_row IN (SELECT id FROM temp.doomed);
+                     DELETE FROM jobs WHERE id IN (SELECT id FROM temp.doomed);
+                     DELETE FROM temp.doomed;",
+                )?;
+            }
+            Ok(doomed.len())
+        })
     }
 
     /// Moves WAL checkpoints (which write the database file and sync it) off the request path:
