@@ -54,6 +54,11 @@ impl Node {
         for job in node.history.active_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, gpu = job.gpu, app = %job.app, "recovered running job from history");
         }
+        // What the learning thread had not learned yet when the daemon stopped.
+        for job in node.history.unlearned_jobs(&node.config.node)? {
+            tracing::info!(job = job.job_id, app = %job.app, "learning from a job that ended before the daemon stopped");
+            node.teacher.learn(&mut node.history, &Lesson::Ended(job));
+        }
         Ok(node)
     }
 

@@ -566,3 +566,53 @@ fn in_observe_mode_jobs_run_where_slurm_bound_them_and_are_still_learned_from() 
     let (speed, _, n) = w.estimate("bert", "resnet").expect("a learned pair");
     assert!(n >= 1 && (speed - 2.0 / 3.0).abs() < 0.05, "{speed} from {n}");
 }
+
+#[test]
+fn a_job_whose_lesson_was_still_queued_when_the_daemon_stopped_is_learned_at_the_next_start() {
+    use multiplexd::history::{History, NewJob};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("h.sqlite");
+    // The request thread committed the job's end; the learning thread never got to it.
+    {
+        let mut h = History::open(&db).unwrap();
+        let row = h
+            .record_placement(
+                &NewJob {
+                    job_id: 7,
+                    node: "n1",
+                    uid: 1000,
+                    app: "bert",
+                    gpu: 0,
+                    gpu_model: "v100",
+                    mem_mb: None,
+                    owner_step: 0,
+                    slurm_gpus: Some("0"),
+                    decision: "test",
+                    predicted_speed: 1.0,
+                    now: 0.0,
+                },
+                &[],
+            )
+            .unwrap();
+        h.record_finish(row, 0, 0, true, &[], 100.0).unwrap();
+        assert_eq!(h.unlearned_jobs("n1").unwrap().len(), 1);
+    }
+    let config = Config::parse(&format!(
+        "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\n",
+        d = dir.path().display()
+    ))
+    .unwrap();
+    let gpu = GpuSpec {
+        index: 0,
+        model: "v100".into(),
+        memory_mb: 16384,
+    };
+    let node = Node::open(config, vec![gpu], Box::new(|| 200.0)).unwrap();
+    let solo: f64 = node
+        .history()
+        .connection()
+        .query_row("SELECT runtime_s FROM solo_baselines", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(solo, 100.0, "the solo run of job 7 was learned at start");
+    assert!(node.history().unlearned_jobs("n1").unwrap().is_empty(), "and only once");
+}

@@ -96,6 +96,17 @@ impl History {
         Ok(found)
     }
 
+    /// Jobs that ended on `node` and were not learned from yet (their lesson was queued when
+    /// the daemon stopped), in the order they ended.
+    pub fn unlearned_jobs(&self, node: &str) -> Result<Vec<ActiveJob>, HistoryError> {
+        let mut stmt = self.conn.prepare_cached(concat!(
+            active_job_sql!(),
+            " WHERE j.node = ?1 AND j.finished_at IS NOT NULL AND j.learned = 0 ORDER BY j.finished_at, j.id"
+        ))?;
+        let rows = stmt.query_map([node], active_job)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// How many jobs run on `node` (what [`Self::active_jobs`] would list, counted).
     pub fn active_count(&self, node: &str) -> Result<u32, HistoryError> {
         Ok(self.conn.row(
@@ -112,8 +123,8 @@ impl History {
         let app_id = app_id(&tx, job.app)?;
         tx.exec(
             "INSERT INTO jobs(job_id, node, uid, app_id, gpu, gpu_model, mem_mb, owner_step, slurm_gpus,
-                              decision, predicted_speed, started_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                              decision, predicted_speed, started_at, learned)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 0)",
             params![
                 job.job_id,
                 job.node,
@@ -192,9 +203,10 @@ impl History {
             )?,
         };
         if releases {
+            // A job gone without its end teaches nothing: it counts as learned at once.
             tx.exec(
-                "UPDATE jobs SET finished_at = ?2, exit_status = ?3 WHERE id = ?1 AND finished_at IS NULL",
-                params![job_row, now, exit_status],
+                "UPDATE jobs SET finished_at = ?2, exit_status = ?3, learned = ?4 WHERE id = ?1 AND finished_at IS NULL",
+                params![job_row, now, exit_status, step.is_none()],
             )?;
             tx.exec(
                 "UPDATE intervals SET ended_at = ?2 WHERE job_row = ?1 AND ended_at IS NULL",

@@ -55,6 +55,8 @@ impl History {
             return Ok(Learned::Nothing("the job has not finished here"));
         };
         if exit != Some(0) {
+            drop(tx);
+            self.store(&model, app_id, None, prior, None, Some(job_row))?;
             return Ok(Learned::Nothing("the job failed"));
         }
         let this = equation(intervals_of(&tx, job_row)?.into_iter());
@@ -81,7 +83,7 @@ impl History {
         }
         let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row, solo.map(|s| s.0))? else {
             drop(tx);
-            self.store(&model, app_id, solo, prior, None)?;
+            self.store(&model, app_id, solo, prior, None, Some(job_row))?;
             return Ok(Learned::NoBaseline);
         };
         // A new solo runtime or rate alone changes every speed; a shared run without reports
@@ -92,7 +94,7 @@ impl History {
         };
         let fits = crate::learn::fit(&equations, prior, partners.as_deref());
         drop(tx);
-        self.store(&model, app_id, solo, prior, Some(&fits))?;
+        self.store(&model, app_id, solo, prior, Some(&fits), Some(job_row))?;
         Ok(match solo {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
@@ -139,13 +141,14 @@ impl History {
         };
         let fits = crate::learn::fit(&equations, prior, Some(&unsure));
         drop(tx);
-        self.store(&model, app_id, None, prior, Some(&fits))?;
+        self.store(&model, app_id, None, prior, Some(&fits), None)?;
         Ok(Learned::Shared { fits })
     }
 
     /// Writes what learning found, in one short write transaction: the application's new solo
     /// runtime and runs, if any, and its fitted speeds, if it fitted any (the application's
-    /// effects are updated even when the fit found no pair).
+    /// effects are updated even when the fit found no pair); with them, that the finished job
+    /// `learned` was learned from.
     fn store(
         &mut self,
         model: &str,
@@ -153,11 +156,15 @@ impl History {
         solo: Option<(f64, i64)>,
         prior: f64,
         fits: Option<&[crate::learn::Fit]>,
+        learned: Option<i64>,
     ) -> Result<(), HistoryError> {
-        if solo.is_none() && fits.is_none() {
+        if solo.is_none() && fits.is_none() && learned.is_none() {
             return Ok(());
         }
         self.write_in_steps(|h| {
+            if let Some(job_row) = learned {
+                h.conn.exec("UPDATE jobs SET learned = 1 WHERE id = ?1", [job_row])?;
+            }
             if let Some((mean, runs)) = solo {
                 h.conn.exec(
                     "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)

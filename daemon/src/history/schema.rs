@@ -128,6 +128,10 @@ pub(super) const MIGRATIONS: &[&str] = &[
         impact_pairs INTEGER NOT NULL,
         PRIMARY KEY (gpu_model, app_id)
      );",
+    // 8: whether what a finished job teaches was learned: the daemon learns on a thread of its
+    // own after the job's end is committed, and a job whose lesson was still queued when the
+    // daemon stopped is learned at its next start. Jobs of older histories count as learned.
+    "ALTER TABLE jobs ADD COLUMN learned INTEGER NOT NULL DEFAULT 1;",
 ];
 
 /// The migration that creates `app_effects`: an existing history's are fitted right after it.

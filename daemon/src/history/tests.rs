@@ -33,11 +33,16 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("h.sqlite");
     {
-        // What schema 6 held: learned speeds, both sides of a pair and an unlearned side.
+        // What schema 6 held: learned speeds, both sides of a pair and an unlearned side, and
+        // a job that ended.
         let h = History::open(&path).unwrap();
         h.connection()
             .execute_batch(
-                "INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c');
+                "ALTER TABLE jobs DROP COLUMN learned;
+                 INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c');
+                 INSERT INTO jobs(job_id, node, uid, app_id, gpu, gpu_model, owner_step, decision,
+                                  predicted_speed, started_at, finished_at, exit_status)
+                 VALUES (1, 'n1', 0, 1, 0, 'v100', 0, 'x', 1.0, 0, 10, 0);
                  INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
                  VALUES ('v100', 1, 2, 0.5, 0.9, 2), ('v100', 2, 1, 0.9, 0.5, 1),
                         ('v100', 3, 1, 0.7, 0.4, 0);
@@ -55,6 +60,8 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
     // c's only row was never learned: nothing is known of it.
     assert_eq!(known(&h, "v100", "c").base, None);
     assert_eq!(known(&h, "a100", "a").base, None);
+    // Jobs from before schema 8 were learned from when they ended.
+    assert!(h.unlearned_jobs("n1").unwrap().is_empty());
 }
 
 #[test]
