@@ -1,8 +1,74 @@
-//! What the history knows, in words for people: `multiplexd explain`'s text, wait statuses,
-//! and the node list of `scontrol show job`. (The queries are the history's: see
+//! What the daemon and its history know, in words for people: the text of `multiplexd
+//! status`, `history` and `explain`, wait statuses, and the node list of `scontrol show job`. (The queries are the history's: see
 //! [`crate::history::exchange`] and [`crate::history::explain`].)
 
-use crate::history::Explanation;
+use crate::history::{Explanation, Export};
+use multiplex_protocol::NodeStatus;
+
+/// A node's [`NodeStatus`] as the text `multiplexd status` prints: one line per GPU.
+pub struct StatusText<'a>(pub &'a NodeStatus);
+
+impl std::fmt::Display for StatusText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let status = self.0;
+        writeln!(f, "node {} ({} jobs per GPU)", status.node, status.jobs_per_gpu)?;
+        writeln!(f, "{:<4} {:<16} {:>11}  jobs", "GPU", "model", "memory")?;
+        for g in &status.gpus {
+            let jobs: Vec<String> = g.tasks.iter().map(|t| format!("{} ({})", t.job_id, t.app)).collect();
+            let jobs = if jobs.is_empty() {
+                "-".to_string()
+            } else {
+                jobs.join(", ")
+            };
+            writeln!(f, "{:<4} {:<16} {:>7} MiB  {}", g.index, g.model, g.memory_mb, jobs)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a history learned ([`Export`]) as the text `multiplexd history` prints: solo runtimes,
+/// then pair speeds.
+pub struct HistoryText<'a>(pub &'a Export);
+
+impl std::fmt::Display for HistoryText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let data = self.0;
+        writeln!(f, "solo runtimes ({})", data.solo.len())?;
+        writeln!(f, "{:<10} {:<32} {:>12} {:>6}", "model", "app", "runtime s", "runs")?;
+        for s in &data.solo {
+            writeln!(
+                f,
+                "{:<10} {:<32} {:>12.1} {:>6}",
+                s.gpu_model, s.app, s.runtime_s, s.runs
+            )?;
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "pair speeds ({}): APP's speed beside OTHER, and OTHER's beside APP",
+            data.pairs.len()
+        )?;
+        writeln!(
+            f,
+            "{:<10} {:<24} {:<24} {:>6} {:>6} {:>5} {:>4}",
+            "model", "app", "other", "speed", "other", "obs", "oom"
+        )?;
+        for p in &data.pairs {
+            writeln!(
+                f,
+                "{:<10} {:<24} {:<24} {:>6.2} {:>6.2} {:>5} {:>4}",
+                p.gpu_model,
+                p.app,
+                p.other,
+                p.speed,
+                p.other_speed,
+                p.observations,
+                if p.oom { "yes" } else { "" }
+            )?;
+        }
+        Ok(())
+    }
+}
 
 /// An [`Explanation`] as the text `multiplexd explain` prints.
 pub struct ExplanationText<'a>(pub &'a Explanation);

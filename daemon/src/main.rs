@@ -290,17 +290,11 @@ fn uid_of(user: &str) -> Option<u32> {
     if let Ok(uid) = user.parse() {
         return Some(uid);
     }
-    let name = std::ffi::CString::new(user).ok()?;
-    // SAFETY: getpwnam reads the passwd database; the result is used before any other call
-    // that could overwrite its static buffer.
-    let pw = unsafe { libc::getpwnam(name.as_ptr()) };
-    if pw.is_null() {
+    let uid = multiplex_protocol::user::uid(user);
+    if uid.is_none() {
         tracing::warn!(user, "slurm_user does not exist; only root may place tasks");
-        None
-    } else {
-        // SAFETY: non-null result of getpwnam points to a valid passwd record.
-        Some(unsafe { (*pw).pw_uid })
     }
+    uid
 }
 
 fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), String> {
@@ -318,17 +312,7 @@ fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), S
         println!("{}", serde_json::to_string_pretty(&status).map_err(|e| e.to_string())?);
         return Ok(());
     }
-    println!("node {} ({} jobs per GPU)", status.node, status.jobs_per_gpu);
-    println!("{:<4} {:<16} {:>11}  jobs", "GPU", "model", "memory");
-    for g in &status.gpus {
-        let jobs: Vec<String> = g.tasks.iter().map(|t| format!("{} ({})", t.job_id, t.app)).collect();
-        let jobs = if jobs.is_empty() {
-            "-".to_string()
-        } else {
-            jobs.join(", ")
-        };
-        println!("{:<4} {:<16} {:>7} MiB  {}", g.index, g.model, g.memory_mb, jobs);
-    }
+    print!("{}", inspect::StatusText(&status));
     Ok(())
 }
 
@@ -372,32 +356,7 @@ fn history(config_path: &Path, json: bool) -> Result<(), String> {
     if json {
         return json_out(&data);
     }
-    println!("solo runtimes ({})", data.solo.len());
-    println!("{:<10} {:<32} {:>12} {:>6}", "model", "app", "runtime s", "runs");
-    for s in &data.solo {
-        println!("{:<10} {:<32} {:>12.1} {:>6}", s.gpu_model, s.app, s.runtime_s, s.runs);
-    }
-    println!();
-    println!(
-        "pair speeds ({}): APP's speed beside OTHER, and OTHER's beside APP",
-        data.pairs.len()
-    );
-    println!(
-        "{:<10} {:<24} {:<24} {:>6} {:>6} {:>5} {:>4}",
-        "model", "app", "other", "speed", "other", "obs", "oom"
-    );
-    for p in &data.pairs {
-        println!(
-            "{:<10} {:<24} {:<24} {:>6.2} {:>6.2} {:>5} {:>4}",
-            p.gpu_model,
-            p.app,
-            p.other,
-            p.speed,
-            p.other_speed,
-            p.observations,
-            if p.oom { "yes" } else { "" }
-        );
-    }
+    print!("{}", inspect::HistoryText(&data));
     Ok(())
 }
 
@@ -448,9 +407,7 @@ fn export(config_path: &Path, file: &Path) -> Result<(), String> {
         println!("{text}");
     } else {
         // Written beside and renamed into place: a failed export never leaves half a file.
-        let tmp = file.with_extension("partial");
-        std::fs::write(&tmp, text + "\n").map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, file).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        multiplexd::share::write_atomically(file, &(text + "\n"))?;
         eprintln!(
             "multiplexd: exported {} solo runtimes and {} pair speeds to {}",
             data.solo.len(),

@@ -28,7 +28,6 @@ impl Access {
 pub struct PeerCred {
     pub pid: i32,
     pub uid: u32,
-    pub gid: u32,
 }
 
 /// Reads the peer's credentials (`SO_PEERCRED`), taken by the kernel at connect time.
@@ -53,7 +52,6 @@ pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
     Ok(PeerCred {
         pid: cred.pid,
         uid: cred.uid,
-        gid: cred.gid,
     })
 }
 
@@ -212,11 +210,7 @@ mod tests {
         let access = Access {
             privileged_uids: vec![64030],
         };
-        let user = PeerCred {
-            pid: 1,
-            uid: 1000,
-            gid: 1000,
-        };
+        let user = PeerCred { pid: 1, uid: 1000 };
         for request in [
             place(),
             Request::Finish(FinishRequest {
@@ -234,13 +228,9 @@ mod tests {
             handle(Request::Status, user, &node, &access),
             Response::Status(_)
         ));
-        let slurm = PeerCred {
-            pid: 1,
-            uid: 64030,
-            gid: 64030,
-        };
+        let slurm = PeerCred { pid: 1, uid: 64030 };
         assert!(matches!(handle(place(), slurm, &node, &access), Response::Placed(_)));
-        let root = PeerCred { pid: 1, uid: 0, gid: 0 };
+        let root = PeerCred { pid: 1, uid: 0 };
         assert!(
             matches!(handle(place(), root, &node, &access), Response::Placed(_)),
             "asking twice is idempotent"

@@ -89,9 +89,12 @@ impl Sharer {
     }
 }
 
-fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
-    // A name other readers skip (not .json) until it is renamed into place.
-    let tmp = path.with_extension("json.partial");
+/// Writes `text` to `path` beside it (`<path>.partial`, a name the other nodes' daemons skip)
+/// and renames it into place: a reader never sees half a file, a failed write leaves none.
+pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
     std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }

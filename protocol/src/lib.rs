@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod spec;
+pub mod user;
 pub mod wire;
 
 pub use client::{Client, ClientError};
