@@ -31,6 +31,13 @@ fn main() {
         println!("cargo:rustc-cfg=slurm_job_modify_err_msg");
     }
 
+    // slurmctld's private job_record_t, read by layout (src/job_record.rs): checked on 22.05
+    // through 24.11 only.
+    println!("cargo:rustc-check-cfg=cfg(slurm_job_record_checked)");
+    if ((22, 5)..=(24, 11)).contains(&(major, minor)) {
+        println!("cargo:rustc-cfg=slurm_job_record_checked");
+    }
+
     // bindgen panics with a backtrace when it finds no libclang; say what to install instead.
     if let Err(e) = clang_sys::load() {
         fail(&format!(

@@ -215,28 +215,6 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
     }
 }
 
-/// `job_record_t`'s magic cookie (slurmctld's private header; 22.05 and later).
-const JOB_MAGIC: u32 = 0xf0b7392c;
-
-/// The admin_comment of slurmctld's job record, or `Err` when the record does not have the
-/// layout this was checked against (magic cookie, then `char *account`, `char *admin_comment`:
-/// 22.05 through 24.11).
-///
-/// # Safety
-/// `job_ptr` must be NULL or slurmctld's `job_record_t *`, valid during the call.
-unsafe fn job_admin_comment(job_ptr: *const libc::c_void) -> Result<Option<String>, ()> {
-    if job_ptr.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: a job record is far larger than these three words (caller's contract).
-    unsafe {
-        if *(job_ptr as *const u32) != JOB_MAGIC {
-            return Err(());
-        }
-        Ok(c_str(*(job_ptr as *const *const c_char).add(2)))
-    }
-}
-
 fn modify(
     job_desc: *mut job_desc_msg_t,
     job_ptr: *mut libc::c_void,
@@ -251,7 +229,7 @@ fn modify(
             return bindings::SLURM_SUCCESS as c_int;
         };
         // SAFETY: slurmctld passes its job record and the update request, valid during the call.
-        let (tag, desc) = unsafe { (job_admin_comment(job_ptr), &*job_desc) };
+        let (tag, desc) = unsafe { (slurm_ffi::job_record::admin_comment(job_ptr), &*job_desc) };
         let Ok(tag) = tag else {
             static ONCE: std::sync::Once = std::sync::Once::new();
             ONCE.call_once(|| {

@@ -9,6 +9,7 @@
 
 pub mod bindings;
 pub mod host;
+pub mod job_record;
 pub mod log;
 pub mod spank;
 
