@@ -73,6 +73,7 @@ struct RawGpu {
     index: u32,
     model: String,
     memory_mb: u64,
+    uuid: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -104,6 +105,9 @@ pub struct GpuSpec {
     pub index: u32,
     pub model: String,
     pub memory_mb: u64,
+    /// NVML's UUID of the GPU, by which jobs are told their GPU (`CUDA_VISIBLE_DEVICES`);
+    /// `None`: by index (GPUs listed without one, such as the test cluster's).
+    pub uuid: Option<String>,
 }
 
 /// Where the node's shared GPUs come from.
@@ -190,6 +194,16 @@ impl Config {
                 if g.memory_mb == 0 {
                     return Err(format!("gpu {}: memory_mb must be positive", g.index));
                 }
+                if let Some(u) = g
+                    .uuid
+                    .as_deref()
+                    .filter(|u| !u.starts_with("GPU-") && !u.starts_with("MIG-"))
+                {
+                    return Err(format!(
+                        "gpu {}: uuid = {u:?} is not a GPU UUID (nvidia-smi -L shows them: GPU-...)",
+                        g.index
+                    ));
+                }
             }
             GpuSource::Listed(
                 raw.gpu
@@ -198,6 +212,7 @@ impl Config {
                         index: g.index,
                         model: g.model,
                         memory_mb: g.memory_mb,
+                        uuid: g.uuid,
                     })
                     .collect(),
             )
@@ -410,6 +425,10 @@ mod tests {
             (
                 "[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1\n[[gpu]]\nindex=0\nmodel=\"a\"\nmemory_mb=1",
                 "listed twice",
+            ),
+            (
+                "[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 1\nuuid = \"0\"",
+                "uuid = \"0\" is not a GPU UUID",
             ),
             ("[policy]\nunknown_pair_speed = 2.0", "unknown_pair_speed"),
             // Removed: placement no longer gives up predicted gain to try pairs never seen.

@@ -47,6 +47,7 @@ pub fn discover(source: &GpuSource) -> Result<Vec<GpuSpec>, GpuError> {
                         index: i,
                         model: model_key(&model),
                         memory_mb: mem.total / (1024 * 1024),
+                        uuid: dev.uuid().ok(),
                     })
                 })
                 .collect()
@@ -77,6 +78,7 @@ mod tests {
             index: 0,
             model: "v100".into(),
             memory_mb: 16384,
+            uuid: None,
         }];
         assert_eq!(discover(&GpuSource::Listed(g.clone())).unwrap(), g);
     }

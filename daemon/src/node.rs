@@ -358,6 +358,7 @@ impl Node {
             reason,
             mps_thread_percentage,
             mps_mem_limit_mb,
+            gpu_uuid: self.gpus.iter().find(|g| g.index == gpu).and_then(|g| g.uuid.clone()),
         })
     }
 

@@ -185,6 +185,7 @@ mod tests {
             index: 0,
             model: "v100".into(),
             memory_mb: 16384,
+            uuid: None,
         }];
         Mutex::new(Node::open(config, gpus, crate::node::wall_clock()).unwrap())
     }

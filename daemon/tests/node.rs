@@ -43,6 +43,7 @@ impl World {
                 index,
                 model: "v100".into(),
                 memory_mb: 16384,
+                uuid: None,
             })
             .collect();
         let now = Arc::new(AtomicU64::new(0f64.to_bits()));
@@ -606,6 +607,7 @@ fn a_job_whose_lesson_was_still_queued_when_the_daemon_stopped_is_learned_at_the
         index: 0,
         model: "v100".into(),
         memory_mb: 16384,
+        uuid: None,
     };
     let node = Node::open(config, vec![gpu], Box::new(|| 200.0)).unwrap();
     let solo: f64 = node
@@ -615,4 +617,37 @@ fn a_job_whose_lesson_was_still_queued_when_the_daemon_stopped_is_learned_at_the
         .unwrap();
     assert_eq!(solo, 100.0, "the solo run of job 7 was learned at start");
     assert!(node.history().unlearned_jobs("n1").unwrap().is_empty(), "and only once");
+}
+
+#[test]
+fn a_gpu_known_by_uuid_is_named_to_cuda_by_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::parse(&format!(
+        "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\n\
+         [[gpu]]\nindex = 3\nmodel = \"h100\"\nmemory_mb = 81920\nuuid = \"GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f\"\n",
+        d = dir.path().display()
+    ))
+    .unwrap();
+    let gpus = match &config.gpus {
+        multiplexd::config::GpuSource::Listed(g) => g.clone(),
+        other => panic!("{other:?}"),
+    };
+    let mut node = Node::open(config, gpus, Box::new(|| 0.0)).unwrap();
+    let r = node
+        .place(&PlaceRequest {
+            job_id: 1,
+            step_id: 0,
+            uid: 1000,
+            app: "bert".into(),
+            mem_mb: None,
+            node: "n1".into(),
+            slurm_cuda_visible_devices: Some("0".into()),
+            slurm_job_gpus: Some("0".into()),
+            slurm_shards_on_node: Some("1".into()),
+        })
+        .unwrap();
+    let Response::Placed(p) = r else { panic!("{r:?}") };
+    let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
+    assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f");
+    assert_eq!(env["MULTIPLEX_GPU"], "3");
 }

@@ -38,11 +38,13 @@ impl InProcess {
                 index: 0,
                 model: "v100".into(),
                 memory_mb: 16384,
+                uuid: None,
             },
             GpuSpec {
                 index: 1,
                 model: "v100".into(),
                 memory_mb: 16384,
+                uuid: None,
             },
         ];
         let socket = config.socket.clone();

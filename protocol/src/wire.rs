@@ -124,13 +124,21 @@ pub struct Placement {
     pub mps_thread_percentage: Option<u32>,
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in MiB, when the site uses MPS.
     pub mps_mem_limit_mb: Option<u64>,
+    /// The chosen GPU's UUID, where the daemon knows it (NVML): `CUDA_VISIBLE_DEVICES` names
+    /// the GPU by it, since NVML's index (`gpu`) and CUDA's differ unless
+    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`. Absent from daemons that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_uuid: Option<String>,
 }
 
 impl Placement {
     /// The environment variables the SPANK plugin sets in every task of the step.
     pub fn environment(&self) -> Vec<(String, String)> {
         let mut env = vec![
-            ("CUDA_VISIBLE_DEVICES".to_string(), self.gpu.to_string()),
+            (
+                "CUDA_VISIBLE_DEVICES".to_string(),
+                self.gpu_uuid.clone().unwrap_or_else(|| self.gpu.to_string()),
+            ),
             ("MULTIPLEX_GPU".to_string(), self.gpu.to_string()),
             (
                 "MULTIPLEX_CORUNNERS".to_string(),
@@ -334,6 +342,7 @@ mod tests {
             reason: "r".into(),
             mps_thread_percentage: Some(50),
             mps_mem_limit_mb: Some(8192),
+            gpu_uuid: None,
         };
         let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "1");
@@ -341,5 +350,18 @@ mod tests {
         assert_eq!(env["MULTIPLEX_PREDICTED_SPEED"], "0.812");
         assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
         assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "1=8192M");
+        // Where NVML gave the GPU's UUID, CUDA is told the GPU by it; scripts still get the index.
+        let p = Placement {
+            gpu_uuid: Some("GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f".into()),
+            ..p
+        };
+        let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f");
+        assert_eq!(env["MULTIPLEX_GPU"], "1");
+        // A daemon from before the UUID: the field is absent, and the index is used.
+        let old = r#"{"gpu":2,"corunners":[],"predicted_speed":1.0,"reason":"r","mps_thread_percentage":null,"mps_mem_limit_mb":null}"#;
+        let p: Placement = serde_json::from_str(old).unwrap();
+        assert_eq!(p.gpu_uuid, None);
+        assert!(!serde_json::to_string(&p).unwrap().contains("gpu_uuid"));
     }
 }

@@ -295,6 +295,7 @@ impl<'a> Learned<'a> {
                 index,
                 model: table.model.clone(),
                 memory_mb: 1 << 40,
+                uuid: None,
             })
             .collect();
         let nodes = (0..shape.nodes)
