@@ -65,6 +65,8 @@ fn main() {
         .allowlist_var("SLURM_INTERACTIVE_STEP")
         .allowlist_var("ESPANK_.*")
         .allowlist_type("slurm_err_t")
+        // The host functions' prototypes, as pointer types (wrapper.h).
+        .allowlist_type("multiplex_.*_f")
         .prepend_enum_name(false)
         // Functions are resolved at run time (see `host`), so no extern block is generated.
         .blocklist_function(".*")

@@ -3,26 +3,23 @@
 //! A missing symbol is `None`: callers degrade (logging falls back to stderr) instead of
 //! failing to load.
 
-use crate::bindings::{job_desc_msg_t, spank_err_t, spank_item_t, spank_option, spank_t};
-use libc::{c_char, c_int, c_void};
+use crate::bindings::{
+    job_desc_msg_t, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f, multiplex_hostlist_shift_f,
+    multiplex_init_job_desc_msg_f, multiplex_requeue_f, multiplex_spank_context_f, multiplex_spank_getenv_f,
+    multiplex_spank_option_register_f, multiplex_spank_setenv_f, multiplex_strerror_f, multiplex_update_job_f,
+    spank_err_t, spank_item_t, spank_t,
+};
+use libc::{c_char, c_void};
 use std::sync::OnceLock;
 
+// Written by hand: bindgen cannot type printf-like variadics, Slurm's allocator is in no
+// installed header, and slurm_get_errno left the headers in 24.11 (errno says it there).
+// Every other prototype is the headers' own (wrapper.h).
 type LogFn = unsafe extern "C" fn(fmt: *const c_char, ...);
 type XstrdupFn = unsafe extern "C" fn(s: *const c_char) -> *mut c_char;
 type XfreeFn = unsafe extern "C" fn(p: *mut *mut c_void);
-type SpankOptionRegisterFn = unsafe extern "C" fn(spank_t, *mut spank_option) -> spank_err_t;
 type SpankGetItemFn = unsafe extern "C" fn(spank_t, spank_item_t, ...) -> spank_err_t;
-type SpankGetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *mut c_char, c_int) -> spank_err_t;
-type SpankSetenvFn = unsafe extern "C" fn(spank_t, *const c_char, *const c_char, c_int) -> spank_err_t;
-type SpankContextFn = unsafe extern "C" fn() -> c_int;
-type HostlistCreateFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
-type HostlistShiftFn = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
-type HostlistDestroyFn = unsafe extern "C" fn(*mut c_void);
-type RequeueFn = unsafe extern "C" fn(job_id: u32, flags: u32) -> c_int;
-type InitJobDescFn = unsafe extern "C" fn(*mut job_desc_msg_t);
-type UpdateJobFn = unsafe extern "C" fn(*mut job_desc_msg_t) -> c_int;
-type GetErrnoFn = unsafe extern "C" fn() -> c_int;
-type StrerrorFn = unsafe extern "C" fn(c_int) -> *mut c_char;
+type GetErrnoFn = unsafe extern "C" fn() -> libc::c_int;
 
 /// The host functions this project uses; each is `None` when the host process lacks it.
 pub struct Host {
@@ -32,19 +29,19 @@ pub struct Host {
     pub spank_log: Option<LogFn>,
     pub xstrdup: Option<XstrdupFn>,
     pub xfree: Option<XfreeFn>,
-    pub spank_option_register: Option<SpankOptionRegisterFn>,
+    pub spank_option_register: multiplex_spank_option_register_f,
     pub spank_get_item: Option<SpankGetItemFn>,
-    pub spank_getenv: Option<SpankGetenvFn>,
-    pub spank_setenv: Option<SpankSetenvFn>,
-    pub spank_context: Option<SpankContextFn>,
-    pub hostlist_create: Option<HostlistCreateFn>,
-    pub hostlist_shift: Option<HostlistShiftFn>,
-    pub hostlist_destroy: Option<HostlistDestroyFn>,
-    pub requeue: Option<RequeueFn>,
-    pub init_job_desc_msg: Option<InitJobDescFn>,
-    pub update_job: Option<UpdateJobFn>,
+    pub spank_getenv: multiplex_spank_getenv_f,
+    pub spank_setenv: multiplex_spank_setenv_f,
+    pub spank_context: multiplex_spank_context_f,
+    pub hostlist_create: multiplex_hostlist_create_f,
+    pub hostlist_shift: multiplex_hostlist_shift_f,
+    pub hostlist_destroy: multiplex_hostlist_destroy_f,
+    pub requeue: multiplex_requeue_f,
+    pub init_job_desc_msg: multiplex_init_job_desc_msg_f,
+    pub update_job: multiplex_update_job_f,
     pub get_errno: Option<GetErrnoFn>,
-    pub strerror: Option<StrerrorFn>,
+    pub strerror: multiplex_strerror_f,
 }
 
 fn lookup(name: &std::ffi::CStr) -> *mut c_void {
@@ -66,6 +63,16 @@ macro_rules! resolve {
     }};
 }
 
+/// `resolve!` for a prototype the headers give (bindgen's `Option<unsafe extern "C" fn>`,
+/// which is `None` exactly when the pointer is NULL).
+macro_rules! resolve_typed {
+    ($name:literal, $ty:ty) => {{
+        // SAFETY: `$ty` is `Option` of the symbol's own prototype, generated from the Slurm
+        // headers; Option of a function pointer has the pointer's layout, NULL being None.
+        unsafe { std::mem::transmute::<*mut c_void, $ty>(lookup($name)) }
+    }};
+}
+
 /// The host's functions, resolved on first use.
 pub fn host() -> &'static Host {
     static HOST: OnceLock<Host> = OnceLock::new();
@@ -76,19 +83,19 @@ pub fn host() -> &'static Host {
         spank_log: resolve!(c"slurm_spank_log", LogFn),
         xstrdup: resolve!(c"slurm_xstrdup", XstrdupFn),
         xfree: resolve!(c"slurm_xfree", XfreeFn),
-        spank_option_register: resolve!(c"spank_option_register", SpankOptionRegisterFn),
+        spank_option_register: resolve_typed!(c"spank_option_register", multiplex_spank_option_register_f),
         spank_get_item: resolve!(c"spank_get_item", SpankGetItemFn),
-        spank_getenv: resolve!(c"spank_getenv", SpankGetenvFn),
-        spank_setenv: resolve!(c"spank_setenv", SpankSetenvFn),
-        spank_context: resolve!(c"spank_context", SpankContextFn),
-        hostlist_create: resolve!(c"slurm_hostlist_create", HostlistCreateFn),
-        hostlist_shift: resolve!(c"slurm_hostlist_shift", HostlistShiftFn),
-        hostlist_destroy: resolve!(c"slurm_hostlist_destroy", HostlistDestroyFn),
-        requeue: resolve!(c"slurm_requeue", RequeueFn),
-        init_job_desc_msg: resolve!(c"slurm_init_job_desc_msg", InitJobDescFn),
-        update_job: resolve!(c"slurm_update_job", UpdateJobFn),
+        spank_getenv: resolve_typed!(c"spank_getenv", multiplex_spank_getenv_f),
+        spank_setenv: resolve_typed!(c"spank_setenv", multiplex_spank_setenv_f),
+        spank_context: resolve_typed!(c"spank_context", multiplex_spank_context_f),
+        hostlist_create: resolve_typed!(c"slurm_hostlist_create", multiplex_hostlist_create_f),
+        hostlist_shift: resolve_typed!(c"slurm_hostlist_shift", multiplex_hostlist_shift_f),
+        hostlist_destroy: resolve_typed!(c"slurm_hostlist_destroy", multiplex_hostlist_destroy_f),
+        requeue: resolve_typed!(c"slurm_requeue", multiplex_requeue_f),
+        init_job_desc_msg: resolve_typed!(c"slurm_init_job_desc_msg", multiplex_init_job_desc_msg_f),
+        update_job: resolve_typed!(c"slurm_update_job", multiplex_update_job_f),
         get_errno: resolve!(c"slurm_get_errno", GetErrnoFn),
-        strerror: resolve!(c"slurm_strerror", StrerrorFn),
+        strerror: resolve_typed!(c"slurm_strerror", multiplex_strerror_f),
     })
 }
 
@@ -157,16 +164,19 @@ pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
     found
 }
 
-/// Slurm's description of its last API error.
+/// Slurm's description of its last API error: `slurm_get_errno` where the host has it, else
+/// `errno` (Slurm 24.11 sets errno and dropped slurm_get_errno from its headers).
 fn last_error() -> String {
     let h = host();
-    match (h.get_errno, h.strerror) {
-        // SAFETY: both take and return plain values; slurm_strerror returns a static string.
-        (Some(errno), Some(strerror)) => unsafe {
-            let code = errno();
-            crate::c_str(strerror(code)).unwrap_or_else(|| format!("Slurm error {code}"))
-        },
-        _ => "unknown Slurm error".into(),
+    // SAFETY: slurm_get_errno takes and returns plain values.
+    let code = match h.get_errno {
+        Some(errno) => unsafe { errno() },
+        None => std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+    };
+    match h.strerror {
+        // SAFETY: slurm_strerror takes a plain value and returns a static string.
+        Some(strerror) => unsafe { crate::c_str(strerror(code)) }.unwrap_or_else(|| format!("Slurm error {code}")),
+        None => format!("Slurm error {code}"),
     }
 }
 

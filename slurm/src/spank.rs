@@ -24,9 +24,9 @@ pub fn context() -> Context {
     let Some(f) = host().spank_context else {
         return Context::Error;
     };
-    // SAFETY: spank_context takes no arguments and only reads global state.
-    let c = unsafe { f() } as u32;
-    match c {
+    // SAFETY: spank_context takes no arguments and only reads global state; it returns a
+    // spank_context_t, whose values the constants below are.
+    match unsafe { f() } {
         bindings::S_CTX_LOCAL => Context::Local,
         bindings::S_CTX_REMOTE => Context::Remote,
         bindings::S_CTX_ALLOCATOR => Context::Allocator,
