@@ -55,6 +55,9 @@ pub enum HistoryError {
 const BUSY_POLLS: i32 = 50_000;
 const BUSY_POLL: std::time::Duration = std::time::Duration::from_micros(100);
 
+/// How often [`History::wait_for_a_pause`] looks whether requests paused.
+const PAUSE_POLL: Duration = Duration::from_millis(10);
+
 /// SQLite's busy handler: poll every 0.1 ms. SQLite's own timeout sleeps 1, 2, 5, 10, ... ms
 /// between tries, so a request that meets the learning thread's write of half a millisecond
 /// would wait a millisecond or more, and far longer after a few tries.
@@ -204,7 +207,13 @@ impl History {
             if since >= quiet || start.elapsed() >= at_most {
                 return;
             }
-            std::thread::sleep((quiet - since).min(at_most.saturating_sub(start.elapsed())));
+            // Looked at every PAUSE_POLL at most: while requests flow, a waiting learner wakes
+            // 100 times a second, not once per request.
+            std::thread::sleep(
+                (quiet - since)
+                    .max(PAUSE_POLL)
+                    .min(at_most.saturating_sub(start.elapsed())),
+            );
         }
     }
 
