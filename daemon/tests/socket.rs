@@ -250,6 +250,16 @@ fn serve(config: &Path, socket: &Path) -> std::process::Child {
     panic!("multiplexd did not come up");
 }
 
+/// A real `multiplexd serve` in a temporary directory of its own, `slots` jobs per GPU.
+fn served(slots: u32) -> (tempfile::TempDir, PathBuf, std::process::Child) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("multiplexd.toml");
+    std::fs::write(&config, config_text(dir.path(), slots)).unwrap();
+    let socket = dir.path().join("d.sock");
+    let daemon = serve(&config, &socket);
+    (dir, socket, daemon)
+}
+
 #[test]
 fn kill_9_loses_nothing_and_the_restart_never_double_books() {
     let dir = tempfile::tempdir().unwrap();
@@ -314,11 +324,7 @@ fn a_second_daemon_on_the_same_socket_is_refused() {
 
 #[test]
 fn a_history_that_cannot_be_read_fails_the_placement_instead_of_guessing() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("multiplexd.toml");
-    std::fs::write(&config, config_text(dir.path(), 2)).unwrap();
-    let socket = dir.path().join("d.sock");
-    let mut daemon = serve(&config, &socket);
+    let (dir, socket, mut daemon) = served(2);
     for (job, app) in [(1, "a"), (2, "b")] {
         assert!(matches!(
             client::call(&socket, T, place(job, app)).unwrap(),
@@ -348,11 +354,7 @@ fn a_history_that_cannot_be_read_fails_the_placement_instead_of_guessing() {
 
 #[test]
 fn a_finish_answers_before_learning_and_a_stopping_daemon_learns_what_is_queued() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("multiplexd.toml");
-    std::fs::write(&config, config_text(dir.path(), 2)).unwrap();
-    let socket = dir.path().join("d.sock");
-    let mut daemon = serve(&config, &socket);
+    let (dir, socket, mut daemon) = served(2);
     assert!(matches!(
         client::call(&socket, T, place(1, "a")).unwrap(),
         Response::Placed(_)
