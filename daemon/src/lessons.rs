@@ -8,8 +8,9 @@
 //! commit and give way whenever a request waits for the write lock.
 
 use crate::history::{ActiveJob, History, HistoryError, Learned, LEARN_WINDOW};
+use std::collections::HashSet;
 use std::path::Path;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -115,6 +116,11 @@ impl Teacher {
     }
 }
 
+/// The set, even if a thread panicked holding it (it stays a valid set).
+fn lock(set: &Mutex<HashSet<i64>>) -> MutexGuard<'_, HashSet<i64>> {
+    set.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn describe(fits: &[crate::learn::Fit]) -> String {
     fits.iter()
         .map(|f| format!("{}:{:.2}({})", f.partner, f.speed, f.observations))
@@ -138,6 +144,10 @@ fn idle_priority() {
 /// The learning thread of a serving daemon.
 pub struct Learner {
     lessons: mpsc::Sender<Lesson>,
+    /// Job rows with a progress lesson queued: a job's reports (any number, from its own
+    /// user) queue one lesson at a time, so the queue is bounded by the jobs running here
+    /// plus those ending.
+    progress_queued: Arc<Mutex<HashSet<i64>>>,
     thread: JoinHandle<()>,
 }
 
@@ -147,23 +157,39 @@ impl Learner {
     pub fn start(beside: &History, path: &Path, mut teacher: Teacher) -> Result<Learner, HistoryError> {
         let mut history = beside.open_beside(path)?;
         let (lessons, inbox) = mpsc::channel::<Lesson>();
+        let progress_queued: Arc<Mutex<HashSet<i64>>> = Arc::default();
+        let queued = Arc::clone(&progress_queued);
         let thread = std::thread::Builder::new()
             .name("learn".into())
             .spawn(move || {
                 idle_priority();
                 for lesson in inbox {
                     history.wait_for_a_pause(QUIET, POSTPONE_AT_MOST);
+                    if let Lesson::Progress(job) = &lesson {
+                        // From here on, a new report of the job queues a lesson again.
+                        lock(&queued).remove(&job.row);
+                    }
                     teacher.learn(&mut history, &lesson);
                 }
             })
             .map_err(|e| HistoryError::Thread(e.to_string()))?;
-        Ok(Learner { lessons, thread })
+        Ok(Learner {
+            lessons,
+            progress_queued,
+            thread,
+        })
     }
 
-    /// Queues `lesson`; false if the thread is gone (it never stops before [`Self::stop`]
-    /// unless it panicked).
-    pub fn send(&self, lesson: Lesson) -> bool {
-        self.lessons.send(lesson).is_ok()
+    /// Queues `lesson` (a progress lesson of a job that has one queued already is dropped:
+    /// that one learns from every report so far). Gives it back if the thread is gone (it never
+    /// stops before [`Self::stop`] unless it panicked).
+    pub fn send(&self, lesson: Lesson) -> Result<(), Lesson> {
+        if let Lesson::Progress(job) = &lesson {
+            if !lock(&self.progress_queued).insert(job.row) {
+                return Ok(());
+            }
+        }
+        self.lessons.send(lesson).map_err(|e| e.0)
     }
 
     /// Learns what is still queued, then ends the thread.

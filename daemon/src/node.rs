@@ -107,13 +107,17 @@ impl Node {
 
     /// Learns `lesson` on the learning thread if it runs, else now.
     fn teach(&mut self, lesson: Lesson) {
-        if let Some(learner) = &self.learner {
-            if learner.send(lesson.clone()) {
-                return;
-            }
-            tracing::error!("the learning thread is gone; learning inline");
-            self.learner = None;
-        }
+        let lesson = match &self.learner {
+            None => lesson,
+            Some(learner) => match learner.send(lesson) {
+                Ok(()) => return,
+                Err(lesson) => {
+                    tracing::error!("the learning thread is gone; learning inline");
+                    self.learner = None;
+                    lesson
+                }
+            },
+        };
         self.teacher.learn(&mut self.history, &lesson);
     }
 
