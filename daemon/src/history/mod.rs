@@ -132,27 +132,13 @@ impl Default for Gate {
 impl History {
     /// Opens (creating if absent) and migrates the database at `path`.
     pub fn open(path: &Path) -> Result<History, HistoryError> {
-        History::open_with(path, Arc::default())
-    }
-
-    /// Opens a second connection to this history's database at `path`, for a thread of the
-    /// same daemon: its long writes give way to this one's (see [`Gate`]).
-    pub fn open_beside(&self, path: &Path) -> Result<History, HistoryError> {
-        History::open_with(path, Arc::clone(&self.gate))
-    }
-
-    fn open_with(path: &Path, gate: Arc<Gate>) -> Result<History, HistoryError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| HistoryError::Open {
                 path: path.to_path_buf(),
                 source: rusqlite::Error::InvalidPath(PathBuf::from(format!("{}: {e}", dir.display()))),
             })?;
         }
-        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(path, flags).map_err(|source| HistoryError::Open {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let conn = connect(path, OpenFlags::SQLITE_OPEN_CREATE)?;
         let corrupt = |detail: String| HistoryError::Corrupt {
             path: path.to_path_buf(),
             detail,
@@ -164,16 +150,37 @@ impl History {
         if check != "ok" {
             return Err(corrupt(check));
         }
+        let mut history = History::configured(conn, Arc::default())?;
+        history.migrate(path)?;
+        Ok(history)
+    }
+
+    /// Opens a second connection to this history's database at `path`, for a thread of the
+    /// same daemon: its long writes give way to this one's (see [`Gate`]). The file was
+    /// checked and migrated when this history was opened.
+    pub fn open_beside(&self, path: &Path) -> Result<History, HistoryError> {
+        History::configured(connect(path, OpenFlags::empty())?, Arc::clone(&self.gate))
+    }
+
+    /// What every connection of the daemon's sets.
+    fn configured(conn: Connection, gate: Arc<Gate>) -> Result<History, HistoryError> {
         conn.busy_handler(Some(wait_briefly))?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.pragma_update(None, "journal_mode", "WAL")?;
         // NORMAL in WAL mode: a committed transaction survives a crash of the process.
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        let mut history = History { conn, gate };
-        history.migrate(path)?;
-        Ok(history)
+        Ok(History { conn, gate })
     }
+}
+
+/// A read-write connection to the database at `path`, with `extra` flags.
+fn connect(path: &Path, extra: OpenFlags) -> Result<Connection, HistoryError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | extra;
+    Connection::open_with_flags(path, flags).map_err(|source| HistoryError::Open {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 impl History {
