@@ -210,6 +210,7 @@ fn main() {
             slurm_cuda_visible_devices: Some("0".into()),
             slurm_job_gpus: Some("0".into()),
             slurm_shards_on_node: Some("1".into()),
+            restarts: 0,
         };
         let t = Instant::now();
         let r = call(&socket, timeout, Request::Place(req)).unwrap();

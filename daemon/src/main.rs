@@ -215,10 +215,8 @@ fn serve(config_path: &Path) -> Result<(), String> {
         let base = weight.base;
         let publisher = Publisher::start(node_name.clone(), weight)
             .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
-        node.on_load(Box::new(move |used, total| {
-            publisher.set(weight_for(used, total, base))
-        }))
-        .map_err(|e| e.to_string())?;
+        node.on_load(Box::new(move |load| publisher.set(weight_for(load, base))))
+            .map_err(|e| e.to_string())?;
     } else {
         tracing::info!("not publishing the node's weight (weight.publish = false)");
     }

@@ -8,6 +8,7 @@ use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, Wanted};
 use multiplex_protocol::{
     FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response, TaskStatus,
 };
+use std::collections::HashMap;
 
 /// Seconds since the Unix epoch.
 pub type Clock = Box<dyn Fn() -> f64 + Send>;
@@ -21,8 +22,24 @@ pub fn wall_clock() -> Clock {
     })
 }
 
-/// Told the node's load, `(slots taken, slots in all)`, after every change.
-pub type LoadListener = Box<dyn Fn(u32, u32) + Send>;
+/// The most jobs whose declines a node remembers at once.
+const MAX_DECLINED_JOBS: usize = 100_000;
+
+/// What Slurm is told of the node (through its weight), after every change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeLoad {
+    /// Slots taken and slots in all on the node's shared GPUs.
+    pub used: u32,
+    pub total: u32,
+    /// Shared GPUs with no job.
+    pub empty_gpus: u32,
+    /// The daemon declined the latest newcomer and nothing ran or ended here since: the next
+    /// one would most likely be declined too.
+    pub refusing: bool,
+}
+
+/// Told the node's load after every change.
+pub type LoadListener = Box<dyn Fn(NodeLoad) + Send>;
 
 /// The daemon's state for its node.
 pub struct Node {
@@ -31,6 +48,12 @@ pub struct Node {
     history: History,
     clock: Clock,
     on_load: Option<LoadListener>,
+    /// See [`NodeLoad::refusing`].
+    refusing: bool,
+    /// Per job not placed yet: how many times this daemon declined it. slurmstepd's restart
+    /// count is 0 for batch steps (Slurm 22.05 to 24.11 keep it only for the environment,
+    /// which the job's user may set), so the daemon counts what it did itself.
+    declined: HashMap<u32, u32>,
     /// Learning inline, through `history`; unused while `learner` runs.
     teacher: Teacher,
     /// The learning thread, once [`Self::learn_in_background`] started it.
@@ -48,6 +71,8 @@ impl Node {
             history,
             clock,
             on_load: None,
+            refusing: false,
+            declined: HashMap::new(),
             learner: None,
         };
         node.teacher.compact(&mut node.history);
@@ -121,16 +146,25 @@ impl Node {
         self.teacher.learn(&mut self.history, &lesson);
     }
 
-    /// Slots taken and slots in all on this node's shared GPUs.
-    pub fn load(&self) -> Result<(u32, u32), HistoryError> {
-        let total = self.gpus.len() as u32 * self.config.jobs_per_gpu;
-        Ok((self.history.active_count(&self.config.node)?, total))
+    /// The node's load as Slurm is told it.
+    pub fn load(&self) -> Result<NodeLoad, HistoryError> {
+        let active = self.active()?;
+        let empty_gpus = self
+            .gpus
+            .iter()
+            .filter(|g| !active.iter().any(|j| j.gpu == g.index))
+            .count();
+        Ok(NodeLoad {
+            used: active.len() as u32,
+            total: self.gpus.len() as u32 * self.config.jobs_per_gpu,
+            empty_gpus: empty_gpus as u32,
+            refusing: self.refusing,
+        })
     }
 
-    /// Calls `listener` with the load now and after every placement and finish.
+    /// Calls `listener` with the load now and after every placement, decline and finish.
     pub fn on_load(&mut self, listener: LoadListener) -> Result<(), HistoryError> {
-        let (used, total) = self.load()?;
-        listener(used, total);
+        listener(self.load()?);
         self.on_load = Some(listener);
         Ok(())
     }
@@ -138,7 +172,7 @@ impl Node {
     fn report_load(&self) {
         if let Some(listener) = &self.on_load {
             match self.load() {
-                Ok((used, total)) => listener(used, total),
+                Ok(load) => listener(load),
                 Err(e) => tracing::warn!(error = %e, "cannot count this node's load"),
             }
         }
@@ -213,10 +247,13 @@ impl Node {
             Some(_) => None,
             None => self.history.app_mem_peak(&req.app)?,
         };
+        let policy = &self.config.policy;
+        let restarts = req.restarts.max(self.declined.get(&req.job_id).copied().unwrap_or(0));
+        let waited_enough = policy.waited_enough(restarts);
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
-            unknown_pair_speed: self.config.policy.unknown_pair_speed,
-            min_gain: self.config.policy.min_gain,
+            unknown_pair_speed: policy.unknown_pair_speed,
+            min_gain: policy.min_gain_after(restarts),
         };
         let newcomer = Newcomer {
             app: &req.app,
@@ -237,21 +274,33 @@ impl Node {
                 if let Some(m) = learned_mem {
                     reason.push_str(&format!("; needs about {m} MiB, measured on its earlier runs"));
                 }
+                if waited_enough && self.config.policy.min_gain > 0.0 {
+                    reason.push_str(&format!(
+                        "; requeued {restarts} times already, so no longer held back for a better partner"
+                    ));
+                }
+                self.refusing = false;
+                self.declined.remove(&req.job_id);
                 self.commit(req, &active, gpu, predicted_speed, reason, now)
             }
             Decision::Decline { mut reason, may_retry } => {
                 if let Some(m) = learned_mem {
                     reason.push_str(&format!(" (memory {m} MiB: measured on its earlier runs)"));
                 }
-                tracing::info!(job = req.job_id, app = %req.app, %reason, may_retry, "declined");
-                Ok(Response::Declined {
-                    reason,
-                    retry_after_s: if may_retry {
-                        self.config.policy.decline_retry_s
-                    } else {
-                        0
-                    },
-                })
+                let retry_after_s = if may_retry {
+                    self.config.policy.retry_after(restarts)
+                } else {
+                    0
+                };
+                tracing::info!(job = req.job_id, app = %req.app, %reason, retry_after_s, restarts, "declined");
+                if self.declined.len() >= MAX_DECLINED_JOBS {
+                    // Jobs declined here that ran elsewhere are never placed here: forget them.
+                    self.declined.clear();
+                }
+                *self.declined.entry(req.job_id).or_default() += 1;
+                // A job too large for every GPU here says nothing of the next newcomer.
+                self.refusing |= may_retry;
+                Ok(Response::Declined { reason, retry_after_s })
             }
         }
     }
@@ -410,6 +459,9 @@ impl Node {
             .collect();
         self.history
             .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
+        if releases {
+            self.refusing = false;
+        }
         tracing::info!(
             job = req.job_id,
             step = req.step_id,

@@ -201,6 +201,7 @@ mod tests {
             slurm_cuda_visible_devices: None,
             slurm_job_gpus: None,
             slurm_shards_on_node: None,
+            restarts: 0,
         })
     }
 

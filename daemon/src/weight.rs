@@ -1,24 +1,39 @@
-//! Publishing the node's load as its Slurm `Weight`, so that Slurm (which prefers the node of
-//! lowest weight among those that fit) fills idle shared GPUs on other nodes before it pairs
-//! jobs on one. Without it Slurm packs the first node while the others idle: in the reference
-//! simulation that alone made average JCT about 50% worse than exclusive GPUs at half load.
+//! Publishing what the node can take as its Slurm `Weight`. Slurm tries nodes in tiers of
+//! equal weight, lightest first, and with the shared partition's `LLN=YES` picks the least
+//! loaded node within a tier by its own count of idle CPUs, which it keeps up to date between
+//! the jobs it starts in one scheduling pass. The weight therefore says only what Slurm cannot
+//! count itself, in three tiers ([`weight_for`]):
+//!
+//! 1. `base`: the node has an idle shared GPU;
+//! 2. `base + 100`: every shared GPU runs a job, so a newcomer would share one;
+//! 3. `base + 200`: the daemon declined the latest newcomer and nothing changed since.
+//!
+//! It used to be the node's load (`base` plus the share of slots taken). That went stale
+//! within a pass: the weight reaches slurmctld only after the daemon placed the job, so a burst
+//! of jobs started in one pass all went to the node that was lightest before it, sharing its
+//! GPUs while another node had idle ones. Tiers change only when a node's last idle GPU is
+//! taken or freed, or it starts or stops refusing, and within a tier LLN spreads by Slurm's
+//! own fresh count.
 //!
 //! `scontrol update NodeName=N Weight=W` runs in a thread of its own, never in a request: a
 //! slow or absent slurmctld delays the weight, not a job. The weight is published again every
 //! `republish_s` (slurmctld forgets it on restart and reconfigure), and retried after failures.
 
 pub use crate::config::WeightConfig;
+use crate::node::NodeLoad;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// The weight of a node with `used` of its `total` shared-GPU slots taken: `base` when idle,
-/// rising with the share of slots taken (rounded up, so any load weighs more than none).
-pub fn weight_for(used: u32, total: u32, base: u32) -> u32 {
-    if total == 0 {
-        return base;
-    }
-    let used = used.min(total);
-    base.saturating_add((100 * used).div_ceil(total))
+/// The weight a node in the state `load` publishes (see the module's tiers).
+pub fn weight_for(load: NodeLoad, base: u32) -> u32 {
+    let tier = if load.refusing {
+        2
+    } else if load.empty_gpus == 0 && load.total > 0 {
+        1
+    } else {
+        0
+    };
+    base.saturating_add(100 * tier)
 }
 
 /// How long one scontrol call may take before it is killed.
@@ -135,15 +150,35 @@ mod tests {
     use super::*;
     use std::path::PathBuf;
 
+    fn load(used: u32, empty_gpus: u32, refusing: bool) -> NodeLoad {
+        NodeLoad {
+            used,
+            total: 8,
+            empty_gpus,
+            refusing,
+        }
+    }
+
     #[test]
-    fn weight_rises_with_load_and_idle_is_base() {
-        assert_eq!(weight_for(0, 4, 1), 1);
-        assert_eq!(weight_for(1, 4, 1), 26);
-        assert_eq!(weight_for(1, 3, 1), 35, "rounded up");
-        assert_eq!(weight_for(4, 4, 1), 101);
-        assert_eq!(weight_for(9, 4, 1), 101, "never above full");
-        assert_eq!(weight_for(0, 0, 7), 7);
-        assert!(weight_for(1, 1000, 1) > 1, "any load weighs more than none");
+    fn the_weight_is_a_tier_idle_gpu_then_sharing_then_refusing() {
+        assert_eq!(weight_for(load(0, 4, false), 1), 1);
+        assert_eq!(weight_for(load(3, 1, false), 1), 1, "any idle GPU: the first tier");
+        assert_eq!(weight_for(load(4, 0, false), 1), 101, "every GPU busy");
+        assert_eq!(
+            weight_for(load(7, 0, false), 1),
+            101,
+            "load within a tier is LLN's to weigh"
+        );
+        assert_eq!(weight_for(load(4, 0, true), 1), 201);
+        assert_eq!(weight_for(load(4, 0, true), 50), 250);
+        assert_eq!(weight_for(load(0, 0, false), u32::MAX), u32::MAX, "no overflow");
+        let no_gpu = NodeLoad {
+            used: 0,
+            total: 0,
+            empty_gpus: 0,
+            refusing: false,
+        };
+        assert_eq!(weight_for(no_gpu, 7), 7);
     }
 
     /// A stand-in scontrol that appends its arguments to a file (or fails while `fail` exists).

@@ -82,6 +82,7 @@ impl World {
                 slurm_cuda_visible_devices: Some(slurm_gpu.into()),
                 slurm_job_gpus: Some(slurm_gpu.into()),
                 slurm_shards_on_node: Some("1".into()),
+                restarts: 0,
             })
             .unwrap()
     }
@@ -644,10 +645,67 @@ fn a_gpu_known_by_uuid_is_named_to_cuda_by_it() {
             slurm_cuda_visible_devices: Some("0".into()),
             slurm_job_gpus: Some("0".into()),
             slurm_shards_on_node: Some("1".into()),
+            restarts: 0,
         })
         .unwrap();
     let Response::Placed(p) = r else { panic!("{r:?}") };
     let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
     assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f");
     assert_eq!(env["MULTIPLEX_GPU"], "3");
+}
+
+#[test]
+fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
+    // bert beside resnet was learned at 0.667 each: sharing adds 0.33 of a GPU, below this
+    // node's min_gain of 0.35, so a resnet that would join a running bert is declined.
+    let mut w = World::with("[policy]\nmin_gain = 0.35\nmax_declines = 3\ndecline_retry_max_s = 960");
+    let loads = Arc::new(std::sync::Mutex::new(Vec::new()));
+    {
+        let loads = Arc::clone(&loads);
+        w.node
+            .on_load(Box::new(move |l| loads.lock().unwrap().push(l)))
+            .unwrap();
+    }
+    w.bert_and_resnet();
+    w.start(400.0, 5, "bert");
+    let node = w.name.clone();
+    let ask = |w: &mut World, restarts: u32| {
+        w.at(500.0)
+            .place(&PlaceRequest {
+                job_id: 6,
+                step_id: 0xffff_fffb,
+                uid: 1000,
+                app: "resnet".into(),
+                mem_mb: None,
+                node: node.clone(),
+                slurm_cuda_visible_devices: Some("0".into()),
+                slurm_job_gpus: Some("0".into()),
+                slurm_shards_on_node: Some("1".into()),
+                restarts,
+            })
+            .unwrap()
+    };
+    // Slurm's count (what slurmstepd passes) or the daemon's own, whichever is larger:
+    // slurmstepd says 0 for batch steps.
+    for (restarts, wait) in [(0, 60), (0, 120), (2, 240)] {
+        match ask(&mut w, restarts) {
+            Response::Declined { reason, retry_after_s } => {
+                assert_eq!(retry_after_s, wait, "after {restarts} requeues: {reason}");
+                assert!(reason.contains("less than the 0.35 worth sharing for"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let last = *loads.lock().unwrap().last().unwrap();
+        assert!(last.refusing && last.empty_gpus == 0, "{last:?}");
+    }
+    // Requeued as often as max_declines: it no longer waits for a better partner.
+    match ask(&mut w, 0) {
+        Response::Placed(p) => assert!(p.reason.contains("requeued 3 times already"), "{}", p.reason),
+        other => panic!("{other:?}"),
+    }
+    let last = *loads.lock().unwrap().last().unwrap();
+    assert!(
+        !last.refusing && last.used == 2,
+        "placing a job ends the refusal: {last:?}"
+    );
 }

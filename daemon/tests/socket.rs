@@ -91,6 +91,7 @@ fn place(job_id: u32, app: &str) -> Request {
         slurm_cuda_visible_devices: Some("0".into()),
         slurm_job_gpus: Some("0".into()),
         slurm_shards_on_node: Some("1".into()),
+        restarts: 0,
     })
 }
 

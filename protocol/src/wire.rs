@@ -76,6 +76,11 @@ pub struct PlaceRequest {
     pub slurm_job_gpus: Option<String>,
     /// `SLURM_SHARDS_ON_NODE` as Slurm set it.
     pub slurm_shards_on_node: Option<String>,
+    /// How many times Slurm has requeued the job so far (slurmstepd's own count: declines and
+    /// failures alike), by which the daemon backs off and bounds its declines. Absent from an
+    /// older plugin: 0.
+    #[serde(default)]
+    pub restarts: u32,
 }
 
 /// A job step's end.
@@ -287,6 +292,7 @@ mod tests {
             slurm_cuda_visible_devices: Some("1".into()),
             slurm_job_gpus: Some("1".into()),
             slurm_shards_on_node: Some("1".into()),
+            restarts: 0,
         })
     }
 

@@ -72,8 +72,9 @@ impl Spank {
     fn get_u32(&self, item: bindings::spank_item_t) -> Result<u32, SpankError> {
         let f = host().spank_get_item.ok_or(MISSING)?;
         let mut v: u32 = 0;
-        // SAFETY: for S_JOB_ID / S_JOB_STEPID / S_JOB_UID the variadic argument is a
-        // `uint32_t *` (uid_t is 32 bits on Linux), per spank.h.
+        // SAFETY: for S_JOB_ID / S_JOB_STEPID / S_JOB_NODEID / S_JOB_UID /
+        // S_SLURM_RESTART_COUNT the variadic argument is a `uint32_t *` (uid_t is 32 bits on
+        // Linux), per spank.h.
         check(unsafe { f(self.0, item, &mut v as *mut u32) })?;
         Ok(v)
     }
@@ -96,6 +97,11 @@ impl Spank {
     /// The job owner's uid.
     pub fn uid(&self) -> Result<u32, SpankError> {
         self.get_u32(bindings::S_JOB_UID)
+    }
+
+    /// How many times Slurm has requeued (restarted) the job, as slurmstepd was told.
+    pub fn restart_count(&self) -> Result<u32, SpankError> {
+        self.get_u32(bindings::S_SLURM_RESTART_COUNT)
     }
 
     /// Exit status of the task that just exited (in `slurm_spank_task_exit`).

@@ -30,6 +30,8 @@ pub struct StepInfo {
     pub cuda_visible_devices: Option<String>,
     pub job_gpus: Option<String>,
     pub shards_on_node: Option<String>,
+    /// Slurm's restart count of the job (its requeues so far).
+    pub restarts: u32,
 }
 
 /// Asks the daemon where the step runs, and turns every failure into the configured behaviour.
@@ -47,6 +49,7 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
         slurm_cuda_visible_devices: step.cuda_visible_devices.clone(),
         slurm_job_gpus: step.job_gpus.clone(),
         slurm_shards_on_node: step.shards_on_node.clone(),
+        restarts: step.restarts,
     };
     let socket = args.socket_for(&step.node);
     let problem = match client::call(&socket, Duration::from_millis(args.timeout_ms), Request::Place(request)) {
@@ -115,6 +118,7 @@ mod tests {
             cuda_visible_devices: Some("0".into()),
             job_gpus: Some("0".into()),
             shards_on_node: Some("1".into()),
+            restarts: 0,
         }
     }
 

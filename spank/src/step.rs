@@ -39,6 +39,9 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         cuda_visible_devices: spank.getenv("CUDA_VISIBLE_DEVICES"),
         job_gpus: spank.getenv("SLURM_JOB_GPUS"),
         shards_on_node: spank.getenv("SLURM_SHARDS_ON_NODE"),
+        // slurmstepd's own count, not the job's environment (which its user may set); it is
+        // 0 for batch steps (22.05 to 24.11), so the daemon also counts its own declines.
+        restarts: spank.restart_count().unwrap_or(0),
     };
     let args = state().args.clone();
     let plan = match remote::plan(&args, &spec, &info) {

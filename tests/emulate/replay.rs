@@ -309,16 +309,18 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
     let wall_s = started.elapsed().as_secs_f64();
 
     // Declines: each requeue leaves its one line in the job's output (opened for appending).
-    let mut declines = 0u64;
+    let mut declines_per_job = Vec::new();
     for e in fs::read_dir(&dir).map_err(|e| e.to_string())?.flatten() {
         if e.path().extension().is_some_and(|x| x == "out") {
-            declines += fs::read_to_string(e.path())
+            let n = fs::read_to_string(e.path())
                 .unwrap_or_default()
                 .lines()
                 .filter(|l| l.starts_with("multiplex: requeued"))
-                .count() as u64;
+                .count();
+            declines_per_job.push(n as u32);
         }
     }
+    let declines = declines_per_job.iter().map(|&n| u64::from(n)).sum::<u64>();
     // Busy time per GPU: the union of its runs (failed ones too); work done: every job's.
     let mut by_gpu: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
     for r in &runs {
@@ -352,6 +354,8 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
             .collect(),
         oom_failures: ooms,
         declines,
+        // One count per job's output file (the order is not the trace's; only the most is used).
+        declines_per_job,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -440,6 +444,8 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             declines: get("declines") as u64,
             throughput_per_gpu: get("throughput_per_gpu"),
             last_fifth_avg_jct_s: get("last_fifth_avg_jct_s"),
+            most_declines: get("most_declines") as u32,
+            p99_wait_s: get("p99_wait_s"),
         },
         v,
     ))

@@ -42,6 +42,10 @@ pub struct Summary {
     /// Average JCT of the last fifth of the jobs in submit order: where a learning policy
     /// ends, once it has seen most of what it will see.
     pub last_fifth_avg_jct_s: f64,
+    /// The most times one job was declined.
+    pub most_declines: u32,
+    /// The 99th percentile of the wait from submission to the run that completed.
+    pub p99_wait_s: f64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -160,6 +164,8 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
     sorted.sort_by(f64::total_cmp);
     let n = jct.len().max(1) as f64;
     let tail = &jct[jct.len() - jct.len() / 5..];
+    let mut waits: Vec<f64> = o.jobs.iter().map(|&(submit, start, _)| start - submit).collect();
+    waits.sort_by(f64::total_cmp);
     let first = o.jobs.iter().map(|j| j.0).fold(f64::INFINITY, f64::min);
     let last = o.jobs.iter().map(|j| j.2).fold(f64::NEG_INFINITY, f64::max);
     Run {
@@ -179,6 +185,8 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
                 0.0
             },
             last_fifth_avg_jct_s: tail.iter().sum::<f64>() / tail.len().max(1) as f64,
+            most_declines: o.declines_per_job.iter().copied().max().unwrap_or(0),
+            p99_wait_s: percentile(&waits, 0.99),
         },
         jct,
         grade: None,
@@ -256,12 +264,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -272,7 +280,9 @@ pub fn csv(runs: &[Run]) -> String {
             s.oom_failures,
             s.declines,
             s.throughput_per_gpu,
-            s.last_fifth_avg_jct_s
+            s.last_fifth_avg_jct_s,
+            s.most_declines,
+            s.p99_wait_s
         ));
     }
     out

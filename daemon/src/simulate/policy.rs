@@ -4,10 +4,10 @@
 //! placement code handed the true table instead of a history.
 
 use super::input::{Rng, Table};
-use super::world::{JobRef, Policy, Shape};
-use crate::config::{Config, GpuSpec, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
+use super::world::{Choice, JobRef, Policy, Shape};
+use crate::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use crate::history::ActiveJob;
-use crate::node::Node;
+use crate::node::{Node, NodeLoad};
 use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted};
 use crate::weight::weight_for;
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
@@ -61,8 +61,8 @@ impl Policy for Exclusive {
     fn slots(&self, _shape: &Shape) -> u32 {
         1
     }
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
-        Ok(free_slot(gpus, 1).next())
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+        Ok(free_slot(gpus, 1).next().into())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -73,8 +73,8 @@ impl Policy for Exclusive {
 struct FirstFit(usize);
 
 impl Policy for FirstFit {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
-        Ok(free_slot(gpus, self.0).next())
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+        Ok(free_slot(gpus, self.0).next().into())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -85,8 +85,8 @@ impl Policy for FirstFit {
 struct LeastLoaded(usize);
 
 impl Policy for LeastLoaded {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
-        Ok(free_slot(gpus, self.0).min_by_key(|&g| gpus[g].len()))
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+        Ok(free_slot(gpus, self.0).min_by_key(|&g| gpus[g].len()).into())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -97,9 +97,9 @@ impl Policy for LeastLoaded {
 struct Random(Rng, usize);
 
 impl Policy for Random {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         let free: Vec<usize> = free_slot(gpus, self.1).collect();
-        Ok((!free.is_empty()).then(|| free[self.0.below(free.len())]))
+        Ok((!free.is_empty()).then(|| free[self.0.below(free.len())]).into())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -133,8 +133,10 @@ struct Oracle<'a> {
     table: &'a Table,
     truth: Estimates,
     shape: Shape,
-    min_gain: f64,
-    used: Vec<u32>,
+    /// The daemon's default policy, with the run's `min_gain`.
+    policy: PolicyConfig,
+    /// Per node: it declined the latest newcomer, and nothing ran or ended there since.
+    refusing: Vec<bool>,
 }
 
 impl<'a> Oracle<'a> {
@@ -143,14 +145,17 @@ impl<'a> Oracle<'a> {
             table,
             truth: truth(table),
             shape,
-            min_gain,
-            used: vec![0; shape.nodes],
+            policy: PolicyConfig {
+                min_gain,
+                ..Config::parse("node = \"oracle\"").expect("the default config").policy
+            },
+            refusing: vec![false; shape.nodes],
         }
     }
 }
 
 impl Policy for Oracle<'_> {
-    fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
+    fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         let states: Vec<GpuState> = gpus
             .iter()
             .enumerate()
@@ -168,10 +173,11 @@ impl Policy for Oracle<'_> {
                     .collect(),
             })
             .collect();
+        // The daemon's own bound and back-off, with its defaults.
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.min_gain,
+            min_gain: self.policy.min_gain_after(job.restarts),
         };
         let newcomer = Newcomer {
             app: &self.table.apps[job.app],
@@ -179,18 +185,29 @@ impl Policy for Oracle<'_> {
         };
         Ok(match placement::place(&states, &newcomer, &self.truth, knobs) {
             Decision::Place { gpu, .. } => {
-                self.used[node] += 1;
-                Some(gpu as usize)
+                self.refusing[node] = false;
+                Choice::Gpu(gpu as usize)
             }
-            Decision::Decline { .. } => None,
+            Decision::Decline { may_retry, .. } => {
+                self.refusing[node] |= may_retry;
+                let wait = self.policy.retry_after(job.restarts);
+                Choice::Decline {
+                    retry_after_s: Some(f64::from(wait)),
+                }
+            }
         })
     }
-    fn weight(&self, node: usize) -> u32 {
-        let total = self.shape.gpus_per_node as u32 * self.shape.jobs_per_gpu;
-        weight_for(self.used[node], total, 1)
+    fn weight(&self, node: usize, gpus: &[Vec<JobRef>]) -> u32 {
+        let load = NodeLoad {
+            used: gpus.iter().map(|g| g.len() as u32).sum(),
+            total: gpus.len() as u32 * self.shape.jobs_per_gpu,
+            empty_gpus: gpus.iter().filter(|g| g.is_empty()).count() as u32,
+            refusing: self.refusing[node],
+        };
+        weight_for(load, 1)
     }
     fn finished(&mut self, _: f64, node: usize, _: JobRef, _: bool) -> Result<(), String> {
-        self.used[node] -= 1;
+        self.refusing[node] = false;
         Ok(())
     }
 }
@@ -313,10 +330,8 @@ impl<'a> Learned<'a> {
                 .map_err(|e| e.to_string())?;
                 let w = Arc::clone(&weights);
                 // The weight the daemon would publish through scontrol, read by Slurm's part.
-                node.on_load(Box::new(move |used, total| {
-                    w[n].store(weight_for(used, total, 1), Ordering::Relaxed)
-                }))
-                .map_err(|e| e.to_string())?;
+                node.on_load(Box::new(move |load| w[n].store(weight_for(load, 1), Ordering::Relaxed)))
+                    .map_err(|e| e.to_string())?;
                 Ok(Mutex::new(Slot {
                     node,
                     queue: VecDeque::new(),
@@ -427,7 +442,7 @@ impl Policy for Learned<'_> {
     fn grade(&self) -> Option<String> {
         Some(Learned::grade(self))
     }
-    fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
+    fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         self.at(now)?;
         let req = PlaceRequest {
             job_id: job.id,
@@ -439,15 +454,18 @@ impl Policy for Learned<'_> {
             slurm_cuda_visible_devices: None,
             slurm_job_gpus: None,
             slurm_shards_on_node: None,
+            restarts: job.restarts,
         };
         let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
         match answer {
-            Response::Placed(p) => Ok(Some(p.gpu as usize)),
-            Response::Declined { .. } => Ok(None),
+            Response::Placed(p) => Ok(Choice::Gpu(p.gpu as usize)),
+            Response::Declined { retry_after_s, .. } => Ok(Choice::Decline {
+                retry_after_s: Some(f64::from(retry_after_s)),
+            }),
             other => Err(unexpected(other)),
         }
     }
-    fn weight(&self, node: usize) -> u32 {
+    fn weight(&self, node: usize, _: &[Vec<JobRef>]) -> u32 {
         self.weights[node].load(Ordering::Relaxed)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {

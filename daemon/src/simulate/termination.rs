@@ -6,7 +6,7 @@
 
 use super::input::{Rng, Table, TraceJob};
 use super::policy;
-use super::world::{self, JobRef, Outcome, Policy, Progress, Shape};
+use super::world::{self, Choice, JobRef, Outcome, Policy, Progress, Shape};
 
 /// The kinds of pair table generated.
 const TABLES: [&str; 6] = [
@@ -170,8 +170,8 @@ fn a_job_that_cannot_share_with_itself_does_not_doom_the_next_one_forever() {
 struct Never;
 
 impl Policy for Never {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, _: &[Vec<JobRef>]) -> Result<Option<usize>, String> {
-        Ok(None)
+    fn place(&mut self, _: f64, _: usize, _: JobRef, _: &[Vec<JobRef>]) -> Result<Choice, String> {
+        Ok(Choice::Decline { retry_after_s: None })
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())

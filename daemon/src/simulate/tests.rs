@@ -99,21 +99,29 @@ fn the_daemon_never_repeats_a_pair_that_ran_out_of_memory() {
 }
 
 #[test]
-fn published_weights_fill_idle_nodes_before_pairing() {
-    // Two nodes of one GPU: with equal weights Slurm puts both jobs on the first node; the
-    // daemon's weight sends the second to the idle node.
+fn a_burst_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
+    // Four jobs at one instant on 2 nodes x 2 GPUs x 2 slots: one scheduling pass, before any
+    // weight is published. Slurm's LLN spreads them over the nodes by its own count (two
+    // each); on each node the daemon puts them on different GPUs, and Slurm's first fit pairs
+    // them on the first.
     let t = small_table();
     let shape = Shape {
         nodes: 2,
-        gpus_per_node: 1,
+        gpus_per_node: 2,
         jobs_per_gpu: 2,
     };
-    let trace = [job(&t, "1", 0.0, "a", 100.0), job(&t, "2", 1.0, "b", 100.0)];
+    let trace: Vec<TraceJob> = (0..4)
+        .map(|i| job(&t, &i.to_string(), 0.0, if i % 2 == 0 { "a" } else { "b" }, 100.0))
+        .collect();
     let ff = simulate(&t, &trace, shape, "first-fit");
-    assert!(ff.jct[0] > 100.0 + 1.0, "{:?}", ff.jct);
+    assert!(
+        ff.jct.iter().all(|&j| j > 101.0),
+        "first fit pairs every job: {:?}",
+        ff.jct
+    );
     for p in ["learned", "oracle"] {
         let r = simulate(&t, &trace, shape, p);
-        assert!(close(r.jct[0], 100.0) && close(r.jct[1], 100.0), "{p}: {:?}", r.jct);
+        assert!(r.jct.iter().all(|&j| close(j, 100.0)), "{p}: {:?}", r.jct);
     }
 }
 

@@ -1,4 +1,5 @@
-//! The simulated world: Slurm's part (a FIFO queue, node choice by `Weight` then index,
+//! The simulated world: Slurm's part (a FIFO queue; node choice by the published `Weight`,
+//! then, as the shared partition's `LLN=YES` does, the node with the fewest jobs, then index;
 //! requeue after a decline or a failure) and reality's part (each job runs at the table's
 //! speed beside its current partners; a newcomer beside a job it cannot share with fails with
 //! out-of-memory unless that job leaves first). The policy only chooses a GPU on the node
@@ -8,8 +9,13 @@ use super::input::{Rng, Table, TraceJob};
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, BinaryHeap};
 
-/// How long a declined job waits before it is eligible again, seconds.
+/// How long a job declined by a policy that does not say waits before it is eligible again,
+/// seconds (the daemon's default `decline_retry_s`).
 pub const DECLINE_RETRY_S: f64 = 60.0;
+/// How long after a node's state changed its new weight reaches Slurm: the daemon learns of a
+/// job when its step starts on the node and publishes the weight through scontrol after that.
+/// Until then Slurm places by the old one: a burst started in one pass sees none of them.
+pub const WEIGHT_LAG_S: f64 = 2.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -32,11 +38,28 @@ pub struct Progress {
     pub noise: f64,
 }
 
-/// A job as a policy sees it: its id (as Slurm would number it) and application.
+/// A job as a policy sees it: its id (as Slurm would number it), application, and how many
+/// times it was requeued so far (declines and failures: Slurm's restart count).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct JobRef {
     pub id: u32,
     pub app: usize,
+    pub restarts: u32,
+}
+
+/// A policy's answer for a job on a node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Choice {
+    /// Run it on this GPU of the node.
+    Gpu(usize),
+    /// Requeue it to wait this long (`None`: the world's default, [`DECLINE_RETRY_S`]).
+    Decline { retry_after_s: Option<f64> },
+}
+
+impl From<Option<usize>> for Choice {
+    fn from(gpu: Option<usize>) -> Choice {
+        gpu.map_or(Choice::Decline { retry_after_s: None }, Choice::Gpu)
+    }
 }
 
 /// A policy: the node daemon's part.
@@ -45,10 +68,11 @@ pub trait Policy {
     fn slots(&self, shape: &Shape) -> u32 {
         shape.jobs_per_gpu
     }
-    /// Chooses a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), or declines (`None`).
-    fn place(&mut self, now: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Option<usize>, String>;
-    /// The node's Slurm `Weight` (lower is preferred); equal unless the policy publishes it.
-    fn weight(&self, _node: usize) -> u32 {
+    /// Chooses a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), or declines.
+    fn place(&mut self, now: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String>;
+    /// The node's Slurm `Weight` (lower is preferred; `gpus` as in `place`), read
+    /// [`WEIGHT_LAG_S`] after each change; equal unless the policy publishes it.
+    fn weight(&self, _node: usize, _gpus: &[Vec<JobRef>]) -> u32 {
         1
     }
     /// A running job reports its progress (in its own unit, from its start).
@@ -78,6 +102,8 @@ pub struct Outcome {
     pub jobs: Vec<(f64, f64, f64)>,
     pub oom_failures: u64,
     pub declines: u64,
+    /// Per job in trace order: how many times it was declined.
+    pub declines_per_job: Vec<u32>,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -90,6 +116,8 @@ enum Kind {
     Complete(u32),
     OutOfMemory(u32),
     Report(u32),
+    /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
+    Weight(usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,6 +160,9 @@ struct Job {
     run: u32,
     doomed: bool,
     finished: Option<f64>,
+    /// Requeues so far, and how many of them were declines.
+    restarts: u32,
+    declines: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -150,9 +181,13 @@ struct World<'a> {
     jobs: Vec<Job>,
     gpus: Vec<Gpu>,
     used: Vec<u32>,
-    /// Nodes with a free slot, by (weight, index).
-    free: BTreeSet<(u32, usize)>,
+    /// Nodes with a free slot, by (published weight, jobs on it, index): Slurm's order.
+    free: BTreeSet<(u32, u32, usize)>,
     weight: Vec<u32>,
+    /// Whether a weight event is already due for the node.
+    weight_due: Vec<bool>,
+    /// The node's jobs when it was last filed in `free`.
+    filed_used: Vec<u32>,
     /// Waiting jobs in FIFO order (trace order).
     queue: BTreeSet<usize>,
     events: BinaryHeap<Event>,
@@ -202,12 +237,16 @@ pub fn run(
                 run: 0,
                 doomed: false,
                 finished: None,
+                restarts: 0,
+                declines: 0,
             })
             .collect(),
         gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
         used: vec![0; shape.nodes],
         free: BTreeSet::new(),
         weight: vec![0; shape.nodes],
+        weight_due: vec![false; shape.nodes],
+        filed_used: vec![0; shape.nodes],
         queue: BTreeSet::new(),
         events: BinaryHeap::new(),
         seq: 0,
@@ -217,8 +256,8 @@ pub fn run(
         busy_seconds: 0.0,
     };
     for n in 0..shape.nodes {
-        w.weight[n] = policy.weight(n);
-        w.free.insert((w.weight[n], n));
+        w.weight[n] = policy.weight(n, &w.view(n));
+        w.free.insert((w.weight[n], 0, n));
     }
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
@@ -242,7 +281,7 @@ pub fn run(
                 let (node, _) = w.leave(now, e.job);
                 w.jobs[e.job].finished = Some(now);
                 policy.finished(now, node, w.job_ref(e.job), true)?;
-                w.reweigh(node, policy);
+                w.reweigh(now, node, e.job);
             }
             Kind::OutOfMemory(run) => {
                 let job = &w.jobs[e.job];
@@ -254,7 +293,8 @@ pub fn run(
                 w.oom_failures += 1;
                 policy.out_of_memory(now, node, w.job_ref(e.job))?;
                 policy.finished(now, node, w.job_ref(e.job), false)?;
-                w.reweigh(node, policy);
+                w.reweigh(now, node, e.job);
+                w.jobs[e.job].restarts += 1;
                 w.jobs[e.job].eligible = now + OOM_REQUEUE_S;
                 w.queue.insert(e.job);
                 w.push(now + OOM_REQUEUE_S, e.job, Kind::Eligible);
@@ -270,6 +310,11 @@ pub fn run(
                 policy.progress(now, node, w.job_ref(e.job), reported)?;
                 w.push(now + w.progress.every_s, e.job, Kind::Report(run));
                 continue; // nothing changed for Slurm
+            }
+            Kind::Weight(node) => {
+                w.weight_due[node] = false;
+                let weight = policy.weight(node, &w.view(node));
+                w.refile(node, weight);
             }
         }
         w.schedule(now, policy)?;
@@ -289,6 +334,7 @@ pub fn run(
             .collect(),
         oom_failures: w.oom_failures,
         declines: w.declines,
+        declines_per_job: w.jobs.iter().map(|j| j.declines).collect(),
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
@@ -406,15 +452,26 @@ impl World<'_> {
         JobRef {
             id: j as u32 + 1,
             app: self.jobs[j].app,
+            restarts: self.jobs[j].restarts,
         }
+    }
+
+    /// The jobs on each GPU of `node`, as a policy sees them.
+    fn view(&self, node: usize) -> Vec<Vec<JobRef>> {
+        let g0 = node * self.shape.gpus_per_node;
+        self.gpus[g0..g0 + self.shape.gpus_per_node]
+            .iter()
+            .map(|g| g.jobs.iter().map(|&o| self.job_ref(o)).collect())
+            .collect()
     }
 
     fn capacity(&self) -> u32 {
         self.shape.gpus_per_node as u32 * self.slots
     }
 
-    /// Slurm's part: start waiting, eligible jobs in FIFO order on the lightest node with a
-    /// free slot, until no node has one.
+    /// Slurm's part: start waiting, eligible jobs in FIFO order on the first node with a free
+    /// slot in Slurm's order, until no node has one. Every job started at one instant is one
+    /// scheduling pass: the weights are those published before it.
     fn schedule(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
         let mut cursor = 0;
         while let Some(&j) = self.queue.range(cursor..).next() {
@@ -422,41 +479,54 @@ impl World<'_> {
             if self.jobs[j].eligible > now {
                 continue;
             }
-            let Some(&(_, node)) = self.free.iter().next() else {
+            let Some(&(_, _, node)) = self.free.iter().next() else {
                 break;
             };
-            let g0 = node * self.shape.gpus_per_node;
-            let view: Vec<Vec<JobRef>> = self.gpus[g0..g0 + self.shape.gpus_per_node]
-                .iter()
-                .map(|g| g.jobs.iter().map(|&o| self.job_ref(o)).collect())
-                .collect();
+            let view = self.view(node);
             match policy.place(now, node, self.job_ref(j), &view)? {
-                Some(g) if g < self.shape.gpus_per_node && (view[g].len() as u32) < self.slots => {
+                Choice::Gpu(g) if g < self.shape.gpus_per_node && (view[g].len() as u32) < self.slots => {
                     self.queue.remove(&j);
                     self.start(now, j, node, g);
-                    self.reweigh(node, policy);
+                    self.reweigh(now, node, j);
                 }
-                Some(g) => {
+                Choice::Gpu(g) => {
                     return Err(format!(
                         "the policy chose GPU {g} of node {node}, which has no free slot"
                     ))
                 }
-                None => {
+                Choice::Decline { retry_after_s } => {
+                    let job = &mut self.jobs[j];
+                    let wait = retry_after_s.unwrap_or(DECLINE_RETRY_S).max(1.0);
+                    job.restarts += 1;
+                    job.declines += 1;
+                    job.eligible = now + wait;
                     self.declines += 1;
-                    self.jobs[j].eligible = now + DECLINE_RETRY_S;
-                    self.push(now + DECLINE_RETRY_S, j, Kind::Eligible);
+                    self.push(now + wait, j, Kind::Eligible);
+                    // A decline may change what the node publishes.
+                    self.reweigh(now, node, j);
                 }
             }
         }
         Ok(())
     }
 
-    /// Updates the node's place among the nodes with a free slot after its load changed.
-    fn reweigh(&mut self, node: usize, policy: &dyn Policy) {
-        self.free.remove(&(self.weight[node], node));
-        self.weight[node] = policy.weight(node);
+    /// After the node's state changed: its weight, as the policy then says, reaches Slurm
+    /// [`WEIGHT_LAG_S`] later.
+    fn reweigh(&mut self, now: f64, node: usize, job: usize) {
+        if !self.weight_due[node] {
+            self.weight_due[node] = true;
+            self.push(now + WEIGHT_LAG_S, job, Kind::Weight(node));
+        }
+    }
+
+    /// Puts the node in its place among the nodes with a free slot, by `weight` and its jobs
+    /// now (Slurm counts those itself, at once).
+    fn refile(&mut self, node: usize, weight: u32) {
+        self.free.remove(&(self.weight[node], self.filed_used[node], node));
+        self.weight[node] = weight;
+        self.filed_used[node] = self.used[node];
         if self.used[node] < self.capacity() {
-            self.free.insert((self.weight[node], node));
+            self.free.insert((weight, self.used[node], node));
         }
     }
 
@@ -484,6 +554,7 @@ impl World<'_> {
         let run = job.run;
         self.gpus[gi].jobs.push(j);
         self.used[node] += 1;
+        self.refile(node, self.weight[node]);
         if doomed {
             self.push(now + OOM_AFTER_S, j, Kind::OutOfMemory(run));
         } else if self.progress.every_s > 0.0 {
@@ -499,6 +570,7 @@ impl World<'_> {
         self.settle(now, gi);
         self.gpus[gi].jobs.retain(|&o| o != j);
         self.used[node] -= 1;
+        self.refile(node, self.weight[node]);
         self.jobs[j].epoch += 1;
         self.rescue(now, gi);
         self.respeed(now, gi);
