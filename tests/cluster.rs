@@ -615,6 +615,7 @@ fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
             ])
         })
         .collect();
+    let cancel = multiplex_tests::Cancel(jobs.clone());
     let ids: Vec<String> = jobs.iter().map(u32::to_string).collect();
     c.scontrol(&["release", &ids.join(",")]).unwrap();
     let mut gpus = std::collections::BTreeMap::new();
@@ -622,7 +623,7 @@ fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
         assert!(
             wait_until(WAIT, || {
                 let rec = c.show_job(job);
-                rec["JobState"] == "RUNNING" && env_of(&c.output(&rec)).contains_key("MULTIPLEX_GPU")
+                rec["JobState"] == "RUNNING" && env_of(&c.output_so_far(&rec)).contains_key("MULTIPLEX_GPU")
             }),
             "job {job} runs: {:?}",
             c.show_job(job)
@@ -634,7 +635,7 @@ fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
     let busy = || nodes.iter().all(|n| weight(n) == "101");
     let all_busy = wait_until(Duration::from_secs(20), busy);
     let weights: Vec<String> = nodes.iter().map(|n| weight(n)).collect();
-    std::process::Command::new("scancel").args(&ids).status().unwrap();
+    drop(cancel);
     let distinct: std::collections::BTreeSet<_> = gpus.values().collect();
     assert_eq!(distinct.len(), jobs.len(), "one job per GPU: {gpus:?}");
     assert!(all_busy, "every GPU runs a job: the nodes weigh 101, not {weights:?}");

@@ -134,6 +134,14 @@ impl Cluster {
         std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"))
     }
 
+    /// The output of a job that may have just started: empty until slurmstepd made the file
+    /// (Slurm 24.11 may call a job RUNNING before that).
+    pub fn output_so_far(&self, rec: &HashMap<String, String>) -> String {
+        rec.get("StdOut")
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .unwrap_or_default()
+    }
+
     /// The history database of node `node`.
     pub fn history(&self, node: &str) -> rusqlite::Connection {
         let path = self.state.join(format!("multiplexd/{node}/history.sqlite"));
@@ -282,6 +290,19 @@ impl Drop for DaemonStopped {
         let socket = self.state.join(format!("multiplexd/{node}.sock"));
         if !wait_until(Duration::from_secs(5), || socket.exists()) && !std::thread::panicking() {
             panic!("multiplexd {node} did not come back");
+        }
+    }
+}
+
+/// Jobs to cancel when the test ends, whether it passes or fails, so that a failed test
+/// leaves no job holding the slots the next test needs.
+pub struct Cancel(pub Vec<u32>);
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            let ids: Vec<String> = self.0.iter().map(u32::to_string).collect();
+            let _ = Command::new("scancel").args(&ids).status();
         }
     }
 }
