@@ -325,6 +325,69 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_that_may_not_requeue_is_never_lost_to_a_decline_and_explain_says_why_it_waited() {
+    let c = Cluster::from_env();
+    // As in the requeue test: two 12 GiB jobs take both 16 GiB GPUs of n1 memory-wise.
+    let fillers: Vec<u32> = (0..2)
+        .map(|i| {
+            c.submit(&[
+                &format!("--multiplex=app=itest-norq-big{i},mem=12G"),
+                "--gres=gpu:1",
+                "-w",
+                "n1",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 10",
+            ])
+        })
+        .collect();
+    let _cancel = multiplex_tests::Cancel(fillers.clone());
+    assert!(
+        wait_until(WAIT, || fillers.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
+        "the fillers started"
+    );
+    // It cannot wait and it cannot fit: it fails with both reasons, and is not requeued.
+    let job = c.submit(&[
+        "--multiplex=app=itest-norq,mem=12G",
+        "--gres=gpu:1",
+        "--no-requeue",
+        "-w",
+        "n1",
+        &out_arg(&c, "norq"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "FAILED", "{rec:?}");
+    assert_eq!(rec["Restarts"], "0", "{rec:?}");
+    let out = c.output(&rec);
+    assert!(
+        out.contains("multiplex: no GPU on n1 can take this job safely now (")
+            && out.contains("and it cannot be requeued to wait ("),
+        "{out}"
+    );
+    // Why it never ran is in n1's history, not only in the output a rerun would truncate.
+    let config = c.path("multiplexd/n1/multiplexd.toml");
+    let explain = std::process::Command::new(c.path("plugins/multiplexd"))
+        .args(["explain", &job.to_string(), "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&explain.stdout);
+    assert!(
+        explain.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&explain.stderr)
+    );
+    assert!(
+        text.starts_with(&format!("job {job} has not run on n1\ndeclined 2 times on n1:\n")),
+        "first asked to wait, then asked for any GPU where it fits: {text}"
+    );
+    assert!(text.contains("memory: 12288 MiB asked"), "{text}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
 fn jobs_on_one_node_never_exceed_the_slots_of_a_gpu() {
     let c = Cluster::from_env();
     // Four jobs on one node with 2 GPUs x 2 slots: every slot taken at once.

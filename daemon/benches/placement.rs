@@ -211,6 +211,7 @@ fn main() {
             slurm_job_gpus: Some("0".into()),
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
+            cannot_wait: false,
         };
         let t = Instant::now();
         let r = call(&socket, timeout, Request::Place(req)).unwrap();

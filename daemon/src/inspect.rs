@@ -2,7 +2,7 @@
 //! status`, `history` and `explain`, wait statuses, and the node list of `scontrol show job`. (The queries are the history's: see
 //! [`crate::history::exchange`] and [`crate::history::explain`].)
 
-use crate::history::{Explanation, Export};
+use crate::history::{Decline, Explanation, Export};
 use multiplex_protocol::NodeStatus;
 
 /// A node's [`NodeStatus`] as the text `multiplexd status` prints: one line per GPU.
@@ -143,6 +143,33 @@ impl std::fmt::Display for ExplanationText<'_> {
             };
             writeln!(f, "learned: {} beside {}: {what}", l.app, l.other)?;
         }
+        write!(f, "{}", DeclinesText(&e.declines))
+    }
+}
+
+/// A job's declines on this node as `multiplexd explain` prints them (nothing if none).
+pub struct DeclinesText<'a>(pub &'a [Decline]);
+
+impl std::fmt::Display for DeclinesText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Some(first) = self.0.first() else {
+            return Ok(());
+        };
+        let n = self.0.len();
+        writeln!(
+            f,
+            "declined {n} time{} on {}:",
+            if n == 1 { "" } else { "s" },
+            first.node
+        )?;
+        for d in self.0 {
+            let wait = if d.retry_after_s == 0 {
+                "it cannot run there".to_string()
+            } else {
+                format!("sent to wait {} s", d.retry_after_s)
+            };
+            writeln!(f, "  {:+.0} s ({wait}): {}", d.at - first.at, d.reason)?;
+        }
         Ok(())
     }
 }
@@ -207,6 +234,7 @@ mod tests {
             }],
             gpu_mem_peak_mb: None,
             sm_util_mean_pct: None,
+            declines: Vec::new(),
         }
     }
 
@@ -239,6 +267,32 @@ mod tests {
             text.contains("learned: bert beside resnet: never again: they ran out of memory together"),
             "{text}"
         );
+        assert!(!text.contains("declined"), "{text}");
+    }
+
+    #[test]
+    fn declines_are_listed_with_their_waits_from_the_first() {
+        let d = |at: f64, wait: u32, reason: &str| Decline {
+            node: "n1".into(),
+            at,
+            reason: reason.into(),
+            retry_after_s: wait,
+        };
+        let mut e = explanation();
+        e.declines = vec![d(1000.0, 60, "GPU 0: full"), d(1065.4, 120, "GPU 0: full")];
+        let text = ExplanationText(&e).to_string();
+        assert!(
+            text.ends_with(
+                "declined 2 times on n1:\n  +0 s (sent to wait 60 s): GPU 0: full\n  +65 s (sent to wait 120 s): GPU 0: full\n"
+            ),
+            "{text}"
+        );
+        let one = DeclinesText(&[d(5.0, 0, "it needs 99 MiB")]).to_string();
+        assert_eq!(
+            one,
+            "declined 1 time on n1:\n  +0 s (it cannot run there): it needs 99 MiB\n"
+        );
+        assert_eq!(DeclinesText(&[]).to_string(), "");
     }
 
     #[test]

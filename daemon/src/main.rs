@@ -362,7 +362,17 @@ fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
     let config = load_config(config_path)?;
     let h = history_of(&config, config_path)?;
     let Some(e) = h.explain(job_id).map_err(|e| e.to_string())? else {
-        return Err(not_here(&config, job_id));
+        // Declined here, and never run here (it waits, or ran elsewhere).
+        let declines = h.declines(job_id).map_err(|e| e.to_string())?;
+        if declines.is_empty() {
+            return Err(not_here(&config, job_id));
+        }
+        if json {
+            return json_out(&serde_json::json!({ "job_id": job_id, "declines": declines }));
+        }
+        println!("job {job_id} has not run on {}", config.node);
+        print!("{}", inspect::DeclinesText(&declines));
+        return Ok(());
     };
     if json {
         return json_out(&e);

@@ -8,7 +8,6 @@ use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, Wanted};
 use multiplex_protocol::{
     FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response, TaskStatus,
 };
-use std::collections::HashMap;
 
 /// Seconds since the Unix epoch.
 pub type Clock = Box<dyn Fn() -> f64 + Send>;
@@ -21,9 +20,6 @@ pub fn wall_clock() -> Clock {
             .map_or(0.0, |d| d.as_secs_f64())
     })
 }
-
-/// The most jobs whose declines a node remembers at once.
-const MAX_DECLINED_JOBS: usize = 100_000;
 
 /// What Slurm is told of the node (through its weight), after every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,10 +46,6 @@ pub struct Node {
     on_load: Option<LoadListener>,
     /// See [`NodeLoad::refusing`].
     refusing: bool,
-    /// Per job not placed yet: how many times this daemon declined it. slurmstepd's restart
-    /// count is 0 for batch steps (Slurm 22.05 to 24.11 keep it only for the environment,
-    /// which the job's user may set), so the daemon counts what it did itself.
-    declined: HashMap<u32, u32>,
     /// Learning inline, through `history`; unused while `learner` runs.
     teacher: Teacher,
     /// The learning thread, once [`Self::learn_in_background`] started it.
@@ -72,7 +64,6 @@ impl Node {
             clock,
             on_load: None,
             refusing: false,
-            declined: HashMap::new(),
             learner: None,
         };
         node.teacher.compact(&mut node.history);
@@ -248,12 +239,21 @@ impl Node {
             None => self.history.app_mem_peak(&req.app)?,
         };
         let policy = &self.config.policy;
-        let restarts = req.restarts.max(self.declined.get(&req.job_id).copied().unwrap_or(0));
+        // slurmstepd's restart count is 0 for batch steps (Slurm 22.05 to 24.11 keep it only
+        // for the job's environment, which its user may set), so the daemon counts what it did.
+        let declined = self.history.decline_count(req.job_id, &self.config.node, now)?;
+        let restarts = req.restarts.max(declined);
         let waited_enough = policy.waited_enough(restarts);
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: policy.unknown_pair_speed,
-            min_gain: policy.min_gain_after(restarts),
+            // A step that cannot wait (not a batch script, or its requeue failed) takes any GPU
+            // where it fits rather than fail for a poor partner.
+            min_gain: if req.cannot_wait {
+                0.0
+            } else {
+                policy.min_gain_after(restarts)
+            },
         };
         let newcomer = Newcomer {
             app: &req.app,
@@ -279,8 +279,10 @@ impl Node {
                         "; requeued {restarts} times already, so no longer held back for a better partner"
                     ));
                 }
+                if req.cannot_wait && self.config.policy.min_gain > 0.0 {
+                    reason.push_str("; it cannot wait, so it takes the best GPU where it fits");
+                }
                 self.refusing = false;
-                self.declined.remove(&req.job_id);
                 self.commit(req, &active, gpu, predicted_speed, reason, now)
             }
             Decision::Decline { mut reason, may_retry } => {
@@ -293,11 +295,8 @@ impl Node {
                     0
                 };
                 tracing::info!(job = req.job_id, app = %req.app, %reason, retry_after_s, restarts, "declined");
-                if self.declined.len() >= MAX_DECLINED_JOBS {
-                    // Jobs declined here that ran elsewhere are never placed here: forget them.
-                    self.declined.clear();
-                }
-                *self.declined.entry(req.job_id).or_default() += 1;
+                self.history
+                    .record_decline(req.job_id, &self.config.node, now, &reason, retry_after_s)?;
                 // A job too large for every GPU here says nothing of the next newcomer.
                 self.refusing |= may_retry;
                 Ok(Response::Declined { reason, retry_after_s })

@@ -202,6 +202,7 @@ mod tests {
             slurm_job_gpus: None,
             slurm_shards_on_node: None,
             restarts: 0,
+            cannot_wait: false,
         })
     }
 

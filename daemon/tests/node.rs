@@ -83,6 +83,7 @@ impl World {
                 slurm_job_gpus: Some(slurm_gpu.into()),
                 slurm_shards_on_node: Some("1".into()),
                 restarts: 0,
+                cannot_wait: false,
             })
             .unwrap()
     }
@@ -646,6 +647,7 @@ fn a_gpu_known_by_uuid_is_named_to_cuda_by_it() {
             slurm_job_gpus: Some("0".into()),
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
+            cannot_wait: false,
         })
         .unwrap();
     let Response::Placed(p) = r else { panic!("{r:?}") };
@@ -682,6 +684,7 @@ fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
                 slurm_job_gpus: Some("0".into()),
                 slurm_shards_on_node: Some("1".into()),
                 restarts,
+                cannot_wait: false,
             })
             .unwrap()
     };
@@ -698,6 +701,13 @@ fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
         let last = *loads.lock().unwrap().last().unwrap();
         assert!(last.refusing && last.empty_gpus == 0, "{last:?}");
     }
+    // Each decline is in the history, with its reason and wait, for `explain`.
+    let declines = w.node.history().declines(6).unwrap();
+    let waits: Vec<u32> = declines.iter().map(|d| d.retry_after_s).collect();
+    assert_eq!(waits, [60, 120, 240]);
+    assert!(declines
+        .iter()
+        .all(|d| d.node == "n1" && d.reason.contains("worth sharing for")));
     // Requeued as often as max_declines: it no longer waits for a better partner.
     match ask(&mut w, 0) {
         Response::Placed(p) => assert!(p.reason.contains("requeued 3 times already"), "{}", p.reason),
@@ -708,4 +718,39 @@ fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
         !last.refusing && last.used == 2,
         "placing a job ends the refusal: {last:?}"
     );
+}
+
+#[test]
+fn a_step_that_cannot_wait_takes_a_poor_partner_but_never_one_it_cannot_fit_beside() {
+    let mut w = World::with("[policy]\nmin_gain = 0.35");
+    w.bert_and_resnet();
+    w.start(400.0, 5, "bert");
+    let node = w.name.clone();
+    let ask = |w: &mut World, job_id: u32, mem_mb: Option<u64>, cannot_wait: bool| {
+        w.at(500.0)
+            .place(&PlaceRequest {
+                job_id,
+                step_id: 0xffff_fffb,
+                uid: 1000,
+                app: "resnet".into(),
+                mem_mb,
+                node: node.clone(),
+                slurm_cuda_visible_devices: Some("0".into()),
+                slurm_job_gpus: Some("0".into()),
+                slurm_shards_on_node: Some("1".into()),
+                restarts: 0,
+                cannot_wait,
+            })
+            .unwrap()
+    };
+    assert!(matches!(ask(&mut w, 6, None, false), Response::Declined { .. }));
+    match ask(&mut w, 6, None, true) {
+        Response::Placed(p) => assert!(p.reason.contains("it cannot wait"), "{}", p.reason),
+        other => panic!("{other:?}"),
+    }
+    // Memory it cannot have is no poor partner: still declined.
+    match ask(&mut w, 7, Some(20_000), true) {
+        Response::Declined { reason, .. } => assert!(reason.contains("20000 MiB"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
 }

@@ -92,6 +92,7 @@ fn place(job_id: u32, app: &str) -> Request {
         slurm_job_gpus: Some("0".into()),
         slurm_shards_on_node: Some("1".into()),
         restarts: 0,
+        cannot_wait: false,
     })
 }
 

@@ -81,6 +81,11 @@ pub struct PlaceRequest {
     /// older plugin: 0.
     #[serde(default)]
     pub restarts: u32,
+    /// The step cannot wait to be started again: it is not a batch script, or requeueing its
+    /// job failed (`--no-requeue`, `JobRequeue=0`). It takes any GPU where it fits rather than
+    /// be declined for a poor partner. Absent from an older plugin: false.
+    #[serde(default)]
+    pub cannot_wait: bool,
 }
 
 /// A job step's end.
@@ -293,6 +298,7 @@ mod tests {
             slurm_job_gpus: Some("1".into()),
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
+            cannot_wait: false,
         })
     }
 

@@ -35,7 +35,9 @@ pub struct StepInfo {
 }
 
 /// Asks the daemon where the step runs, and turns every failure into the configured behaviour.
-pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
+/// `cannot_wait`: the job's requeue failed, so a decline would fail it (a step that is not the
+/// batch script cannot wait either way).
+pub fn plan(args: &Args, spec: &Spec, step: &StepInfo, cannot_wait: bool) -> StepPlan {
     let request = PlaceRequest {
         job_id: step.job_id,
         step_id: step.step_id,
@@ -50,6 +52,7 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo) -> StepPlan {
         slurm_job_gpus: step.job_gpus.clone(),
         slurm_shards_on_node: step.shards_on_node.clone(),
         restarts: step.restarts,
+        cannot_wait: cannot_wait || step.step_id != slurm_ffi::bindings::SLURM_BATCH_SCRIPT,
     };
     let socket = args.socket_for(&step.node);
     let problem = match client::call(&socket, Duration::from_millis(args.timeout_ms), Request::Place(request)) {
@@ -129,7 +132,7 @@ mod tests {
             socket: format!("{}/%n.sock", dir.display()),
             ..Args::default()
         };
-        match plan(&args, &Spec::default(), &step()) {
+        match plan(&args, &Spec::default(), &step(), false) {
             StepPlan::NotApplied { warning } => {
                 assert!(warning.starts_with("multiplex: not applied"), "{warning}");
                 assert!(warning.contains("n1.sock"), "{warning}");
@@ -141,7 +144,7 @@ mod tests {
             ..args
         };
         assert!(
-            matches!(plan(&args, &Spec::default(), &step()), StepPlan::Fail { message } if message.contains("cannot place"))
+            matches!(plan(&args, &Spec::default(), &step(), false), StepPlan::Fail { message } if message.contains("cannot place"))
         );
     }
 

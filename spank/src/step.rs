@@ -44,8 +44,27 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         restarts: spank.restart_count().unwrap_or(0),
     };
     let args = state().args.clone();
-    let plan = match remote::plan(&args, &spec, &info) {
-        StepPlan::Declined { reason, retry_after_s } => declined(job_id, step_id, &node, &reason, retry_after_s),
+    let plan = match remote::plan(&args, &spec, &info, false) {
+        StepPlan::Declined { reason, retry_after_s } => {
+            match declined(job_id, step_id, &node, &reason, retry_after_s) {
+                Declined::Requeued(plan) => plan,
+                // A decline would fail a job that cannot be requeued: ask for any GPU where it fits.
+                Declined::CannotWait(why) => {
+                    log::info(&format!(
+                        "{PREFIX}: job {job_id} cannot be requeued to wait ({why}): asking for any GPU where it fits"
+                    ));
+                    match remote::plan(&args, &spec, &info, true) {
+                        StepPlan::Declined { reason, .. } => StepPlan::Fail {
+                            message: format!(
+                            "multiplex: no GPU on {node} can take this job safely now ({reason}), and it cannot be \
+                             requeued to wait ({why}): submit it again later, or let it requeue (sbatch --requeue)"
+                        ),
+                        },
+                        plan => plan,
+                    }
+                }
+            }
+        }
         plan => plan,
     };
     match &plan {
@@ -76,19 +95,23 @@ fn fail_tasks(message: String) -> c_int {
     0
 }
 
+/// What became of a declined step.
+enum Declined {
+    /// Requeued and held back (or failed with the reason): the step's plan.
+    Requeued(StepPlan),
+    /// The job could not be requeued (the error says why).
+    CannotWait(String),
+}
+
 /// A declined batch job is requeued and held back for the daemon's `retry_after_s`; any other
 /// declined step fails with the reason.
-fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32) -> StepPlan {
+fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32) -> Declined {
     let delay = match remote::on_decline(node, step_id, reason, retry_after_s) {
         Ok(delay) => delay,
-        Err(message) => return StepPlan::Fail { message },
+        Err(message) => return Declined::Requeued(StepPlan::Fail { message }),
     };
     if let Err(e) = slurm_ffi::host::requeue(job_id) {
-        return StepPlan::Fail {
-            message: format!(
-                "multiplex: no GPU on {node} can take this job safely now ({reason}), and it could not be requeued: {e}"
-            ),
-        };
+        return Declined::CannotWait(e);
     }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -98,11 +121,11 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
             "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
         ));
     }
-    StepPlan::Fail {
+    Declined::Requeued(StepPlan::Fail {
         message: format!(
             "multiplex: requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})"
         ),
-    }
+    })
 }
 
 /// The Slurm name of this node. slurmstepd's environment has no SLURMD_NODENAME yet at this

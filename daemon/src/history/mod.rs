@@ -6,6 +6,7 @@
 //!
 //! - [`schema`]: the migrations.
 //! - [`jobs`]: recording placements, steps, ends and reports.
+//! - [`declines`]: the jobs this node declined, and why.
 //! - [`learning`] and [`equations`]: what finished and running jobs teach.
 //! - [`effects`]: what is known of each application beside partners never seen.
 //! - [`estimates`]: the snapshot one placement decision reads.
@@ -13,6 +14,7 @@
 //! - [`upkeep`]: compaction and checkpoints.
 //! - [`exchange`] and [`explain`]: export, import and explanations, for tools and other nodes.
 
+mod declines;
 mod effects;
 mod equations;
 mod estimates;
@@ -24,6 +26,7 @@ mod schema;
 mod telemetry;
 mod upkeep;
 
+pub use declines::Decline;
 pub use exchange::{Export, Imported, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};
 pub use jobs::{ActiveJob, NewJob};

@@ -47,6 +47,7 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
                  VALUES ('v100', 1, 2, 0.5, 0.9, 2), ('v100', 2, 1, 0.9, 0.5, 1),
                         ('v100', 3, 1, 0.7, 0.4, 0);
                  DROP TABLE app_effects;
+                 DROP TABLE declines;
                  PRAGMA user_version = 6;",
             )
             .unwrap();
@@ -297,4 +298,26 @@ fn a_long_write_of_the_learning_kind_lets_a_waiting_request_in() {
         .query_row("SELECT count(*) FROM applications", [], |r| r.get(0))
         .unwrap();
     assert_eq!(apps, steps as i64 + 1, "both writes are whole");
+}
+
+#[test]
+fn declines_are_counted_per_job_and_node_and_compaction_drops_those_a_month_old() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    let day = 86_400.0;
+    h.record_decline(7, "n1", 0.0, "GPU 0: full", 60).unwrap();
+    h.record_decline(7, "n1", 40.0 * day, "GPU 0: full", 60).unwrap();
+    h.record_decline(7, "n2", 40.0 * day, "GPU 1: full", 60).unwrap();
+    h.record_decline(8, "n1", 40.0 * day + 1.0, "GPU 0: full", 120).unwrap();
+    assert_eq!(
+        h.decline_count(7, "n1", 40.0 * day).unwrap(),
+        1,
+        "the first is over a week old; n2's are not n1's"
+    );
+    assert_eq!(h.declines(7).unwrap().len(), 3);
+    h.compact(200).unwrap();
+    let kept = h.declines(7).unwrap();
+    assert_eq!(kept.len(), 2, "the one 40 days before the latest is gone: {kept:?}");
+    assert!(kept.iter().all(|d| d.at == 40.0 * day));
+    assert_eq!(h.declines(8).unwrap()[0].retry_after_s, 120);
 }

@@ -455,6 +455,7 @@ impl Policy for Learned<'_> {
             slurm_job_gpus: None,
             slurm_shards_on_node: None,
             restarts: job.restarts,
+            cannot_wait: false,
         };
         let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
         match answer {
