@@ -257,22 +257,19 @@ fn a_job_no_gpu_here_could_ever_hold_fails_with_the_reason() {
     assert!(!state.starts_with("drain"), "n1 is {state}");
 }
 
-#[test]
-#[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_declined_job_is_requeued_says_why_and_runs_later() {
-    let c = Cluster::from_env();
-    // Two 12 GiB jobs take both 16 GiB GPUs of n1 memory-wise; Slurm still has shards free.
-    // They run long enough for the waiting job to be declined twice, usually.
+/// Two 12 GiB jobs of `secs` seconds that take both 16 GiB GPUs of n1 memory-wise (Slurm still
+/// has shards free there), once both run.
+fn fill_the_memory_of_n1(c: &Cluster, tag: &str, secs: u32) -> Vec<u32> {
     let fillers: Vec<u32> = (0..2)
         .map(|i| {
             c.submit(&[
-                &format!("--multiplex=app=itest-big{i},mem=12G"),
+                &format!("--multiplex=app=itest-{tag}{i},mem=12G"),
                 "--gres=gpu:1",
                 "-w",
                 "n1",
-                &out_arg(&c, "big"),
+                &out_arg(c, tag),
                 "--wrap",
-                "sleep 12",
+                &format!("sleep {secs}"),
             ])
         })
         .collect();
@@ -280,6 +277,15 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
         wait_until(WAIT, || fillers.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
         "the fillers started"
     );
+    fillers
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_declined_job_is_requeued_says_why_and_runs_later() {
+    let c = Cluster::from_env();
+    // Long enough for the waiting job to be declined twice, usually.
+    let fillers = fill_the_memory_of_n1(&c, "big", 12);
     let job = c.submit(&[
         "--multiplex=app=itest-waits,mem=12G",
         "--gres=gpu:1",
@@ -327,25 +333,8 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn a_job_that_may_not_requeue_is_never_lost_to_a_decline_and_explain_says_why_it_waited() {
     let c = Cluster::from_env();
-    // As in the requeue test: two 12 GiB jobs take both 16 GiB GPUs of n1 memory-wise.
-    let fillers: Vec<u32> = (0..2)
-        .map(|i| {
-            c.submit(&[
-                &format!("--multiplex=app=itest-norq-big{i},mem=12G"),
-                "--gres=gpu:1",
-                "-w",
-                "n1",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 10",
-            ])
-        })
-        .collect();
-    let _cancel = multiplex_tests::Cancel(fillers.clone());
-    assert!(
-        wait_until(WAIT, || fillers.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
-        "the fillers started"
-    );
+    let fillers = fill_the_memory_of_n1(&c, "norq-big", 10);
+    let _cancel = multiplex_tests::Cancel(fillers);
     // It cannot wait and it cannot fit: it fails with both reasons, and is not requeued.
     let job = c.submit(&[
         "--multiplex=app=itest-norq,mem=12G",
