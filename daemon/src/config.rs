@@ -451,7 +451,21 @@ mod tests {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.jobs_per_gpu, 2);
-        assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 2));
+        // The same node as etc/slurm.conf.example's gpu01 and etc/gres.conf.example.
+        assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 4));
+        let conf = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/slurm.conf.example")).unwrap();
+        let gres = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/gres.conf.example")).unwrap();
+        let shards = 4 * c.jobs_per_gpu;
+        assert!(conf.contains(&format!(
+            "NodeName=gpu[01-02] CPUs=64 RealMemory=512000 Gres=gpu:4,shard:{shards}"
+        )));
+        assert!(gres.contains("Name=gpu File=/dev/nvidia[0-3]"));
+        assert_eq!(
+            gres.lines()
+                .filter(|l| l.starts_with(&format!("Name=shard Count={} File=/dev/nvidia", c.jobs_per_gpu)))
+                .count(),
+            4
+        );
         assert_eq!(
             c.share,
             ShareConfig::default(),
