@@ -83,6 +83,9 @@ impl std::fmt::Display for ExplanationText<'_> {
         )?;
         writeln!(f, "decision: {}", e.decision)?;
         writeln!(f, "predicted speed: {:.2}", e.predicted_speed)?;
+        if let Some(m) = e.mem_mb {
+            writeln!(f, "GPU memory it asked for: {m} MiB")?;
+        }
         let shared: f64 = e.partners.iter().map(|p| p.seconds).sum();
         // One precision for every duration of the job, so that the parts add up to the whole.
         let total = e.finished_at.map_or(e.seconds_alone + shared, |end| end - e.started_at);
@@ -208,6 +211,7 @@ mod tests {
             gpu_model: "v100".into(),
             decision: "GPU 1: alone".into(),
             predicted_speed: 1.0,
+            mem_mb: None,
             started_at: 1000.0,
             finished_at: Some(1028.0),
             exit_status: Some(256),
@@ -257,6 +261,7 @@ mod tests {
         long.seconds_alone = 500.0;
         long.learned[0].observations = 3;
         long.learned[0].oom = true;
+        long.mem_mb = Some(12288);
         let text = ExplanationText(&long).to_string();
         assert!(
             text.contains("still running, for 500 s so far (500 s alone, 0 s beside others)"),
@@ -268,6 +273,7 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("declined"), "{text}");
+        assert!(text.contains("\nGPU memory it asked for: 12288 MiB\n"), "{text}");
     }
 
     #[test]

@@ -6,7 +6,8 @@ use crate::history::{ActiveJob, History, HistoryError, NewJob};
 use crate::lessons::{Learner, Lesson, Teacher};
 use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, Wanted};
 use multiplex_protocol::{
-    FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response, TaskStatus,
+    step_label, FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response,
+    TaskStatus,
 };
 
 /// Seconds since the Unix epoch.
@@ -364,7 +365,7 @@ impl Node {
             },
             &residents,
         )?;
-        tracing::info!(job = req.job_id, step = req.step_id, app = %req.app, gpu, %reason, "placed");
+        tracing::info!(job = req.job_id, step = %step_label(req.step_id), app = %req.app, gpu, %reason, "placed");
         let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
         Ok(Response::Placed(self.placement(
             gpu,
@@ -445,7 +446,7 @@ impl Node {
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
             tracing::info!(
                 job = req.job_id,
-                step = req.step_id,
+                step = %step_label(req.step_id),
                 "finish for a job not running here; ignored"
             );
             return Ok((Response::Finished, None));
@@ -463,7 +464,7 @@ impl Node {
         }
         tracing::info!(
             job = req.job_id,
-            step = req.step_id,
+            step = %step_label(req.step_id),
             exit_status = req.exit_status,
             releases,
             "finished"

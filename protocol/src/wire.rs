@@ -13,6 +13,22 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest frame either side accepts (bytes of JSON).
 pub const MAX_FRAME: usize = 256 * 1024;
 
+/// Slurm's reserved step ids (slurm.h; the same in 22.05 and 24.11, checked against the headers
+/// by the SPANK plugin's tests).
+pub const BATCH_STEP: u32 = 0xffff_fffb;
+pub const EXTERN_STEP: u32 = 0xffff_fffc;
+pub const INTERACTIVE_STEP: u32 = 0xffff_fffa;
+
+/// A job step id as people read it: `batch`, `extern`, `interactive`, or the number.
+pub fn step_label(step_id: u32) -> String {
+    match step_id {
+        BATCH_STEP => "batch".into(),
+        EXTERN_STEP => "extern".into(),
+        INTERACTIVE_STEP => "interactive".into(),
+        n => n.to_string(),
+    }
+}
+
 /// A request with its version.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestFrame {

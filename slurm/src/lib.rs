@@ -71,16 +71,6 @@ pub const fn version() -> (u32, u32, u32) {
     ((v >> 16) & 0xff, (v >> 8) & 0xff, v & 0xff)
 }
 
-/// A job step id as people read it: `batch`, `extern`, `interactive`, or the number.
-pub fn step_label(step_id: u32) -> String {
-    match step_id {
-        bindings::SLURM_BATCH_SCRIPT => "batch".into(),
-        bindings::SLURM_EXTERN_CONT => "extern".into(),
-        bindings::SLURM_INTERACTIVE_STEP => "interactive".into(),
-        n => n.to_string(),
-    }
-}
-
 /// Reads a C string from Slurm, `None` for NULL. Invalid UTF-8 is replaced, never trusted.
 ///
 /// # Safety
@@ -160,12 +150,6 @@ mod tests {
             text.contains(&format!(" {major}.{minor:02}.{micro}")),
             "slurmctld -V says {text}"
         );
-    }
-
-    #[test]
-    fn step_labels() {
-        assert_eq!(step_label(0xffff_fffb), "batch");
-        assert_eq!(step_label(3), "3");
     }
 
     #[test]

@@ -225,7 +225,7 @@ pub unsafe extern "C" fn slurm_spank_exit(_sp: spank_t, _ac: c_int, _av: *mut *m
             if let Err(e) = remote::finish(&args, &node, job, step, worst) {
                 log::error(&format!(
                     "{PREFIX}: job {job} step {}: could not report the end to multiplexd: {e}",
-                    slurm_ffi::step_label(step)
+                    multiplex_protocol::step_label(step)
                 ));
             }
         }

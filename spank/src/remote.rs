@@ -111,6 +111,16 @@ pub fn finish(args: &Args, node: &str, job_id: u32, step_id: u32, exit_status: i
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_protocols_step_ids_are_the_headers() {
+        use slurm_ffi::bindings;
+        assert_eq!(multiplex_protocol::BATCH_STEP, bindings::SLURM_BATCH_SCRIPT);
+        assert_eq!(multiplex_protocol::EXTERN_STEP, bindings::SLURM_EXTERN_CONT);
+        assert_eq!(multiplex_protocol::INTERACTIVE_STEP, bindings::SLURM_INTERACTIVE_STEP);
+        assert_eq!(multiplex_protocol::step_label(bindings::SLURM_BATCH_SCRIPT), "batch");
+        assert_eq!(multiplex_protocol::step_label(3), "3");
+    }
+
     fn step() -> StepInfo {
         StepInfo {
             job_id: 5,

@@ -24,7 +24,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
     let (Ok(job_id), Ok(step_id), Ok(uid)) = (spank.job_id(), spank.step_id(), spank.uid()) else {
         return fail_tasks(format!("{PREFIX}: cannot read the job's ids from Slurm"));
     };
-    let step = slurm_ffi::step_label(step_id);
+    let step = multiplex_protocol::step_label(step_id);
     let Some(node) = node_name(spank) else {
         return fail_tasks(format!(
             "{PREFIX}: job {job_id} step {step}: cannot tell which node this is"

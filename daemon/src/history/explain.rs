@@ -30,6 +30,8 @@ pub struct Explanation {
     pub gpu_model: String,
     pub decision: String,
     pub predicted_speed: f64,
+    /// The GPU memory the job said it needs (`--multiplex=mem=`), MiB.
+    pub mem_mb: Option<u64>,
     pub started_at: f64,
     pub finished_at: Option<f64>,
     pub exit_status: Option<i32>,
@@ -57,7 +59,7 @@ impl History {
         let row = conn
             .query_row(
                 "SELECT j.id, j.node, a.name, j.gpu, j.gpu_model, j.decision, j.predicted_speed, j.started_at,
-                        j.finished_at, j.exit_status, j.app_id
+                        j.finished_at, j.exit_status, j.app_id, j.mem_mb
                  FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.job_id = ?1 ORDER BY j.id DESC LIMIT 1",
                 [job_id],
                 |r| {
@@ -71,6 +73,7 @@ impl History {
                             gpu_model: r.get(4)?,
                             decision: r.get(5)?,
                             predicted_speed: r.get(6)?,
+                            mem_mb: r.get(11)?,
                             started_at: r.get(7)?,
                             finished_at: r.get(8)?,
                             exit_status: r.get(9)?,
