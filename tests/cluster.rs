@@ -369,9 +369,10 @@ fn a_job_that_may_not_requeue_is_never_lost_to_a_decline_and_explain_says_why_it
         String::from_utf8_lossy(&explain.stderr)
     );
     assert!(
-        text.starts_with(&format!("job {job} has not run on n1\ndeclined 2 times on n1:\n")),
+        text.starts_with(&format!("job {job} has not run on n1\ndeclined 2 times over ")),
         "first asked to wait, then asked for any GPU where it fits: {text}"
     );
+    assert!(text.contains(" on n1; the latest (sent to wait "), "{text}");
     assert!(text.contains("memory: 12288 MiB asked"), "{text}");
 }
 

@@ -150,28 +150,23 @@ impl std::fmt::Display for ExplanationText<'_> {
     }
 }
 
-/// A job's declines on this node as `multiplexd explain` prints them (nothing if none).
+/// A job's declines as `multiplexd explain` prints them (nothing if none).
 pub struct DeclinesText<'a>(pub &'a [Decline]);
 
 impl std::fmt::Display for DeclinesText<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Some(first) = self.0.first() else {
-            return Ok(());
-        };
-        let n = self.0.len();
-        writeln!(
-            f,
-            "declined {n} time{} on {}:",
-            if n == 1 { "" } else { "s" },
-            first.node
-        )?;
         for d in self.0 {
+            let times = if d.count == 1 {
+                "once".to_string()
+            } else {
+                format!("{} times over {:.0} s", d.count, (d.last_at - d.first_at).max(0.0))
+            };
             let wait = if d.retry_after_s == 0 {
                 "it cannot run there".to_string()
             } else {
                 format!("sent to wait {} s", d.retry_after_s)
             };
-            writeln!(f, "  {:+.0} s ({wait}): {}", d.at - first.at, d.reason)?;
+            writeln!(f, "declined {times} on {}; the latest ({wait}): {}", d.node, d.reason)?;
         }
         Ok(())
     }
@@ -277,26 +272,26 @@ mod tests {
     }
 
     #[test]
-    fn declines_are_listed_with_their_waits_from_the_first() {
-        let d = |at: f64, wait: u32, reason: &str| Decline {
+    fn declines_say_how_often_and_why_the_latest() {
+        let d = |count: u32, wait: u32, reason: &str| Decline {
             node: "n1".into(),
-            at,
+            count,
+            first_at: 1000.0,
+            last_at: 1065.4,
             reason: reason.into(),
             retry_after_s: wait,
         };
         let mut e = explanation();
-        e.declines = vec![d(1000.0, 60, "GPU 0: full"), d(1065.4, 120, "GPU 0: full")];
+        e.declines = vec![d(2, 120, "GPU 0: full")];
         let text = ExplanationText(&e).to_string();
         assert!(
-            text.ends_with(
-                "declined 2 times on n1:\n  +0 s (sent to wait 60 s): GPU 0: full\n  +65 s (sent to wait 120 s): GPU 0: full\n"
-            ),
+            text.ends_with("declined 2 times over 65 s on n1; the latest (sent to wait 120 s): GPU 0: full\n"),
             "{text}"
         );
-        let one = DeclinesText(&[d(5.0, 0, "it needs 99 MiB")]).to_string();
+        let one = DeclinesText(&[d(1, 0, "it needs 99 MiB")]).to_string();
         assert_eq!(
             one,
-            "declined 1 time on n1:\n  +0 s (it cannot run there): it needs 99 MiB\n"
+            "declined once on n1; the latest (it cannot run there): it needs 99 MiB\n"
         );
         assert_eq!(DeclinesText(&[]).to_string(), "");
     }

@@ -132,17 +132,20 @@ pub(super) const MIGRATIONS: &[&str] = &[
     // own after the job's end is committed, and a job whose lesson was still queued when the
     // daemon stopped is learned at its next start. Jobs of older histories count as learned.
     "ALTER TABLE jobs ADD COLUMN learned INTEGER NOT NULL DEFAULT 1;",
-    // 9: every decline, so that `explain` says why a job waited after a rerun has truncated
-    // its output, and the daemon counts a job's declines across its own restarts.
+    // 9: the declines of each job on each node (how many, the first and the latest, and the
+    // latest's reason), so that `explain` says why a job waited after a rerun has truncated its
+    // output, and the daemon counts a job's declines across its own restarts. One row per job
+    // and node: a job declined thousands of times costs one row, and counting it one read.
     "CREATE TABLE declines (
-        id INTEGER PRIMARY KEY,
         job_id INTEGER NOT NULL,
         node TEXT NOT NULL,
-        at REAL NOT NULL,
+        count INTEGER NOT NULL,
+        first_at REAL NOT NULL,
+        last_at REAL NOT NULL,
         reason TEXT NOT NULL,
-        retry_after_s INTEGER NOT NULL
-     );
-     CREATE INDEX declines_by_job ON declines(job_id, node);",
+        retry_after_s INTEGER NOT NULL,
+        PRIMARY KEY (job_id, node)
+     );",
 ];
 
 /// The migration that creates `app_effects`: an existing history's are fitted right after it.

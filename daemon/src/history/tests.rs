@@ -306,18 +306,26 @@ fn declines_are_counted_per_job_and_node_and_compaction_drops_those_a_month_old(
     let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
     let day = 86_400.0;
     h.record_decline(7, "n1", 0.0, "GPU 0: full", 60).unwrap();
-    h.record_decline(7, "n1", 40.0 * day, "GPU 0: full", 60).unwrap();
-    h.record_decline(7, "n2", 40.0 * day, "GPU 1: full", 60).unwrap();
-    h.record_decline(8, "n1", 40.0 * day + 1.0, "GPU 0: full", 120).unwrap();
+    h.record_decline(8, "n1", 1.0, "GPU 0: full", 60).unwrap();
+    h.record_decline(8, "n1", 2.0, "GPU 1: full", 120).unwrap();
+    h.record_decline(8, "n2", 3.0, "GPU 1: full", 60).unwrap();
+    assert_eq!(h.decline_count(8, "n1", 3.0).unwrap(), 2, "n2's are not n1's");
+    let d = &h.declines(8).unwrap();
+    assert_eq!(d.len(), 2);
+    assert_eq!(d[1].node, "n1", "latest first");
+    assert_eq!((d[1].count, d[1].first_at, d[1].last_at), (2, 1.0, 2.0));
     assert_eq!(
-        h.decline_count(7, "n1", 40.0 * day).unwrap(),
-        1,
-        "the first is over a week old; n2's are not n1's"
+        (d[1].reason.as_str(), d[1].retry_after_s),
+        ("GPU 1: full", 120),
+        "the latest's"
     );
-    assert_eq!(h.declines(7).unwrap().len(), 3);
+    // A week later the count starts again (Slurm reuses job ids after MaxJobId).
+    assert_eq!(h.decline_count(8, "n1", 9.0 * day).unwrap(), 0);
+    h.record_decline(8, "n1", 9.0 * day, "GPU 0: full", 60).unwrap();
+    assert_eq!(h.decline_count(8, "n1", 9.0 * day).unwrap(), 1);
+    // Compaction drops declines whose latest is a month older than the newest.
+    h.record_decline(9, "n1", 35.0 * day, "GPU 0: full", 60).unwrap();
     h.compact(200).unwrap();
-    let kept = h.declines(7).unwrap();
-    assert_eq!(kept.len(), 2, "the one 40 days before the latest is gone: {kept:?}");
-    assert!(kept.iter().all(|d| d.at == 40.0 * day));
-    assert_eq!(h.declines(8).unwrap()[0].retry_after_s, 120);
+    assert!(h.declines(7).unwrap().is_empty());
+    assert_eq!(h.declines(8).unwrap().len(), 1, "n1's, declined on day 9, stays");
 }

@@ -27,7 +27,7 @@ impl History {
     pub fn compact(&mut self, keep: i64) -> Result<usize, HistoryError> {
         // Declines are kept for `explain` a month after the latest.
         self.write_one(
-            "DELETE FROM declines WHERE at < (SELECT max(at) FROM declines) - ?1",
+            "DELETE FROM declines WHERE last_at < (SELECT max(last_at) FROM declines) - ?1",
             [DECLINES_KEPT_S],
         )?;
         let doomed: Vec<i64> = self
