@@ -161,6 +161,11 @@ pub struct PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Whether a job's declines so far change anything (`max_declines` or a growing wait).
+    pub fn counts_declines(&self) -> bool {
+        self.max_declines > 0 || self.decline_retry_max_s > self.decline_retry_s
+    }
+
     /// Whether a job declined or requeued `restarts` times has waited long enough for a good
     /// partner (see `max_declines`).
     pub fn waited_enough(&self, restarts: u32) -> bool {

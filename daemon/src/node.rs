@@ -140,14 +140,14 @@ impl Node {
 
     /// The node's load as Slurm is told it.
     pub fn load(&self) -> Result<NodeLoad, HistoryError> {
-        let active = self.active()?;
+        let busy = self.history.active_per_gpu(&self.config.node)?;
         let empty_gpus = self
             .gpus
             .iter()
-            .filter(|g| !active.iter().any(|j| j.gpu == g.index))
+            .filter(|g| !busy.iter().any(|&(gpu, _)| gpu == g.index))
             .count();
         Ok(NodeLoad {
-            used: active.len() as u32,
+            used: busy.iter().map(|&(_, jobs)| jobs).sum(),
             total: self.gpus.len() as u32 * self.config.jobs_per_gpu,
             empty_gpus: empty_gpus as u32,
             refusing: self.refusing,
@@ -241,9 +241,14 @@ impl Node {
         };
         let policy = &self.config.policy;
         // slurmstepd's restart count is 0 for batch steps (Slurm 22.05 to 24.11 keep it only
-        // for the job's environment, which its user may set), so the daemon counts what it did.
-        let declined = self.history.decline_count(req.job_id, &self.config.node, now)?;
-        let restarts = req.restarts.max(declined);
+        // for the job's environment, which its user may set), so the daemon counts what it did;
+        // read only where a knob uses the count (both are off by default).
+        let restarts = if policy.counts_declines() {
+            req.restarts
+                .max(self.history.decline_count(req.job_id, &self.config.node, now)?)
+        } else {
+            req.restarts
+        };
         let waited_enough = policy.waited_enough(restarts);
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,

@@ -107,13 +107,14 @@ impl History {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// How many jobs run on `node` (what [`Self::active_jobs`] would list, counted).
-    pub fn active_count(&self, node: &str) -> Result<u32, HistoryError> {
-        Ok(self.conn.row(
-            "SELECT count(*) FROM jobs WHERE node = ?1 AND finished_at IS NULL",
-            [node],
-            |r| r.get(0),
-        )?)
+    /// How many jobs run on each GPU of `node` that runs any (what [`Self::active_jobs`]
+    /// would list, counted per GPU): `(gpu, jobs)`.
+    pub fn active_per_gpu(&self, node: &str) -> Result<Vec<(u32, u32)>, HistoryError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT gpu, count(*) FROM jobs WHERE node = ?1 AND finished_at IS NULL GROUP BY gpu")?;
+        let rows = stmt.query_map([node], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// Records a new job on a GPU, its first step, and the sharing intervals that change:
