@@ -11,7 +11,7 @@ use std::time::Duration;
 pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
 
 /// Default of `policy.min_gain`: decline a job whose best GPU on the node would add less than
-/// a quarter of a GPU's throughput. On the Gavel V100 world of `multiplexd simulate` (4 nodes
+/// a quarter of a GPU's throughput. On the Gavel V100 world of `multiplex-simulate` (4 nodes
 /// x 4 GPUs, 1,000 jobs, 30 seeds) it cut the learned policy's average JCT by 9% at load 1.0
 /// and 11% at load 1.5 against no threshold, and changed nothing at load 0.5; 0.3 was
 /// slightly better still there, but 0.4 (what a pair never seen is predicted to add with the

@@ -209,7 +209,7 @@ fn solve(mut m: Vec<Vec<f64>>, mut v: Vec<f64>) -> Option<Vec<f64>> {
 /// gentle partners is not taken for a gentle one itself: its partners' impacts are accounted
 /// for. On the Gavel V100 table an additive model leaves a residual of 0.14 on a speed whose
 /// spread is 0.24, and the daemon's placement given each application's true effects instead
-/// of learned ones comes within 3.4% of the oracle at load 1.0 (`multiplexd simulate`, 10
+/// of learned ones comes within 3.4% of the oracle at load 1.0 (`multiplex-simulate`, 10
 /// seeds): what the daemon knows of applications, more than of pairs, decides how well it
 /// places.
 ///

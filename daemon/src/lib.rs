@@ -14,6 +14,5 @@ pub mod placement;
 pub mod reconcile;
 pub mod server;
 pub mod share;
-pub mod simulate;
 pub mod telemetry;
 pub mod weight;

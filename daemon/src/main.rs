@@ -92,70 +92,6 @@ enum Command {
         #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
-    /// Compare placement policies on a job trace in a simulated cluster, on measured pair
-    /// speeds (the daemon's own placement and learning code is the `learned` policy).
-    Simulate(SimulateArgs),
-}
-
-#[derive(clap::Args)]
-struct SimulateArgs {
-    /// Pair table, CSV `gpu,job_a,job_b,speed_a,speed_b` (default: the embedded Gavel V100 table).
-    #[arg(long)]
-    table: Option<PathBuf>,
-    /// Job trace, CSV `job_id,submit_s,app,solo_runtime_s` (default: generated, see --jobs, --load).
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    #[arg(long, default_value_t = 4)]
-    nodes: usize,
-    #[arg(long, default_value_t = 4)]
-    gpus_per_node: usize,
-    #[arg(long, default_value_t = 2)]
-    jobs_per_gpu: u32,
-    /// A policy to run (repeat for several): exclusive, first-fit, least-loaded, random,
-    /// learned, oracle. Default: all.
-    #[arg(long = "policy")]
-    policies: Vec<String>,
-    /// Seed of the generated trace and of the random parts of the world.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Jobs of the generated trace.
-    #[arg(long, default_value_t = 1000)]
-    jobs: usize,
-    /// Offered load of the generated trace: its work relative to the cluster's GPUs used one
-    /// job per GPU.
-    #[arg(long, default_value_t = 1.0)]
-    load: f64,
-    /// Seconds between the progress reports each job sends (0: none, the daemon learns from
-    /// start and end times alone).
-    #[arg(long, default_value_t = 900.0)]
-    progress_every: f64,
-    /// Noise of each progress report, as a fraction of one interval's work (standard deviation).
-    #[arg(long, default_value_t = 0.05)]
-    progress_noise: f64,
-    /// Seconds between merges of the learned policy's node histories, as a site's cron job of
-    /// `multiplexd export` and `import` would do (0: never, each node learns alone).
-    #[arg(long, default_value_t = 0.0)]
-    share_history_every: f64,
-    /// The daemon's `policy.min_gain` for the learned policy and the oracle: decline a job
-    /// whose best GPU would add less throughput than this (0: never decline for a poor pair).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
-    min_gain: f64,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    format: Format,
-    /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
-    #[arg(long)]
-    plot: Option<PathBuf>,
-    /// Also write the trace that was simulated (generated or read) as CSV, to replay it
-    /// elsewhere (e.g. tests/emulate/run on a real local cluster).
-    #[arg(long)]
-    write_trace: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Format {
-    Table,
-    Json,
-    Csv,
 }
 
 fn main() -> ExitCode {
@@ -174,7 +110,6 @@ fn main() -> ExitCode {
         Command::Explain { job_id, config, json } => explain(&config, job_id, json),
         Command::Export { file, config } => export(&config, &file),
         Command::Import { file, config } => import(&config, &file),
-        Command::Simulate(args) => simulate(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -482,104 +417,6 @@ fn report_cmd(
         Response::Error { message } => Err(message),
         other => Err(format!("unexpected answer: {other:?}")),
     }
-}
-
-fn simulate(a: SimulateArgs) -> Result<(), String> {
-    use multiplexd::simulate::{self, input, world};
-    let (table, table_name) = match &a.table {
-        Some(path) => {
-            let text = read(path)?;
-            let name = path.display().to_string();
-            (input::Table::parse(&text, &name)?, name)
-        }
-        None => (
-            input::Table::parse(input::GAVEL_V100, "gavel-v100")?,
-            "gavel-v100 (embedded)".to_string(),
-        ),
-    };
-    let shape = world::Shape {
-        nodes: a.nodes,
-        gpus_per_node: a.gpus_per_node,
-        jobs_per_gpu: a.jobs_per_gpu,
-    };
-    let policies = if a.policies.is_empty() {
-        simulate::policy::ALL.iter().map(|p| p.to_string()).collect()
-    } else {
-        a.policies
-    };
-    simulate::check(&shape, &policies)?;
-    // A report every instant would stop the simulated clock.
-    if !(a.progress_every.is_finite() && (a.progress_every == 0.0 || a.progress_every >= 1.0)) {
-        return Err(format!(
-            "--progress-every {}: must be 0 (no reports) or at least 1 second",
-            a.progress_every
-        ));
-    }
-    if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
-        return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
-    }
-    if !(a.share_history_every.is_finite() && a.share_history_every >= 0.0) {
-        return Err(format!(
-            "--share-history-every {}: must be 0 or more seconds",
-            a.share_history_every
-        ));
-    }
-    let (trace, source) = match &a.trace {
-        Some(path) => {
-            let text = read(path)?;
-            let trace = input::parse_trace(&text, &path.display().to_string(), &table)?;
-            (trace, format!("trace {}", path.display()))
-        }
-        None => (
-            simulate::generated_trace(&table, a.jobs, a.load, &shape, a.seed)?,
-            format!("generated trace: load {}, seed {}", a.load, a.seed),
-        ),
-    };
-    if let Some(path) = &a.write_trace {
-        std::fs::write(path, input::trace_csv(&trace, &table))
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    }
-    let heading = format!(
-        "{} nodes x {} GPUs x {} jobs per GPU, {} jobs ({source}); pair table {table_name}: {} apps on {}",
-        shape.nodes,
-        shape.gpus_per_node,
-        shape.jobs_per_gpu,
-        trace.len(),
-        table.apps.len(),
-        table.model
-    );
-    let setup = simulate::Setup {
-        table,
-        trace,
-        shape,
-        policies,
-        seed: a.seed,
-        progress: world::Progress {
-            every_s: a.progress_every,
-            noise: a.progress_noise,
-        },
-        share_every_s: a.share_history_every,
-        min_gain: a.min_gain,
-    };
-    let started = std::time::Instant::now();
-    let runs = simulate::run(&setup)?;
-    let elapsed = started.elapsed().as_secs_f64();
-    match a.format {
-        Format::Table => {
-            print!("{}", simulate::table(&runs, &heading));
-            println!("simulated in {elapsed:.1} s");
-        }
-        Format::Json => {
-            let all: Vec<&simulate::Summary> = runs.iter().map(|r| &r.summary).collect();
-            println!("{}", serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?);
-        }
-        Format::Csv => print!("{}", simulate::csv(&runs)),
-    }
-    if let Some(path) = &a.plot {
-        std::fs::write(path, simulate::plot::svg(&runs, &heading))
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    }
-    Ok(())
 }
 
 /// A file's text, or an error that names it.

@@ -433,12 +433,10 @@ impl Node {
 
     /// [`Self::finish`] without the learning: the slot is free when this returns, and the
     /// job that released it (if any) must be handed to [`Self::learn_ended`] before anything
-    /// else is asked of this node, so that it sees what it would have seen. (The simulator
-    /// learns on a thread of its own while other nodes go on, deterministically.)
-    pub(crate) fn finish_deferred(
-        &mut self,
-        req: &FinishRequest,
-    ) -> Result<(Response, Option<ActiveJob>), HistoryError> {
+    /// else is asked of this node, so that it sees what it would have seen. Public for
+    /// `multiplex-simulate`, which learns on a thread of its own while the other simulated
+    /// nodes go on, and stays deterministic.
+    pub fn finish_deferred(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
         let r = self.finish_step(req);
         self.report_load();
         r
@@ -478,8 +476,9 @@ impl Node {
     }
 
     /// What follows a job's end, inline: learning from it, its application's measured memory,
-    /// and now and then compacting the history (see [`Teacher::learn`]).
-    pub(crate) fn learn_ended(&mut self, job: &ActiveJob) {
+    /// and now and then compacting the history (see [`Teacher::learn`]). The other half of
+    /// [`Self::finish_deferred`].
+    pub fn learn_ended(&mut self, job: &ActiveJob) {
         self.teacher.learn(&mut self.history, &Lesson::Ended(job.clone()));
     }
 

@@ -7,7 +7,7 @@
 //! replaced atomically. A file that cannot be read or merged is named in the log and skipped;
 //! nothing of this node's history is lost by it.
 //!
-//! Why: each node alone sees few of the pairs its applications form; in `multiplexd simulate`
+//! Why: each node alone sees few of the pairs its applications form; in `multiplex-simulate`
 //! (4 nodes x 4 GPUs, 1,000 jobs, load 1.0, 30 seeds) merging every 10 minutes cut the
 //! learned policy's average JCT by a further 6% (7,357 s to 6,890 s) and by 36% at load 1.5
 //! (see docs/results.md).

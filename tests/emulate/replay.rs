@@ -5,14 +5,14 @@
 //!
 //! Each trace job is submitted at its (scaled) arrival time as
 //! `sbatch --multiplex=app=NAME --gres=gpu:1`; one that dies of out-of-memory is submitted
-//! again, as a user would, after the same wait as in `multiplexd simulate` (120 s, scaled).
+//! again, as a user would, after the same wait as in `multiplex-simulate` (120 s, scaled).
 //! Times are reported in the trace's seconds (real seconds x the time scale), so that they
-//! compare with what `multiplexd simulate` predicts for the same trace.
+//! compare with what `multiplex-simulate` predicts for the same trace.
 
 use clap::{Parser, Subcommand};
-use multiplexd::simulate::input::{parse_trace, Table, TraceJob};
-use multiplexd::simulate::world::{Outcome, OOM_AFTER_S, OOM_REQUEUE_S};
-use multiplexd::simulate::{summarise, Summary};
+use multiplex_simulate::input::{parse_trace, Table, TraceJob};
+use multiplex_simulate::world::{Outcome, OOM_AFTER_S, OOM_REQUEUE_S};
+use multiplex_simulate::{summarise, Summary};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -34,13 +34,13 @@ struct Cli {
 enum Cmd {
     /// Run the trace once on the cluster of $SLURM_CONF; write the results as JSON.
     Replay(ReplayArgs),
-    /// Print the results of two replays side by side, with what `multiplexd simulate` predicts.
+    /// Print the results of two replays side by side, with what `multiplex-simulate` predicts.
     Compare {
         /// Results of the replay with plain Slurm shard placement.
         plain: PathBuf,
         /// Results of the replay with the daemons deciding.
         daemons: PathBuf,
-        /// `multiplexd simulate --format json` for the same trace and cluster.
+        /// `multiplex-simulate --format json` for the same trace and cluster.
         #[arg(long)]
         simulated: Option<PathBuf>,
         #[arg(long, default_value = "table")]

@@ -7,7 +7,7 @@
 //! SPANK plugin (or Slurm) set them. Jobs on one GPU find each other in a registry directory:
 //! one file per running job, held under an exclusive `flock` for the job's life, so a job
 //! killed mid-run (scancel, a crash) stops counting at once and its file is cleared by the
-//! next job that looks. The emulated world is the one of `multiplexd simulate`: speed beside
+//! next job that looks. The emulated world is the one of `multiplex-simulate`: speed beside
 //! several partners is the product of the pair speeds; a newcomer beside a partner the table
 //! says it cannot share with does no work, slows no one, and fails after `--oom-after`
 //! seconds with a CUDA-style out-of-memory message (the incumbent keeps running), unless
@@ -19,7 +19,7 @@
 
 use clap::Parser;
 use multiplex_protocol::{client, ReportKind, ReportRequest, Request};
-use multiplexd::simulate::input::Table;
+use multiplex_simulate::input::Table;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::fd::AsRawFd;

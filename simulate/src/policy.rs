@@ -5,12 +5,12 @@
 
 use super::input::{Rng, Table};
 use super::world::{Choice, JobRef, Policy, Shape};
-use crate::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
-use crate::history::ActiveJob;
-use crate::node::{Node, NodeLoad};
-use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted};
-use crate::weight::weight_for;
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
+use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
+use multiplexd::history::ActiveJob;
+use multiplexd::node::{Node, NodeLoad};
+use multiplexd::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted};
+use multiplexd::weight::weight_for;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -545,7 +545,7 @@ impl Learned<'_> {
                     let Some(truth) = self.table.speed(ai, bi) else {
                         continue;
                     };
-                    let (est, row, _) = crate::placement::estimate(h, model, a, b, DEFAULT_UNKNOWN_PAIR_SPEED);
+                    let (est, row, _) = multiplexd::placement::estimate(h, model, a, b, DEFAULT_UNKNOWN_PAIR_SPEED);
                     if row.is_some_and(|r| r.observations > 0 && !r.oom) {
                         seen += 1;
                         seen_err += (est - truth).abs();

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-/// The Gavel V100 table, embedded so that `multiplexd simulate` alone prints a comparison.
-pub const GAVEL_V100: &str = include_str!("../../data/gavel-v100.csv");
+/// The Gavel V100 table, embedded so that `multiplex-simulate` alone prints a comparison.
+pub const GAVEL_V100: &str = include_str!("../data/gavel-v100.csv");
 
 /// True pair speeds on one GPU model.
 #[derive(Debug, Clone)]

@@ -6,15 +6,15 @@
 //! error is the mean absolute difference from the table over every side not drawn. Printed
 //! beside two references: the prior alone (what a node knows before any pair) and the model
 //! fitted on every pair (the additive model's own floor, reached only with everything known).
-//! A node of `multiplexd simulate` prints the error of its real estimates on its unseen pairs
+//! A node of `multiplex-simulate` prints the error of its real estimates on its unseen pairs
 //! at the end of a run (the `learned:` line), with the number of sides it learned: compare it
 //! with the row of about half that many pairs.
 //!
-//! cargo bench -p multiplexd --bench effects [-- TABLE.csv]
+//! cargo bench -p multiplex-simulate --bench effects [-- TABLE.csv]
 
+use multiplex_simulate::input::{Rng, Table, GAVEL_V100};
 use multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED;
 use multiplexd::learn::{fit_effects, MIN_SPEED};
-use multiplexd::simulate::input::{Rng, Table, GAVEL_V100};
 
 /// Draws per row.
 const DRAWS: usize = 50;

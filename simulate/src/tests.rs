@@ -144,7 +144,7 @@ fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
             noise: 0.05,
         },
         share_every_s: 0.0,
-        min_gain: crate::config::DEFAULT_MIN_GAIN,
+        min_gain: multiplexd::config::DEFAULT_MIN_GAIN,
     }
 }
 

@@ -1,4 +1,4 @@
-//! `multiplexd simulate`: a trace-driven comparison of placement policies on measured pair
+//! `multiplex-simulate`: a trace-driven comparison of placement policies on measured pair
 //! speeds. The world (see [`world`]) plays Slurm and reality; the policies (see [`policy`])
 //! play the node daemon, `learned` being the daemon's own code with its SQLite history.
 
@@ -107,7 +107,7 @@ pub fn generated_trace(
 /// order the policies were asked for, the same for a seed whatever the thread count.
 pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
     check(&setup.shape, &setup.policies)?;
-    crate::config::check_min_gain(setup.min_gain, crate::config::DEFAULT_UNKNOWN_PAIR_SPEED)
+    multiplexd::config::check_min_gain(setup.min_gain, multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED)
         .map_err(|e| format!("--min-gain {}: {e}", setup.min_gain))?;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
