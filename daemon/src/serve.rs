@@ -1,0 +1,124 @@
+//! `multiplexd serve`: the node's daemon, wired together. The node (its history, placement and
+//! learning) answers on the socket; the weight publisher, reconciliation with Slurm, history
+//! sharing and NVML telemetry run beside it on threads of their own, and a stop signal ends
+//! them all, the learning queue learned first.
+
+use crate::node::{wall_clock, Node};
+use crate::server::{self, Access};
+use crate::weight::{weight_for, Publisher};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Runs the daemon for the node that the config at `config_path` describes, until SIGTERM or
+/// SIGINT.
+pub fn serve(config_path: &Path) -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MULTIPLEXD_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let config = crate::tools::load_config(config_path)?;
+    let gpus = crate::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
+    let access = Access {
+        privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
+    };
+    let socket = config.socket.clone();
+    let node_name = config.node.clone();
+    let weight = config.weight.clone();
+    let config_mode_observes = config.policy.mode == crate::config::Mode::Observe;
+    let reconcile = config.reconcile.clone();
+    let share = config.share.clone();
+    let telemetry_s = config.telemetry_interval_s.max(1);
+    let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
+
+    // Block the stop signals before any thread starts, so only the waiting thread sees them.
+    let signals = stop_signals();
+    if config_mode_observes {
+        tracing::info!("observe mode: jobs run where Slurm binds them; no weight is published");
+    } else if weight.publish {
+        let base = weight.base;
+        let publisher = Publisher::start(node_name.clone(), weight)
+            .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
+        node.on_load(Box::new(move |load| publisher.set(weight_for(load, base))))
+            .map_err(|e| e.to_string())?;
+    } else {
+        tracing::info!("not publishing the node's weight (weight.publish = false)");
+    }
+    let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
+    let shutdown = Arc::new(AtomicBool::new(false));
+    {
+        let shutdown = Arc::clone(&shutdown);
+        let socket = socket.clone();
+        std::thread::spawn(move || {
+            let sig = wait_for(&signals);
+            tracing::info!(signal = sig, "stopping");
+            shutdown.store(true, Ordering::SeqCst);
+            let _ = std::os::unix::net::UnixStream::connect(&socket);
+        });
+    }
+    if let Err(e) = node.checkpoint_in_background(Arc::clone(&shutdown)) {
+        tracing::warn!(error = %e, "checkpointing on commit instead of in the background");
+    }
+    if let Err(e) = node.learn_in_background() {
+        tracing::warn!(error = %e, "learning inside each finish request instead of on a thread of its own");
+    }
+    let node = Arc::new(Mutex::new(node));
+    crate::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
+    match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
+        Ok(probe) => {
+            tracing::info!(interval_s = telemetry_s, "GPU telemetry through NVML");
+            crate::telemetry::spawn(
+                Arc::clone(&node),
+                Box::new(probe),
+                Duration::from_secs(telemetry_s),
+                Arc::clone(&shutdown),
+            );
+        }
+        Err(e) => tracing::info!(
+            "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
+        ),
+    }
+    server::run(listener, Arc::clone(&node), access, shutdown);
+    let _ = std::fs::remove_file(&socket);
+    // What ended jobs still have to teach is learned before the daemon exits.
+    node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
+    // changes this thread's mask (inherited by threads started later).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    // SAFETY: set was initialised by stop_signals; sig is a valid out pointer.
+    unsafe { libc::sigwait(set, &mut sig) };
+    sig
+}
+
+fn uid_of(user: &str) -> Option<u32> {
+    if let Ok(uid) = user.parse() {
+        return Some(uid);
+    }
+    let uid = multiplex_protocol::user::uid(user);
+    if uid.is_none() {
+        tracing::warn!(user, "slurm_user does not exist; only root may place tasks");
+    }
+    uid
+}

@@ -1,0 +1,211 @@
+//! The `multiplexd` tools: `status` asks a running daemon; `history`, `explain`, `export` and
+//! `import` read (and seed) the node's history database; `report` is what a job says of itself.
+//! Each prints for people (through [`crate::inspect`]) or JSON, and fails with one sentence.
+
+use crate::config::Config;
+use crate::history::History;
+use crate::inspect;
+use multiplex_protocol::{client, Request, Response};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// `multiplexd status`: what runs on which GPU, asked of the running daemon.
+pub fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), String> {
+    let socket = match socket {
+        Some(s) => s.to_path_buf(),
+        None => load_config(config_path)?.socket,
+    };
+    let response = client::call(&socket, Duration::from_secs(5), Request::Status).map_err(|e| e.to_string())?;
+    let status = match response {
+        Response::Status(s) => s,
+        Response::Error { message } => return Err(message),
+        other => return Err(format!("unexpected answer: {other:?}")),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    print!("{}", inspect::StatusText(&status));
+    Ok(())
+}
+
+/// Reads the daemon's config; a missing file says how to name another one.
+pub fn load_config(path: &Path) -> Result<Config, String> {
+    Config::load(path).map_err(|e| match &e {
+        crate::config::ConfigError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            format!("{e} (name the node's config with --config FILE or MULTIPLEXD_CONFIG=FILE)")
+        }
+        _ => e.to_string(),
+    })
+}
+
+/// The history database named by the config, opened (never created by a tool: a wrong path
+/// is an error, not a new empty history).
+fn open_history(config_path: &Path) -> Result<History, String> {
+    let config = load_config(config_path)?;
+    history_of(&config, config_path)
+}
+
+/// [`open_history`] for a config already loaded from `config_path`.
+fn history_of(config: &Config, config_path: &Path) -> Result<History, String> {
+    if !config.database.exists() {
+        return Err(format!(
+            "no history database at {} (named by {})",
+            config.database.display(),
+            config_path.display()
+        ));
+    }
+    History::open(&config.database).map_err(|e| e.to_string())
+}
+
+fn json_out<T: serde::Serialize>(v: &T) -> Result<(), String> {
+    println!("{}", serde_json::to_string_pretty(v).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+/// `multiplexd history`: the solo runtimes and pair speeds learned.
+pub fn history(config_path: &Path, json: bool) -> Result<(), String> {
+    let h = open_history(config_path)?;
+    let data = h.export().map_err(|e| e.to_string())?;
+    if json {
+        return json_out(&data);
+    }
+    print!("{}", inspect::HistoryText(&data));
+    Ok(())
+}
+
+/// `multiplexd explain JOB`: why the job got its GPU (or why it was declined), who shared it,
+/// and what was learned from it.
+pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
+    let config = load_config(config_path)?;
+    let h = history_of(&config, config_path)?;
+    let Some(e) = h.explain(job_id).map_err(|e| e.to_string())? else {
+        // Declined here, and never run here (it waits, or ran elsewhere).
+        let declines = h.declines(job_id).map_err(|e| e.to_string())?;
+        if declines.is_empty() {
+            return Err(not_here(&config, job_id));
+        }
+        if json {
+            return json_out(&serde_json::json!({ "job_id": job_id, "declines": declines }));
+        }
+        println!("job {job_id} has not run on {}", config.node);
+        print!("{}", inspect::DeclinesText(&declines));
+        return Ok(());
+    };
+    if json {
+        return json_out(&e);
+    }
+    print!("{}", inspect::ExplanationText(&e));
+    Ok(())
+}
+
+/// Why `explain` has nothing on a job here: where Slurm says it ran, and how to ask there.
+fn not_here(config: &Config, job_id: u32) -> String {
+    let here = format!("job {job_id} is not in the history of {}", config.node);
+    let args = [
+        "show".to_string(),
+        "job".to_string(),
+        "-o".to_string(),
+        job_id.to_string(),
+    ];
+    match crate::command::run(&config.weight.scontrol, &args, Duration::from_secs(5)) {
+        Ok(out) => match inspect::node_list(&out) {
+            Some(nodes) if nodes != config.node => format!(
+                "{here}: Slurm says it ran on {nodes}; ask that node's daemon there \
+                 (multiplexd explain {job_id}, with that node's --config or MULTIPLEXD_CONFIG)"
+            ),
+            Some(_) => {
+                format!("{here}, though Slurm says it ran here: it was not multiplexed, or its record was compacted")
+            }
+            None => format!("{here}, and Slurm has not placed it on a node yet"),
+        },
+        Err(_) => format!(
+            "{here}, and Slurm no longer knows where it ran (where accounting is kept: sacct -j {job_id} -o NodeList)"
+        ),
+    }
+}
+
+/// `multiplexd export FILE`: what the history learned, as JSON for another node.
+pub fn export(config_path: &Path, file: &Path) -> Result<(), String> {
+    let h = open_history(config_path)?;
+    let data = h.export().map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&data).map_err(|e| e.to_string())?;
+    if file == Path::new("-") {
+        println!("{text}");
+    } else {
+        // Written beside and renamed into place: a failed export never leaves half a file.
+        crate::share::write_atomically(file, &(text + "\n"))?;
+        eprintln!(
+            "multiplexd: exported {} solo runtimes and {} pair speeds to {}",
+            data.solo.len(),
+            data.pairs.len(),
+            file.display()
+        );
+    }
+    Ok(())
+}
+
+/// `multiplexd import FILE`: merges another node's export (more observations win).
+pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
+    let text = if file == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?
+    } else {
+        read(file)?
+    };
+    let data: crate::history::Export =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
+    let config = load_config(config_path)?;
+    let mut h = history_of(&config, config_path)?;
+    let done = h
+        .import(&data, config.policy.unknown_pair_speed)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    eprintln!(
+        "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; {} kept (ours had as many observations)",
+        file.display(),
+        done.solo_added,
+        done.solo_replaced,
+        done.pairs_added,
+        done.pairs_replaced,
+        done.kept
+    );
+    Ok(())
+}
+
+/// `multiplexd report`: a job's progress, or that it ran out of GPU memory, sent to the daemon.
+pub fn report(
+    job: Option<u32>,
+    progress: Option<f64>,
+    oom: bool,
+    socket: Option<PathBuf>,
+    config: &Path,
+) -> Result<(), String> {
+    let job_id = match job {
+        Some(j) => j,
+        None => std::env::var("SLURM_JOB_ID")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .ok_or("no --job given and SLURM_JOB_ID is not set: run this inside the job or name it")?,
+    };
+    let socket = match socket.or_else(|| std::env::var_os("MULTIPLEX_SOCKET").map(PathBuf::from)) {
+        Some(s) => s,
+        None => load_config(config)?.socket,
+    };
+    let kind = match progress {
+        Some(done) if !oom => multiplex_protocol::ReportKind::Progress { done },
+        _ => multiplex_protocol::ReportKind::OutOfMemory,
+    };
+    let request = Request::Report(multiplex_protocol::ReportRequest { job_id, kind });
+    match client::call(&socket, Duration::from_secs(5), request).map_err(|e| e.to_string())? {
+        Response::Reported { message } => {
+            println!("{message}");
+            Ok(())
+        }
+        Response::Error { message } => Err(message),
+        other => Err(format!("unexpected answer: {other:?}")),
+    }
+}
+
+/// A file's text, or an error that names it.
+fn read(path: &Path) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
