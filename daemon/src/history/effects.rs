@@ -2,7 +2,7 @@
 //! speed and out-of-memory record (`app_means`), and the additive effects fit (`app_effects`).
 
 use super::{Cached, History, HistoryError};
-use rusqlite::params;
+use rusqlite::{params, OptionalExtension};
 
 impl History {
     /// Refits what is known of each application beside partners never seen with it from every
@@ -93,56 +93,150 @@ pub(super) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite:
     Ok(())
 }
 
-/// After the estimates of `apps` changed on `model`: coordinate steps of the effects fit
-/// ([`crate::learn::effect`]) for those applications, each side twice, reading only their
-/// own pairs (the whole fit would read every pair of the model on every finished job).
-pub(super) fn update_effects(
-    tx: &rusqlite::Connection,
+/// What is known of one application beside partners never seen with it (a row of
+/// `app_effects`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct AppEffect {
+    pub app: i64,
+    pub base: f64,
+    pub base_pairs: u32,
+    pub impact: f64,
+    pub impact_pairs: u32,
+}
+
+/// A learned speed about to be written: application `app` beside `other` on the model,
+/// fitted from `observations` jobs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct NewSpeed {
+    pub app: i64,
+    pub other: i64,
+    pub speed: f64,
+    pub observations: u32,
+}
+
+/// After the estimates of `apps` changed on `model` (or will change by `pending`, not yet
+/// written): coordinate steps of the effects fit ([`crate::learn::effect`]) for those
+/// applications, each side twice, over only their own pairs (the whole fit would read every
+/// pair of the model on every finished job). Reads only, so that learning can do it before it
+/// takes the write lock; [`write_effects`] stores the result.
+pub(super) fn stepped_effects(
+    conn: &rusqlite::Connection,
     model: &str,
     apps: &[i64],
     prior: f64,
-    pause: &dyn Fn() -> rusqlite::Result<()>,
-) -> rusqlite::Result<()> {
+    pending: &[NewSpeed],
+) -> rusqlite::Result<Vec<AppEffect>> {
+    use std::collections::{BTreeMap, HashMap};
     let mut apps = apps.to_vec();
     apps.sort_unstable();
     apps.dedup();
-    // One side of an application: how many of its learned speeds there are on that side and
-    // the sum of what the rest of the model leaves of them (`residual`; `?3` is the prior),
-    // with the effects of the other side's applications joined on `other`.
-    let leftover = |app: i64, residual: &str, side: &str, other: &str| -> rusqlite::Result<(u32, f64)> {
-        tx.row(
-            &format!(
-                "SELECT count(*), total({residual}) FROM pair_estimates p
-                 LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.{other}
-                 WHERE p.gpu_model = ?1 AND p.{side} = ?2 AND p.observations > 0 AND p.oom = 0"
-            ),
-            params![model, app, prior],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
+    // The learned speeds that count (seen together, never out of memory) on either side of
+    // the applications, by (app, other) and by (other, app).
+    let mut by_app: BTreeMap<(i64, i64), f64> = BTreeMap::new();
+    let mut by_other: BTreeMap<(i64, i64), f64> = BTreeMap::new();
+    for &app in &apps {
+        for side in ["app_id", "other_id"] {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT app_id, other_id, speed FROM pair_estimates
+                 WHERE gpu_model = ?1 AND {side} = ?2 AND observations > 0 AND oom = 0"
+            ))?;
+            let rows = stmt.query_map(params![model, app], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            for row in rows {
+                let (a, o, speed): (i64, i64, f64) = row?;
+                by_app.insert((a, o), speed);
+                by_other.insert((o, a), speed);
+            }
+        }
+    }
+    for p in pending {
+        let oom: Option<bool> = conn
+            .row(
+                "SELECT oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                params![model, p.app, p.other],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if p.observations > 0 && oom != Some(true) {
+            by_app.insert((p.app, p.other), p.speed);
+            by_other.insert((p.other, p.app), p.speed);
+        } else {
+            by_app.remove(&(p.app, p.other));
+            by_other.remove(&(p.other, p.app));
+        }
+    }
+    // The current effects of every application on those pairs.
+    let mut effects: HashMap<i64, AppEffect> = HashMap::new();
+    for &id in apps
+        .iter()
+        .chain(by_app.keys().map(|(_, o)| o))
+        .chain(by_other.keys().map(|(_, a)| a))
+    {
+        if effects.contains_key(&id) {
+            continue;
+        }
+        let found = conn
+            .row(
+                "SELECT base, base_pairs, impact, impact_pairs FROM app_effects WHERE gpu_model = ?1 AND app_id = ?2",
+                params![model, id],
+                |r| {
+                    Ok(AppEffect {
+                        app: id,
+                        base: r.get(0)?,
+                        base_pairs: r.get(1)?,
+                        impact: r.get(2)?,
+                        impact_pairs: r.get(3)?,
+                    })
+                },
+            )
+            .optional()?;
+        if let Some(e) = found {
+            effects.insert(id, e);
+        }
+    }
+    // A row written for the first time starts as an application nothing is known of.
+    let fresh = |app: i64| AppEffect {
+        app,
+        base: prior,
+        base_pairs: 0,
+        impact: 0.0,
+        impact_pairs: 0,
     };
     for _ in 0..2 {
         for &app in &apps {
-            pause()?;
             // This application's side: what the prior and its partners' impacts leave.
-            let (n, rest) = leftover(app, "p.speed - ?3 - coalesce(e.impact, 0)", "app_id", "other_id")?;
-            tx.exec(
-                "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
-                 VALUES (?1, ?2, ?3, ?4, 0, 0)
-                 ON CONFLICT(gpu_model, app_id) DO UPDATE SET base = ?3, base_pairs = ?4",
-                params![model, app, prior + crate::learn::effect(rest, n), n],
-            )?;
+            let (mut n, mut rest) = (0u32, 0.0);
+            for (&(_, other), &speed) in by_app.range((app, i64::MIN)..=(app, i64::MAX)) {
+                n += 1;
+                rest += speed - prior - effects.get(&other).map_or(0.0, |e| e.impact);
+            }
+            let e = effects.entry(app).or_insert_with(|| fresh(app));
+            e.base = prior + crate::learn::effect(rest, n);
+            e.base_pairs = n;
         }
         for &app in &apps {
-            pause()?;
             // Its effect on partners: what their own expected speeds leave.
-            let (n, rest) = leftover(app, "p.speed - coalesce(e.base, ?3)", "other_id", "app_id")?;
-            tx.exec(
-                "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
-                 VALUES (?1, ?2, ?4, 0, ?3, ?5)
-                 ON CONFLICT(gpu_model, app_id) DO UPDATE SET impact = ?3, impact_pairs = ?5",
-                params![model, app, crate::learn::effect(rest, n), prior, n],
-            )?;
+            let (mut n, mut rest) = (0u32, 0.0);
+            for (&(_, partner), &speed) in by_other.range((app, i64::MIN)..=(app, i64::MAX)) {
+                n += 1;
+                rest += speed - effects.get(&partner).map_or(prior, |e| e.base);
+            }
+            let e = effects.entry(app).or_insert_with(|| fresh(app));
+            e.impact = crate::learn::effect(rest, n);
+            e.impact_pairs = n;
         }
+    }
+    Ok(apps.iter().map(|app| effects[app]).collect())
+}
+
+/// Stores what [`stepped_effects`] found for model `model`.
+pub(super) fn write_effects(tx: &rusqlite::Connection, model: &str, effects: &[AppEffect]) -> rusqlite::Result<()> {
+    for e in effects {
+        tx.exec(
+            "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT(gpu_model, app_id) DO UPDATE SET base = ?3, base_pairs = ?4, impact = ?5, impact_pairs = ?6",
+            params![model, e.app, e.base, e.base_pairs, e.impact, e.impact_pairs],
+        )?;
     }
     Ok(())
 }

@@ -267,7 +267,8 @@ impl History {
         }
         super::effects::refresh_app_means(&tx, Some((&model, app)))?;
         others.push(app);
-        super::effects::update_effects(&tx, &model, &others, prior, &|| Ok(()))?;
+        let effects = super::effects::stepped_effects(&tx, &model, &others, prior, &[])?;
+        super::effects::write_effects(&tx, &model, &effects)?;
         tx.commit()?;
         Ok(names)
     }

@@ -2,6 +2,7 @@
 //! speeds alone and beside partners (the equations come from [`super::equations`], the fit
 //! from [`crate::learn`]).
 
+use super::effects::{stepped_effects, write_effects, AppEffect, NewSpeed};
 pub use super::equations::LEARN_WINDOW;
 use super::equations::{equation, equations_of, intervals_of};
 use super::{Cached, History, HistoryError};
@@ -56,7 +57,7 @@ impl History {
         };
         if exit != Some(0) {
             drop(tx);
-            self.store(&model, app_id, None, prior, None, Some(job_row))?;
+            self.store(&model, app_id, None, None, Some(job_row))?;
             return Ok(Learned::Nothing("the job failed"));
         }
         let this = equation(intervals_of(&tx, job_row)?.into_iter());
@@ -83,7 +84,7 @@ impl History {
         }
         let Some((equations, reported)) = equations_of(&tx, app_id, &model, job_row, solo.map(|s| s.0))? else {
             drop(tx);
-            self.store(&model, app_id, solo, prior, None, Some(job_row))?;
+            self.store(&model, app_id, solo, None, Some(job_row))?;
             return Ok(Learned::NoBaseline);
         };
         // A new solo runtime or rate alone changes every speed; a shared run without reports
@@ -93,8 +94,9 @@ impl History {
             _ => None,
         };
         let fits = crate::learn::fit(&equations, prior, partners.as_deref());
+        let speeds = speeds_to_write(&tx, &model, app_id, prior, &fits)?;
         drop(tx);
-        self.store(&model, app_id, solo, prior, Some(&fits), Some(job_row))?;
+        self.store(&model, app_id, solo, Some(&speeds), Some(job_row))?;
         Ok(match solo {
             Some((runtime_s, runs)) => Learned::Solo { runtime_s, runs, fits },
             None => Learned::Shared { fits },
@@ -140,25 +142,26 @@ impl History {
             return Ok(Learned::NoBaseline);
         };
         let fits = crate::learn::fit(&equations, prior, Some(&unsure));
+        let speeds = speeds_to_write(&tx, &model, app_id, prior, &fits)?;
         drop(tx);
-        self.store(&model, app_id, None, prior, Some(&fits), None)?;
+        self.store(&model, app_id, None, Some(&speeds), None)?;
         Ok(Learned::Shared { fits })
     }
 
     /// Writes what learning found, in one short write transaction: the application's new solo
-    /// runtime and runs, if any, and its fitted speeds, if it fitted any (the application's
-    /// effects are updated even when the fit found no pair); with them, that the finished job
-    /// `learned` was learned from.
+    /// runtime and runs, if any, and its fitted speeds with what follows from them, if it
+    /// fitted any (the application's effects are updated even when the fit found no pair);
+    /// with them, that the finished job `learned` was learned from. Everything to write was
+    /// worked out before, in the read transaction: the write lock is held only for writing.
     fn store(
         &mut self,
         model: &str,
         app_id: i64,
         solo: Option<(f64, i64)>,
-        prior: f64,
-        fits: Option<&[crate::learn::Fit]>,
+        speeds: Option<&Speeds>,
         learned: Option<i64>,
     ) -> Result<(), HistoryError> {
-        if solo.is_none() && fits.is_none() && learned.is_none() {
+        if solo.is_none() && speeds.is_none() && learned.is_none() {
             return Ok(());
         }
         self.write_in_steps(|h| {
@@ -172,36 +175,72 @@ impl History {
                     params![model, app_id, mean, runs],
                 )?;
             }
-            match fits {
-                Some(fits) => store_fits(&h.conn, model, app_id, prior, fits, &|| h.let_requests_in()),
+            match speeds {
+                Some(speeds) => write_speeds(&h.conn, model, app_id, speeds, &|| h.let_requests_in()),
                 None => Ok(()),
             }
         })
     }
 }
 
-/// Writes fitted speeds of application `app_id` on `model`, both sides of each pair, and
-/// refreshes the application's means; `pause` runs between steps.
-fn store_fits(
+/// Fitted speeds of one application, ready to write: each with its partner's id, and the
+/// effects of every application concerned once they are written.
+struct Speeds {
+    fits: Vec<(NewSpeed, f64)>,
+    prior: f64,
+    effects: Vec<AppEffect>,
+}
+
+/// Works out, in the read transaction `tx`, what writing `fits` of application `app_id` on
+/// `model` means (see [`Speeds`]).
+fn speeds_to_write(
     tx: &rusqlite::Connection,
     model: &str,
     app_id: i64,
     prior: f64,
     fits: &[crate::learn::Fit],
-    pause: &dyn Fn() -> rusqlite::Result<()>,
-) -> rusqlite::Result<()> {
+) -> rusqlite::Result<Speeds> {
+    let mut new = Vec::with_capacity(fits.len());
     let mut touched = vec![app_id];
     for f in fits {
-        pause()?;
-        let other_id: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
+        let other: i64 = tx.row("SELECT id FROM applications WHERE name = ?1", [&f.partner], |r| {
             r.get(0)
         })?;
-        touched.push(other_id);
+        touched.push(other);
+        let speed = NewSpeed {
+            app: app_id,
+            other,
+            speed: f.speed,
+            observations: f.observations,
+        };
+        new.push((speed, f.variance));
+    }
+    let pending: Vec<NewSpeed> = new.iter().map(|(s, _)| *s).collect();
+    let effects = stepped_effects(tx, model, &touched, prior, &pending)?;
+    Ok(Speeds {
+        fits: new,
+        prior,
+        effects,
+    })
+}
+
+/// Writes fitted speeds of application `app_id` on `model`, both sides of each pair, the
+/// application's means and the effects worked out with them; `pause` runs between steps.
+fn write_speeds(
+    tx: &rusqlite::Connection,
+    model: &str,
+    app_id: i64,
+    speeds: &Speeds,
+    pause: &dyn Fn() -> rusqlite::Result<()>,
+) -> rusqlite::Result<()> {
+    let prior = speeds.prior;
+    for (f, variance) in &speeds.fits {
+        pause()?;
         tx.exec(
             "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
              ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, observations = ?6, variance = ?7",
-            params![model, app_id, other_id, f.speed, prior, f.observations, f.variance],
+            params![model, app_id, f.other, f.speed, prior, f.observations, variance],
         )?;
         // The partner's row sees this side as `other_speed`; its own speed stays unlearned
         // (observations 0) until a job of the partner's application finishes.
@@ -209,9 +248,10 @@ fn store_fits(
             "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
              VALUES (?1, ?2, ?3, ?4, ?5, 0)
              ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET other_speed = ?5",
-            params![model, other_id, app_id, prior, f.speed],
+            params![model, f.other, app_id, prior, f.speed],
         )?;
     }
+    pause()?;
     super::effects::refresh_app_means(tx, Some((model, app_id)))?;
-    super::effects::update_effects(tx, model, &touched, prior, pause)
+    write_effects(tx, model, &speeds.effects)
 }
