@@ -240,3 +240,152 @@ pub(super) fn write_effects(tx: &rusqlite::Connection, model: &str, effects: &[A
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    /// The coordinate steps of the effects fit as they were written in SQL, reading their own
+    /// writes: the reference that [`stepped_effects`] (which works them out
+    /// before the write lock is taken) must match.
+    fn effects_by_sql_steps(tx: &rusqlite::Connection, model: &str, apps: &[i64], prior: f64) {
+        let mut apps = apps.to_vec();
+        apps.sort_unstable();
+        apps.dedup();
+        let leftover = |app: i64, residual: &str, side: &str, other: &str| -> (u32, f64) {
+            tx.query_row(
+                &format!(
+                    "SELECT count(*), total({residual}) FROM pair_estimates p
+                     LEFT JOIN app_effects e ON e.gpu_model = p.gpu_model AND e.app_id = p.{other}
+                     WHERE p.gpu_model = ?1 AND p.{side} = ?2 AND p.observations > 0 AND p.oom = 0"
+                ),
+                rusqlite::params![model, app, prior],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        for _ in 0..2 {
+            for &app in &apps {
+                let (n, rest) = leftover(app, "p.speed - ?3 - coalesce(e.impact, 0)", "app_id", "other_id");
+                tx.execute(
+                    "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+                     VALUES (?1, ?2, ?3, ?4, 0, 0)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET base = ?3, base_pairs = ?4",
+                    rusqlite::params![model, app, prior + crate::learn::effect(rest, n), n],
+                )
+                .unwrap();
+            }
+            for &app in &apps {
+                let (n, rest) = leftover(app, "p.speed - coalesce(e.base, ?3)", "other_id", "app_id");
+                tx.execute(
+                    "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+                     VALUES (?1, ?2, ?4, 0, ?3, ?5)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET impact = ?3, impact_pairs = ?5",
+                    rusqlite::params![model, app, crate::learn::effect(rest, n), prior, n],
+                )
+                .unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn effects_worked_out_before_writing_match_the_steps_that_read_their_own_writes() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let prior = 0.5;
+        for round in 0..40 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("h.sqlite");
+            let h = History::open(&path).unwrap();
+            let c = h.connection();
+            let apps = 2 + (next() % 10) as i64;
+            for a in 1..=apps {
+                c.execute(
+                    "INSERT INTO applications(id, name) VALUES (?1, ?2)",
+                    rusqlite::params![a, format!("a{a}")],
+                )
+                .unwrap();
+            }
+            // Random pairs: learned or not, some out of memory; effects known for some.
+            for a in 1..=apps {
+                for o in 1..=apps {
+                    if next() % 3 == 0 {
+                        continue;
+                    }
+                    let speed = 0.1 + (next() % 1000) as f64 / 1000.0;
+                    c.execute(
+                        "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, oom)
+                         VALUES ('v100', ?1, ?2, ?3, 0.5, ?4, ?5)",
+                        rusqlite::params![a, o, speed, (next() % 3) as i64, i64::from(next() % 7 == 0)],
+                    )
+                    .unwrap();
+                }
+                if next() % 2 == 0 {
+                    c.execute(
+                        "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+                         VALUES ('v100', ?1, ?2, 3, ?3, 2)",
+                        rusqlite::params![
+                            a,
+                            0.3 + (next() % 500) as f64 / 1000.0,
+                            (next() % 200) as f64 / 1000.0 - 0.1
+                        ],
+                    )
+                    .unwrap();
+                }
+            }
+            // One application's new speeds, not yet written.
+            let app = 1 + (next() % apps as u64) as i64;
+            let mut pending = Vec::new();
+            for other in 1..=apps {
+                if next() % 2 == 0 {
+                    pending.push(NewSpeed {
+                        app,
+                        other,
+                        speed: 0.2 + (next() % 900) as f64 / 1000.0,
+                        observations: (next() % 3) as u32,
+                    });
+                }
+            }
+            let mut touched: Vec<i64> = vec![app];
+            touched.extend(pending.iter().map(|p| p.other));
+            let found = stepped_effects(c, "v100", &touched, prior, &pending).unwrap();
+
+            // The reference: write the speeds, then step in SQL.
+            c.execute_batch("BEGIN").unwrap();
+            for p in &pending {
+                c.execute(
+                    "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations)
+                     VALUES ('v100', ?1, ?2, ?3, 0.5, ?4)
+                     ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?3, observations = ?4",
+                    rusqlite::params![p.app, p.other, p.speed, p.observations],
+                )
+                .unwrap();
+            }
+            effects_by_sql_steps(c, "v100", &touched, prior);
+            let read = |c: &rusqlite::Connection| -> Vec<(i64, f64, u32, f64, u32)> {
+                let mut stmt = c
+                    .prepare("SELECT app_id, base, base_pairs, impact, impact_pairs FROM app_effects ORDER BY app_id")
+                    .unwrap();
+                let rows = stmt
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+                    .unwrap();
+                rows.collect::<Result<_, _>>().unwrap()
+            };
+            let expected = read(c);
+            c.execute_batch("ROLLBACK").unwrap();
+            write_effects(c, "v100", &found).unwrap();
+            let got = read(c);
+            assert_eq!(got.len(), expected.len(), "round {round}");
+            for (g, e) in got.iter().zip(&expected) {
+                assert!(
+                    g.0 == e.0 && g.2 == e.2 && g.4 == e.4 && (g.1 - e.1).abs() < 1e-12 && (g.3 - e.3).abs() < 1e-12,
+                    "round {round}: {g:?} against {e:?}"
+                );
+            }
+        }
+    }
+}
