@@ -25,13 +25,38 @@ const QUIET: Duration = Duration::from_millis(2);
 /// stream made place latency's 99th percentile clearly worse; see docs/results.md.
 const POSTPONE_AT_MOST: Duration = Duration::from_secs(1);
 
+/// The learning connection's page cache. Every commit of a request empties it (SQLite drops
+/// a connection's cache when another connection wrote), so it only serves within a lesson: a
+/// fit reads one application's latest jobs and its pairs.
+const LEARNER_CACHE_KIB: u32 = 512;
+
 /// One thing to learn from.
 #[derive(Debug, Clone)]
 pub enum Lesson {
     /// A job that ended here and released its GPU slot.
-    Ended(ActiveJob),
+    Ended(Pupil),
     /// A running job that reported progress beside partners.
-    Progress(ActiveJob),
+    Progress(Pupil),
+}
+
+/// The job a lesson is about: what learning reads it by, and what its log lines name. (Not
+/// the whole [`ActiveJob`]: lessons wait in a queue while requests do not pause.)
+#[derive(Debug, Clone)]
+pub struct Pupil {
+    /// The job's row in the history.
+    pub row: i64,
+    pub job_id: u32,
+    pub app: String,
+}
+
+impl From<&ActiveJob> for Pupil {
+    fn from(job: &ActiveJob) -> Pupil {
+        Pupil {
+            row: job.row,
+            job_id: job.job_id,
+            app: job.app.clone(),
+        }
+    }
 }
 
 /// How a node learns: the state of learning, whichever connection it writes through.
@@ -77,7 +102,7 @@ impl Teacher {
         }
     }
 
-    fn ended(&self, history: &mut History, job: &ActiveJob) {
+    fn ended(&self, history: &mut History, job: &Pupil) {
         match history.learn_from(job.row, self.prior) {
             Ok(Learned::Solo { runtime_s, runs, fits }) => tracing::info!(
                 job = job.job_id,
@@ -101,7 +126,7 @@ impl Teacher {
     }
 
     /// See [`History::learn_from_progress`].
-    fn progress(&self, history: &mut History, job: &ActiveJob) {
+    fn progress(&self, history: &mut History, job: &Pupil) {
         match history.learn_from_progress(job.row, self.prior) {
             Ok(Learned::Shared { fits }) => tracing::info!(
                 job = job.job_id,
@@ -156,6 +181,7 @@ impl Learner {
     /// that learns through it, with `teacher`; its long writes give way to `beside`'s.
     pub fn start(beside: &History, path: &Path, mut teacher: Teacher) -> Result<Learner, HistoryError> {
         let mut history = beside.open_beside(path)?;
+        history.limit_cache(LEARNER_CACHE_KIB)?;
         let (lessons, inbox) = mpsc::channel::<Lesson>();
         let progress_queued: Arc<Mutex<HashSet<i64>>> = Arc::default();
         let queued = Arc::clone(&progress_queued);

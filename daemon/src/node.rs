@@ -74,7 +74,7 @@ impl Node {
         // What the learning thread had not learned yet when the daemon stopped.
         for job in node.history.unlearned_jobs(&node.config.node)? {
             tracing::info!(job = job.job_id, app = %job.app, "learning from a job that ended before the daemon stopped");
-            node.teacher.learn(&mut node.history, &Lesson::Ended(job));
+            node.teacher.learn(&mut node.history, &Lesson::Ended((&job).into()));
         }
         Ok(node)
     }
@@ -426,7 +426,7 @@ impl Node {
     pub fn finish(&mut self, req: &FinishRequest) -> Result<Response, HistoryError> {
         let (response, ended) = self.finish_deferred(req)?;
         if let Some(job) = ended {
-            self.teach(Lesson::Ended(job));
+            self.teach(Lesson::Ended((&job).into()));
         }
         Ok(response)
     }
@@ -479,7 +479,7 @@ impl Node {
     /// and now and then compacting the history (see [`Teacher::learn`]). The other half of
     /// [`Self::finish_deferred`].
     pub fn learn_ended(&mut self, job: &ActiveJob) {
-        self.teacher.learn(&mut self.history, &Lesson::Ended(job.clone()));
+        self.teacher.learn(&mut self.history, &Lesson::Ended(job.into()));
     }
 
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
@@ -503,7 +503,7 @@ impl Node {
                 self.history
                     .record_report(job.row, "progress", Some(*done), &partners, prior, now)?;
                 if !partners.is_empty() {
-                    self.teach(Lesson::Progress(job.clone()));
+                    self.teach(Lesson::Progress((&job).into()));
                 }
                 format!("progress of job {} recorded: {done}", job.job_id)
             }

@@ -268,6 +268,12 @@ impl History {
         self.conn.execute_batch("BEGIN IMMEDIATE")
     }
 
+    /// Limits this connection's page cache to about `kib` KiB (SQLite's default is 2 MiB).
+    pub fn limit_cache(&self, kib: u32) -> Result<(), HistoryError> {
+        self.conn.pragma_update(None, "cache_size", -i64::from(kib))?;
+        Ok(())
+    }
+
     /// The schema version in use.
     pub fn schema_version(&self) -> Result<i64, HistoryError> {
         Ok(self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
