@@ -19,3 +19,5 @@ typedef __typeof__(&slurm_requeue) multiplex_requeue_f;
 typedef __typeof__(&slurm_init_job_desc_msg) multiplex_init_job_desc_msg_f;
 typedef __typeof__(&slurm_update_job) multiplex_update_job_f;
 typedef __typeof__(&slurm_strerror) multiplex_strerror_f;
+typedef __typeof__(&slurm_load_job) multiplex_load_job_f;
+typedef __typeof__(&slurm_free_job_info_msg) multiplex_free_job_info_msg_f;

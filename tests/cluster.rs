@@ -499,6 +499,92 @@ fn slurm_multiplex_in_the_environment_acts_as_the_flag_and_the_command_line_wins
     assert!(String::from_utf8_lossy(&bad.stderr).contains("app name 'bad name' is invalid"));
 }
 
+/// Submits with `env` added to sbatch's environment (which the job inherits) and waits.
+fn submit_with_env(c: &Cluster, env: &[(&str, &str)], args: &[&str]) -> std::collections::HashMap<String, String> {
+    let out = std::process::Command::new("sbatch")
+        .arg("--parsable")
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(c.path(""))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let job: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    c.wait(job, WAIT)
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn the_option_set_in_a_plain_jobs_environment_places_nothing() {
+    // Slurm hands SPANK options to slurmstepd through the job's environment: a job that
+    // job_submit never saw flagged (so never checked against the policy, never routed, never
+    // tagged) sets the variable itself, for its batch step and for an srun step.
+    let c = Cluster::from_env();
+    let forged = (
+        "SLURM_SPANK__SLURM_SPANK_OPTION_multiplex_multiplex",
+        "app=itest-forged",
+    );
+    let script = format!(
+        "echo batch=$MULTIPLEX_GPU; export {}={}; srun bash -c 'echo step=$MULTIPLEX_GPU'",
+        forged.0, forged.1
+    );
+    // In the job's environment only: in sbatch's own, its SPANK plugin would take it for the flag
+    // (as Slurm does with every SLURM_SPANK_ variable) and job_submit would check the job.
+    let export = format!("--export=ALL,{}={}", forged.0, forged.1);
+    let rec = submit_with_env(
+        &c,
+        &[],
+        &["--gres=gpu:1", &export, &out_arg(&c, "forged"), "--wrap", &script],
+    );
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    assert_eq!(
+        rec["Partition"], "debug",
+        "job_submit did not take it for a multiplexed job"
+    );
+    let job: u32 = rec["JobId"].parse().unwrap();
+    let output = c.output(&rec);
+    let env = env_of(&output);
+    assert_eq!((env["batch"].as_str(), env["step"].as_str()), ("", ""), "{output}");
+    assert!(
+        output.contains(&format!("job {job} was not submitted with --multiplex")),
+        "the job is told why: {output}"
+    );
+    for node in ["n1", "n2"] {
+        let n: u32 = c
+            .history(node)
+            .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 0, "no daemon placed it ({node})");
+    }
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_node_name_in_the_jobs_environment_does_not_choose_the_daemon() {
+    // The node's name is part of the daemon's socket path: slurmstepd's own, never the job's.
+    let c = Cluster::from_env();
+    let fake = ("SLURMD_NODENAME", "../../tmp/itest-fake");
+    let script = format!(
+        "echo batch=$MULTIPLEX_NODE; SLURMD_NODENAME={} srun bash -c 'echo step=$MULTIPLEX_NODE'",
+        fake.1
+    );
+    let rec = submit_with_env(
+        &c,
+        &[fake],
+        &[
+            "--multiplex=app=itest-nodename",
+            "--gres=gpu:1",
+            &out_arg(&c, "nodename"),
+            "--wrap",
+            &script,
+        ],
+    );
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let env = env_of(&c.output(&rec));
+    assert_eq!(env["batch"], rec["NodeList"], "{env:?}");
+    assert_eq!(env["step"], rec["NodeList"], "{env:?}");
+}
+
 /// Submits a held job (so that it never runs) and returns its record; the job is cancelled.
 fn held(c: &Cluster, args: &[&str]) -> Result<std::collections::HashMap<String, String>, String> {
     let mut all = vec!["-H", "--output=/dev/null"];

@@ -2,7 +2,7 @@
 //! request into a shared-GPU one, or reject it with a sentence for the user.
 
 use crate::policy::Policy;
-use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR};
+use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
 
 /// The fields of a job description the rewrite reads.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -259,12 +259,13 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .app
         .clone()
         .unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
-    let mut tag = format!("multiplex:app={app}");
-    if let Some(mem) = spec.mem_mb {
-        tag.push_str(&format!(",mem={mem}M"));
+    let tag = Spec {
+        app: Some(app.clone()),
+        mem_mb: spec.mem_mb,
     }
+    .tag();
     let admin_comment = match job.admin_comment.as_deref().filter(|c| !c.is_empty()) {
-        Some(existing) if existing.starts_with("multiplex:") => tag,
+        Some(existing) if existing.starts_with(TAG_PREFIX) => tag,
         Some(existing) => format!("{tag} {existing}"),
         None => tag,
     };
@@ -360,10 +361,10 @@ fn not_allowed(job: &JobView, policy: &Policy) -> Option<String> {
 /// rejected, and a job without the flag cannot be moved into a shared partition the policy
 /// keeps for multiplexed jobs. `update` holds only the fields being changed.
 pub fn check_modify(update: &JobView, current_tag: Option<&str>, policy: &Policy) -> Result<(), (RejectKind, String)> {
-    let multiplexed = current_tag.is_some_and(|t| t.starts_with("multiplex:"))
+    let multiplexed = current_tag.is_some_and(|t| t.starts_with(TAG_PREFIX))
         // An update that also drops the tag (an admin taking the job out of multiplexing) is
         // judged as for a plain job.
-        && update.admin_comment.as_deref().is_none_or(|c| c.starts_with("multiplex:"));
+        && update.admin_comment.as_deref().is_none_or(|c| c.starts_with(TAG_PREFIX));
     if !multiplexed {
         return match unflagged_on_shared(update.partition.as_deref(), policy) {
             Some(message) => Err(refuse(RejectKind::SharedPartition, message)),

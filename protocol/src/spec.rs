@@ -69,6 +69,26 @@ impl Spec {
     }
 }
 
+/// What job_submit writes at the start of a multiplexed job's admin comment, followed by the
+/// job's SPEC (its application resolved): a field the job's user cannot set, so the one fact
+/// slurmstepd trusts about whether and how a job is multiplexed.
+pub const TAG_PREFIX: &str = "multiplex:";
+
+impl Spec {
+    /// The admin comment tag of a job submitted with this SPEC.
+    pub fn tag(&self) -> String {
+        format!("{TAG_PREFIX}{self}")
+    }
+
+    /// The SPEC a job was tagged with, read from its admin comment: `None` when the job has
+    /// no tag (it was not submitted with `--multiplex`); an error for a tag that does not
+    /// parse (job_submit writes none such: somebody edited it).
+    pub fn from_tag(admin_comment: Option<&str>) -> Option<Result<Spec, SpecError>> {
+        let rest = admin_comment?.trim_start().strip_prefix(TAG_PREFIX)?;
+        Some(Spec::parse(Some(rest.split_whitespace().next().unwrap_or(""))))
+    }
+}
+
 impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts = Vec::new();
@@ -143,6 +163,29 @@ pub fn parse_mem_mb(s: &str) -> Result<u64, SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tag_gives_back_the_spec_it_was_written_from() {
+        let spec = Spec {
+            app: Some("bert".into()),
+            mem_mb: Some(16384),
+        };
+        assert_eq!(spec.tag(), "multiplex:app=bert,mem=16384M");
+        assert_eq!(Spec::from_tag(Some(&spec.tag())), Some(Ok(spec.clone())));
+        // An admin's own comment after the tag stays out of it.
+        assert_eq!(
+            Spec::from_tag(Some("multiplex:app=bert,mem=16384M  checked by ops")),
+            Some(Ok(spec))
+        );
+        // No tag: not submitted with --multiplex, whatever the job's environment says.
+        for comment in [None, Some(""), Some("ops: app=bert"), Some("xmultiplex:app=bert")] {
+            assert_eq!(Spec::from_tag(comment), None, "{comment:?}");
+        }
+        assert!(matches!(
+            Spec::from_tag(Some("multiplex:app=../x")),
+            Some(Err(SpecError::BadApp(_)))
+        ));
+    }
 
     #[test]
     fn accepted_specs() {

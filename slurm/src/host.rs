@@ -4,10 +4,10 @@
 //! failing to load.
 
 use crate::bindings::{
-    job_desc_msg_t, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f, multiplex_hostlist_shift_f,
-    multiplex_init_job_desc_msg_f, multiplex_requeue_f, multiplex_spank_context_f, multiplex_spank_getenv_f,
-    multiplex_spank_option_register_f, multiplex_spank_setenv_f, multiplex_strerror_f, multiplex_update_job_f,
-    spank_err_t, spank_item_t, spank_t,
+    job_desc_msg_t, multiplex_free_job_info_msg_f, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f,
+    multiplex_hostlist_shift_f, multiplex_init_job_desc_msg_f, multiplex_load_job_f, multiplex_requeue_f,
+    multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_option_register_f, multiplex_spank_setenv_f,
+    multiplex_strerror_f, multiplex_update_job_f, spank_err_t, spank_item_t, spank_t,
 };
 use libc::{c_char, c_void};
 use std::sync::OnceLock;
@@ -42,6 +42,8 @@ pub struct Host {
     pub update_job: multiplex_update_job_f,
     pub get_errno: Option<GetErrnoFn>,
     pub strerror: multiplex_strerror_f,
+    pub load_job: multiplex_load_job_f,
+    pub free_job_info_msg: multiplex_free_job_info_msg_f,
 }
 
 fn lookup(name: &std::ffi::CStr) -> *mut c_void {
@@ -96,6 +98,8 @@ pub fn host() -> &'static Host {
         update_job: resolve_typed!(c"slurm_update_job", multiplex_update_job_f),
         get_errno: resolve!(c"slurm_get_errno", GetErrnoFn),
         strerror: resolve_typed!(c"slurm_strerror", multiplex_strerror_f),
+        load_job: resolve_typed!(c"slurm_load_job", multiplex_load_job_f),
+        free_job_info_msg: resolve_typed!(c"slurm_free_job_info_msg", multiplex_free_job_info_msg_f),
     })
 }
 
@@ -211,4 +215,37 @@ pub fn set_begin_time(job_id: u32, begin: i64) -> Result<(), String> {
             _ => Err(last_error()),
         }
     }
+}
+
+/// Job `job_id`'s admin comment as slurmctld holds it (`None` when it has none): what a job
+/// submit plugin wrote there, which the job's user cannot set. An RPC, like [`requeue`].
+pub fn job_admin_comment(job_id: u32) -> Result<Option<String>, String> {
+    let h = host();
+    let load = h.load_job.ok_or("this process has no slurm_load_job")?;
+    let free = h
+        .free_job_info_msg
+        .ok_or("this process has no slurm_free_job_info_msg")?;
+    let mut msg: *mut crate::bindings::job_info_msg = std::ptr::null_mut();
+    // SAFETY: slurm_load_job writes a message it allocated into `msg` (or leaves it NULL on
+    // failure); 0 show flags ask for the job as any client sees it.
+    if unsafe { load(&mut msg, job_id, 0) } != 0 || msg.is_null() {
+        return Err(last_error());
+    }
+    // SAFETY: msg is the message slurm_load_job returned: `record_count` records at
+    // `job_array`, each string NUL-terminated or NULL; it is read here and freed once below.
+    let comment = unsafe {
+        let m = &*msg;
+        let jobs: &[crate::bindings::slurm_job_info_t] = if m.job_array.is_null() {
+            &[]
+        } else {
+            std::slice::from_raw_parts(m.job_array, m.record_count as usize)
+        };
+        match jobs.iter().find(|j| j.job_id == job_id) {
+            Some(j) => Ok(crate::c_str(j.admin_comment)),
+            None => Err(format!("slurmctld returned no record of job {job_id}")),
+        }
+    };
+    // SAFETY: msg came from slurm_load_job and is not used afterwards.
+    unsafe { free(msg) };
+    comment
 }

@@ -68,6 +68,12 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo, cannot_wait: bool) -> Ste
         Ok(other) => format!("multiplexd gave an unexpected answer: {other:?}"),
         Err(e) => e.to_string(),
     };
+    unplaced(args, &problem)
+}
+
+/// What a step does when it cannot be placed for `problem` (the daemon, or slurmctld, did not
+/// answer as it should): run on Slurm's GPU choice or fail, as `on_daemon_error` says.
+pub fn unplaced(args: &Args, problem: &str) -> StepPlan {
     match args.on_daemon_error {
         OnDaemonError::Run => StepPlan::NotApplied {
             warning: format!("multiplex: not applied, running on Slurm's GPU choice: {problem}"),

@@ -13,22 +13,31 @@ use slurm_ffi::spank::Spank;
 /// leaves the plan for the tasks in the state.
 pub(crate) fn post_opt(spank: &Spank) -> c_int {
     // Steps started inside a multiplexed job see the option through the job's environment.
-    let option = state().option.clone().or_else(|| spank.getenv(OPTION_ENV).map(Some));
-    let Some(value) = option else {
-        return 0; // not a multiplexed job: no daemon traffic
-    };
-    let spec = match Spec::parse(value.as_deref()) {
-        Ok(s) => s,
-        Err(e) => return fail_tasks(format!("{PREFIX}: invalid --multiplex value: {e}")),
-    };
+    // In slurmstepd the option (Slurm's own copy too) comes from that environment, which the
+    // job's user may set: it only says that slurmctld's tag is worth asking for.
+    let claimed = state().option.is_some() || spank.getenv(OPTION_ENV).is_some();
+    if !claimed {
+        return 0; // not a multiplexed job: no traffic to slurmctld or the daemon
+    }
     let (Ok(job_id), Ok(step_id), Ok(uid)) = (spank.job_id(), spank.step_id(), spank.uid()) else {
         return fail_tasks(format!("{PREFIX}: cannot read the job's ids from Slurm"));
     };
     let step = multiplex_protocol::step_label(step_id);
-    let Some(node) = node_name(spank) else {
+    let Some(node) = node_name() else {
         return fail_tasks(format!(
-            "{PREFIX}: job {job_id} step {step}: cannot tell which node this is"
+            "{PREFIX}: job {job_id} step {step}: slurmstepd does not say which node this is (SLURMD_NODENAME)"
         ));
+    };
+    let args = state().args.clone();
+    let spec = match tagged_spec(job_id) {
+        Ok(spec) => spec,
+        Err(plan) => {
+            if let StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } = &plan {
+                log::info(&format!("{text} (job {job_id} step {step})"));
+            }
+            state().plan = Some(plan);
+            return 0;
+        }
     };
     let info = StepInfo {
         job_id,
@@ -43,7 +52,6 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         // 0 for batch steps (22.05 to 24.11), so the daemon also counts its own declines.
         restarts: spank.restart_count().unwrap_or(0),
     };
-    let args = state().args.clone();
     let plan = match remote::plan(&args, &spec, &info, false) {
         StepPlan::Declined { reason, retry_after_s } => {
             match declined(job_id, step_id, &node, &reason, retry_after_s) {
@@ -128,15 +136,70 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
     })
 }
 
-/// The Slurm name of this node. slurmstepd's environment has no SLURMD_NODENAME yet at this
-/// point (several slurmd may share one host), so it is this node's entry in the step's list.
-fn node_name(spank: &Spank) -> Option<String> {
-    if let Some(n) = spank.getenv("SLURMD_NODENAME") {
-        return Some(n);
+/// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), or the plan
+/// for a step of a job that has no tag (it runs as Slurm placed it) or whose tag cannot be read.
+fn tagged_spec(job_id: u32) -> Result<Spec, StepPlan> {
+    let comment = match slurm_ffi::host::job_admin_comment(job_id) {
+        Ok(c) => c,
+        Err(e) => {
+            return Err(remote::unplaced(
+                &state().args,
+                &format!("cannot ask slurmctld whether job {job_id} was submitted with --multiplex: {e}"),
+            ))
+        }
+    };
+    match Spec::from_tag(comment.as_deref()) {
+        Some(Ok(spec)) => Ok(spec),
+        Some(Err(e)) => Err(StepPlan::Fail {
+            message: format!("{PREFIX}: job {job_id}'s multiplex tag in its admin comment is not valid: {e}"),
+        }),
+        None => Err(StepPlan::NotApplied {
+            warning: format!(
+                "{PREFIX}: not applied: job {job_id} was not submitted with --multiplex (slurmctld has no multiplex \
+                 tag for it), so the option in its environment is ignored"
+            ),
+        }),
     }
-    let list = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-        .iter()
-        .find_map(|v| spank.getenv(v))?;
-    let index = spank.node_id().ok()? as usize;
-    slurm_ffi::host::hostlist_nth(&list, index)
+}
+
+/// The Slurm name of this node, as slurmstepd itself set it in its own process environment
+/// before any plugin ran (never the job's environment, which its user may set), and only if
+/// it is a plain host name: it becomes part of the daemon's socket path.
+fn node_name() -> Option<String> {
+    let name = std::env::var("SLURMD_NODENAME").ok()?;
+    is_plain_node_name(&name).then_some(name)
+}
+
+/// Letters, digits, '.', '_' and '-', not starting with '.', at most 255 bytes.
+fn is_plain_node_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_plain_node_name;
+
+    #[test]
+    fn only_a_plain_host_name_becomes_part_of_a_socket_path() {
+        for good in ["n1", "gpu-01", "node_7.cluster", "a"] {
+            assert!(is_plain_node_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "..",
+            "../../tmp/x",
+            ".hidden",
+            "n1/../n2",
+            "n 1",
+            "n1\n",
+            &"x".repeat(256),
+        ] {
+            assert!(!is_plain_node_name(bad), "{bad:?}");
+        }
+    }
 }
