@@ -1,6 +1,7 @@
 //! `multiplexd`: the per-node daemon that decides which shared GPU each multiplexed job joins,
 //! keeps the interference history, and learns from every finished job.
 
+pub mod admission;
 pub mod background;
 pub mod command;
 pub mod config;

@@ -48,6 +48,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     } else {
         tracing::info!("not publishing the node's weight (weight.publish = false)");
     }
+    raise_file_limit();
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
     let shutdown = Arc::new(AtomicBool::new(false));
@@ -121,4 +122,33 @@ fn uid_of(user: &str) -> Option<u32> {
         tracing::warn!(user, "slurm_user does not exist; only root may place tasks");
     }
     uid
+}
+
+/// Raises this process's soft limit on open files to the hard one: every connection is a file
+/// descriptor, and a service's default soft limit (often 1,024) is what a local user would
+/// exhaust first. Failing is only logged.
+fn raise_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the rlimit struct given, which lives across
+    // the calls.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "cannot read the open-file limit");
+            return;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let wanted = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) != 0 {
+                tracing::warn!(error = %std::io::Error::last_os_error(), "cannot raise the open-file limit");
+                return;
+            }
+        }
+    }
+    tracing::debug!(open_files = lim.rlim_max, "open-file limit");
 }

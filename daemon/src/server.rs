@@ -1,14 +1,16 @@
 //! The daemon's Unix socket: one thread per connection, the peer's credentials checked on
 //! every connection, and a bad message answered with an error without disturbing anyone else.
 
+use crate::admission::{Admission, Complaints, Fault, Limits, Refusal, Ticket};
 use crate::node::Node;
 use multiplex_protocol::wire::{self, FrameError, Request, Response, ResponseFrame, PROTOCOL_VERSION};
 use std::io;
+use std::io::Read;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Who may do what.
 #[derive(Debug, Clone)]
@@ -79,83 +81,248 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
     result
 }
 
-/// Serves until `shutdown` is set (the setter then connects once to wake the accept).
+/// Serves until `shutdown` is set (the setter then connects once to wake the accept), with
+/// the default [`Limits`] and each peer's credentials from the kernel.
 pub fn run(listener: UnixListener, node: Arc<Mutex<Node>>, access: Access, shutdown: Arc<AtomicBool>) {
+    run_with(listener, node, access, shutdown, Limits::default(), peer_cred);
+}
+
+/// [`run`] with these limits, and `creds` telling who each peer is (tests give peers the
+/// credentials of users they are not).
+pub fn run_with(
+    listener: UnixListener,
+    node: Arc<Mutex<Node>>,
+    access: Access,
+    shutdown: Arc<AtomicBool>,
+    limits: Limits,
+    creds: fn(&UnixStream) -> io::Result<PeerCred>,
+) {
+    let admission = Admission::new(limits);
+    let complaints = Arc::new(Complaints::new(COMPLAINTS_WINDOW));
+    let mut flushed = Instant::now();
     for conn in listener.incoming() {
         if shutdown.load(Ordering::SeqCst) {
             break;
         }
-        match conn {
-            Ok(stream) => {
-                let node = Arc::clone(&node);
-                let access = access.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("multiplexd-conn".into())
-                    .spawn(move || serve_connection(stream, &node, &access));
-                if let Err(e) = spawned {
-                    tracing::error!("cannot start a connection thread: {e}");
-                }
-            }
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+        if flushed.elapsed() >= Duration::from_secs(1) {
+            complaints.flush();
+            flushed = Instant::now();
         }
+        let stream = match conn {
+            Ok(stream) => stream,
+            Err(e) => {
+                // Out of file descriptors, most likely: the limits keep this rare.
+                complaints.note(u32::MAX, Fault::Refused, || format!("accept failed: {e}"));
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let cred = match creds(&stream) {
+            Ok(c) => c,
+            Err(e) => {
+                complaints.note(u32::MAX, Fault::Refused, || {
+                    format!("cannot read peer credentials: {e}")
+                });
+                continue;
+            }
+        };
+        let ticket = match admission.admit(cred.uid, access.may_place(cred.uid)) {
+            Ok(t) => t,
+            Err(refusal) => {
+                complaints.note(cred.uid, Fault::Refused, || refusal.to_string());
+                refuse(stream, refusal);
+                continue;
+            }
+        };
+        let node = Arc::clone(&node);
+        let access = access.clone();
+        let c = Arc::clone(&complaints);
+        let spawned = std::thread::Builder::new()
+            .name("multiplexd-conn".into())
+            .spawn(move || serve_connection(stream, cred, ticket, &node, &access, &c));
+        if let Err(e) = spawned {
+            complaints.note(cred.uid, Fault::Refused, || {
+                format!("cannot start a connection thread: {e}")
+            });
+        }
+    }
+    complaints.flush();
+}
+
+/// How often each uid's faults of one kind may be logged.
+const COMPLAINTS_WINDOW: Duration = Duration::from_secs(60);
+
+/// Tells a refused peer why, if it can take the answer at once, and closes.
+fn refuse(mut stream: UnixStream, refusal: Refusal) {
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = wire::write_frame(
+            &mut stream,
+            &ResponseFrame {
+                version: PROTOCOL_VERSION,
+                response: Response::Error {
+                    message: format!("{refusal}: try again later"),
+                },
+            },
+        );
     }
 }
 
-/// How long a connection may sit idle between requests.
-const IDLE: Duration = Duration::from_secs(30);
+/// How a request failed to arrive.
+enum Unread {
+    /// Nothing came within the idle limit: closed without a word.
+    Idle,
+    /// It began but did not end within the frame deadline.
+    TooSlow,
+    Frame(FrameError),
+}
 
-fn serve_connection(mut stream: UnixStream, node: &Mutex<Node>, access: &Access) {
-    let cred = match peer_cred(&stream) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!("cannot read peer credentials, closing: {e}");
-            return;
-        }
-    };
-    let _ = stream.set_read_timeout(Some(IDLE));
-    let _ = stream.set_write_timeout(Some(IDLE));
+/// Reads one request frame: waits up to `limits.idle` for its first byte, then gives the whole
+/// frame `limits.frame` to arrive. The body grows with what has arrived, never with what the
+/// length prefix declared. `Ok(None)` when the peer closed between frames.
+fn read_request(stream: &mut UnixStream, limits: &Limits) -> Result<Option<Vec<u8>>, Unread> {
+    let mut len = [0u8; 4];
+    let _ = stream.set_read_timeout(Some(limits.idle));
     loop {
-        let body = match wire::read_frame_bytes(&mut stream) {
+        match stream.read(&mut len[..1]) {
+            Ok(0) => return Ok(None),
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(Unread::Idle)
+            }
+            Err(e) => return Err(Unread::Frame(FrameError::Io(e))),
+        }
+    }
+    let deadline = Instant::now() + limits.frame;
+    read_by(stream, &mut len[1..], deadline, "the length prefix")?;
+    let n = u32::from_be_bytes(len) as usize;
+    if n > wire::MAX_FRAME {
+        return Err(Unread::Frame(FrameError::TooLarge(n)));
+    }
+    let mut body = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    while body.len() < n {
+        let want = (n - body.len()).min(chunk.len());
+        read_by(stream, &mut chunk[..want], deadline, "the frame")?;
+        body.extend_from_slice(&chunk[..want]);
+    }
+    Ok(Some(body))
+}
+
+/// Fills `buf` from `stream` before `deadline`.
+fn read_by(stream: &mut UnixStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<(), Unread> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Unread::TooSlow);
+        }
+        let _ = stream.set_read_timeout(Some(left));
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(Unread::Frame(FrameError::Malformed(format!(
+                    "truncated frame: the connection closed inside {what}"
+                ))))
+            }
+            Ok(k) => got += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(Unread::TooSlow)
+            }
+            Err(e) => return Err(Unread::Frame(FrameError::Io(e))),
+        }
+    }
+    Ok(())
+}
+
+fn serve_connection(
+    mut stream: UnixStream,
+    cred: PeerCred,
+    ticket: Ticket,
+    node: &Mutex<Node>,
+    access: &Access,
+    complaints: &Complaints,
+) {
+    let limits = ticket.limits().clone();
+    let _ = stream.set_write_timeout(Some(limits.frame));
+    loop {
+        let body = match read_request(&mut stream, &limits) {
             Ok(Some(b)) => b,
-            Ok(None) => return,
-            Err(FrameError::Io(e)) => {
+            Ok(None) | Err(Unread::Idle) => return,
+            Err(Unread::Frame(FrameError::Io(e))) => {
                 tracing::debug!(pid = cred.pid, "connection ended: {e}");
                 return;
             }
-            Err(e) => {
+            Err(Unread::TooSlow) => {
+                complaints.note(cred.uid, Fault::TooSlow, || {
+                    format!("a request took longer than {} s to arrive", limits.frame.as_secs())
+                });
+                return;
+            }
+            Err(Unread::Frame(e)) => {
                 // The stream may be out of step after a bad frame: answer, then close.
-                tracing::warn!(pid = cred.pid, uid = cred.uid, "bad frame: {e}");
+                complaints.note(cred.uid, Fault::BadFrame, || e.to_string());
                 reply(&mut stream, Response::Error { message: e.to_string() });
                 return;
             }
         };
         let response = match wire::decode_request(&body) {
-            Ok(request) => handle(request, cred, node, access),
+            Ok(request) => match handle(request, cred, node, access) {
+                Ok(r) => r,
+                Err(message) => {
+                    complaints.note(cred.uid, Fault::Failed, || message.clone());
+                    Response::Error { message }
+                }
+            },
             Err(e) => {
-                tracing::warn!(pid = cred.pid, uid = cred.uid, "bad request: {e}");
+                complaints.note(cred.uid, Fault::BadFrame, || e.to_string());
                 Response::Error { message: e.to_string() }
             }
         };
         if !reply(&mut stream, response) {
+            complaints.note(cred.uid, Fault::TooSlow, || "an answer was not taken in time".into());
             return;
         }
     }
 }
 
+/// Sends `response`; an answer too large for a frame becomes an error that says so. False when
+/// the peer did not take it.
 fn reply(stream: &mut UnixStream, response: Response) -> bool {
     let frame = ResponseFrame {
         version: PROTOCOL_VERSION,
         response,
     };
-    wire::write_frame(stream, &frame).is_ok()
+    match wire::write_frame(stream, &frame) {
+        Ok(()) => true,
+        Err(FrameError::TooLarge(n)) => {
+            let error = ResponseFrame {
+                version: PROTOCOL_VERSION,
+                response: Response::Error {
+                    message: format!(
+                        "the answer is {n} bytes, more than a message may hold ({} bytes)",
+                        wire::MAX_FRAME
+                    ),
+                },
+            };
+            wire::write_frame(stream, &error).is_ok()
+        }
+        Err(_) => false,
+    }
 }
 
-pub(crate) fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, access: &Access) -> Response {
-    let denied = |what: &str| Response::Error {
-        message: format!("uid {} may not {what}: only root and the Slurm user may", cred.uid),
+/// Serves one request of `cred`'s; `Err` when the history failed it (the message is the
+/// answer, and worth logging).
+pub(crate) fn handle(
+    request: Request,
+    cred: PeerCred,
+    node: &Mutex<Node>,
+    access: &Access,
+) -> Result<Response, String> {
+    let denied = |what: &str| {
+        Ok(Response::Error {
+            message: format!("uid {} may not {what}: only root and the Slurm user may", cred.uid),
+        })
     };
     // A panic in one request must not poison the node for everyone: recover the guard.
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
@@ -167,10 +334,7 @@ pub(crate) fn handle(request: Request, cred: PeerCred, node: &Mutex<Node>, acces
         Request::Status => node.status().map(Response::Status),
         Request::Report(req) => node.report(&req, cred.uid, access.may_place(cred.uid)),
     };
-    result.unwrap_or_else(|e| {
-        tracing::error!("{e}");
-        Response::Error { message: e.to_string() }
-    })
+    result.map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -222,20 +386,23 @@ mod tests {
                 exit_status: 0,
             }),
         ] {
-            match handle(request, user, &node, &access) {
+            match handle(request, user, &node, &access).unwrap() {
                 Response::Error { message } => assert!(message.contains("uid 1000 may not"), "{message}"),
                 other => panic!("{other:?}"),
             }
         }
         assert!(matches!(
-            handle(Request::Status, user, &node, &access),
+            handle(Request::Status, user, &node, &access).unwrap(),
             Response::Status(_)
         ));
         let slurm = PeerCred { pid: 1, uid: 64030 };
-        assert!(matches!(handle(place(), slurm, &node, &access), Response::Placed(_)));
+        assert!(matches!(
+            handle(place(), slurm, &node, &access).unwrap(),
+            Response::Placed(_)
+        ));
         let root = PeerCred { pid: 1, uid: 0 };
         assert!(
-            matches!(handle(place(), root, &node, &access), Response::Placed(_)),
+            matches!(handle(place(), root, &node, &access).unwrap(), Response::Placed(_)),
             "asking twice is idempotent"
         );
     }
