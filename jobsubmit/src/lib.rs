@@ -221,7 +221,8 @@ fn modify(
     submit_uid: u32,
     err_msg: *mut *mut c_char,
 ) -> c_int {
-    slurm_ffi::guard(PREFIX, "job_modify", bindings::SLURM_SUCCESS as c_int, || {
+    // A panic refuses the update, as one in job_submit rejects the job (the guard logs it).
+    slurm_ffi::guard(PREFIX, "job_modify", bindings::SLURM_ERROR, || {
         if job_desc.is_null() {
             return bindings::SLURM_SUCCESS as c_int;
         }

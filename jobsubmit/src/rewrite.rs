@@ -83,6 +83,11 @@ struct TresEntry {
     count: u64,
 }
 
+/// The sum of `counts`, or `None` past `u64::MAX`.
+fn checked_sum(counts: impl Iterator<Item = u64>) -> Option<u64> {
+    counts.into_iter().try_fold(0u64, |total, n| total.checked_add(n))
+}
+
 fn parse_tres(s: &str) -> Vec<TresEntry> {
     s.split(',')
         .map(str::trim)
@@ -185,9 +190,27 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
             ),
         );
     }
-    let gpus_of = |i: usize| parsed[i].iter().filter(|e| is_gpu(e)).map(|e| e.count).sum::<u64>();
+    // Counts are the user's numbers: summed without wrapping round (a sum past u64 is refused
+    // as too many, never taken modulo 2^64).
+    let gpus_of = |i: usize| checked_sum(parsed[i].iter().filter(|e| is_gpu(e)).map(|e| e.count));
     let tasks = u64::from(job.num_tasks.unwrap_or(1).max(1));
-    let gpus = gpus_of(0) + gpus_of(1) + gpus_of(2) * tasks + gpus_of(3);
+    let gpus = [
+        gpus_of(0),
+        gpus_of(1),
+        gpus_of(2).and_then(|g| g.checked_mul(tasks)),
+        gpus_of(3),
+    ]
+    .into_iter()
+    .try_fold(0u64, |total, g| total.checked_add(g?));
+    let Some(gpus) = gpus else {
+        return reject(
+            RejectKind::TooManyGpus,
+            format!(
+                "this job asks for more GPUs than can be counted; multiplexed jobs may use at most {} here",
+                policy.max_gpus
+            ),
+        );
+    };
     if gpus == 0 {
         return reject(
             RejectKind::NoGpu,
@@ -417,17 +440,30 @@ pub fn check_modify(update: &JobView, current_tag: Option<&str>, policy: &Policy
             format!("{why}it holds {} slots, not whole GPUs", policy.gres),
         ));
     }
-    let units: u64 = entries
-        .iter()
-        .filter(|e| e.sep.is_some() && e.name == policy.gres)
-        .map(|e| e.count)
-        .sum();
+    let units = checked_sum(
+        entries
+            .iter()
+            .filter(|e| e.sep.is_some() && e.name == policy.gres)
+            .map(|e| e.count),
+    );
     let limit = u64::from(policy.max_gpus) * u64::from(policy.gres_per_gpu);
-    if units > limit {
-        return Err(refuse(
-            RejectKind::TooManyGpus,
-            format!("{why}it may hold at most {limit} {} here, not {units}", policy.gres),
-        ));
+    match units {
+        Some(units) if units <= limit => {}
+        Some(units) => {
+            return Err(refuse(
+                RejectKind::TooManyGpus,
+                format!("{why}it may hold at most {limit} {} here, not {units}", policy.gres),
+            ))
+        }
+        None => {
+            return Err(refuse(
+                RejectKind::TooManyGpus,
+                format!(
+                    "{why}it may hold at most {limit} {} here, not more than can be counted",
+                    policy.gres
+                ),
+            ))
+        }
     }
     Ok(())
 }
@@ -566,6 +602,20 @@ mod tests {
                 "asks for 2 GPUs; multiplexed jobs may use at most 1",
             ),
             (gpus_per_task, RejectKind::TooManyGpus, "asks for 2 GPUs"),
+            (
+                // 2^64 - 1 + 2 wraps round to 1 in unchecked arithmetic.
+                job(Some("(null)"), Some("gres:gpu:18446744073709551615,gres:gpu:2")),
+                RejectKind::TooManyGpus,
+                "more GPUs than can be counted",
+            ),
+            (
+                job(
+                    Some("(null)"),
+                    Some("gres:gpu:9223372036854775808,gres:gpu:9223372036854775808"),
+                ),
+                RejectKind::TooManyGpus,
+                "more GPUs than can be counted",
+            ),
             (exclusive, RejectKind::Exclusive, "--exclusive cannot be combined"),
             (two_nodes, RejectKind::TooManyNodes, "asks for 2"),
             (mixed, RejectKind::MixedGres, "both gpu and shard"),
@@ -767,6 +817,13 @@ mod tests {
                 tag,
                 Some(RejectKind::TooManyGpus),
                 "at most 100 mps here, not 150",
+            ),
+            (
+                // 2^64 - 1 + 2 wraps round to 1 in unchecked arithmetic.
+                update(&|u| u.tres_per_node = Some("gres/mps:18446744073709551615,gres/mps:2".into())),
+                tag,
+                Some(RejectKind::TooManyGpus),
+                "not more than can be counted",
             ),
             (
                 update(&|u| u.exclusive = true),
