@@ -18,6 +18,9 @@ pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
 /// default `unknown_pair_speed`) stops the daemon from trying new pairs at all.
 pub const DEFAULT_MIN_GAIN: f64 = 0.25;
 
+/// The longest `reconcile.grace_s` (a day).
+const MAX_GRACE_S: f64 = 86_400.0;
+
 /// Default of `policy.max_declines`: 0, never stop declining. Bounding declines (3, with the
 /// wait doubling to 960 s) cut declines per job 7 to 30 times in `tests/bench/tables-matrix`,
 /// but it also took away the waiting that makes the learned policy good: average JCT rose 1%
@@ -309,8 +312,12 @@ impl Config {
             squeue: raw.reconcile.squeue.unwrap_or(dr.squeue),
             grace_s: raw.reconcile.grace_s.unwrap_or(dr.grace_s),
         };
-        if reconcile.grace_s.is_nan() || reconcile.grace_s < 1.0 {
-            return Err(format!("reconcile.grace_s = {}: must be at least 1", reconcile.grace_s));
+        // `inf` would keep the slots of jobs that ended while the daemon was down for ever.
+        if !(1.0..=MAX_GRACE_S).contains(&reconcile.grace_s) {
+            return Err(format!(
+                "reconcile.grace_s = {}: must be between 1 and {MAX_GRACE_S} seconds",
+                reconcile.grace_s
+            ));
         }
         let ds = ShareConfig::default();
         let share = ShareConfig {
@@ -553,6 +560,11 @@ mod tests {
                 "policy.decline_retry_max_s = 60: must be 0 (no growth) or at least policy.decline_retry_s (120)",
             ),
             ("[reconcile]\ngrace_s = 0.5", "reconcile.grace_s = 0.5"),
+            (
+                "[reconcile]\ngrace_s = inf",
+                "reconcile.grace_s = inf: must be between 1 and 86400",
+            ),
+            ("[reconcile]\ngrace_s = nan", "reconcile.grace_s = NaN"),
             ("[weight]\npublish = 1", "invalid type"),
         ];
         for (text, want) in cases {

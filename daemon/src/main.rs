@@ -88,6 +88,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve { .. }) {
+        // A tool whose output is cut short (`multiplexd export - | head`) ends quietly, as
+        // command-line tools do, instead of panicking on the closed pipe. The daemon keeps
+        // Rust's default (SIGPIPE ignored): a client that goes away must not stop it.
+        // SAFETY: signal() with SIG_DFL only changes this process's disposition of SIGPIPE,
+        // before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Serve { config } => serve::serve(&config),
         Command::Status { config, socket, json } => tools::status(&config, socket.as_deref(), json),

@@ -106,3 +106,27 @@ fn history_tools_from_the_command_line() {
     let (ok, _, err) = multiplexd(&["import", junk.to_str().unwrap(), "--config", &b]);
     assert!(!ok && err.contains("not a multiplexd history export"), "{err}");
 }
+
+#[test]
+fn a_tool_whose_reader_went_away_ends_quietly() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let dir = tempfile::tempdir().unwrap();
+    let a = config(dir.path(), "a");
+    drop(multiplexd::history::History::open(&dir.path().join("a.sqlite")).unwrap());
+    // `multiplexd export - | true`: the reading end is closed before the tool writes.
+    let mut fds = [0; 2];
+    // SAFETY: pipe writes two new descriptors into fds; each is owned once below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: as above.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["export", "-", "--config", &a])
+        .stdout(std::process::Stdio::from(write))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.is_empty(), "nothing said on stderr: {err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}", out.status);
+}

@@ -47,6 +47,12 @@ pub enum HistoryError {
     Corrupt { path: PathBuf, detail: String },
     #[error("the history database {path} has schema version {found}, newer than this multiplexd ({known}); it was left as is")]
     TooNew { path: PathBuf, found: i64, known: usize },
+    #[error("the history database {path} cannot be written ({detail}): multiplexd must be able to write it, its -wal and -shm files and its directory (check their owner and permissions, and that the file system is not read-only); it was left as is")]
+    NotWritable { path: PathBuf, detail: String },
+    #[error(
+        "the disk holding the history database {path} is full ({detail}): free some space; the history was left as is"
+    )]
+    DiskFull { path: PathBuf, detail: String },
     #[error("history database: {0}")]
     Sql(#[from] rusqlite::Error),
     #[error("cannot start a history thread: {0}")]
@@ -142,19 +148,33 @@ impl History {
             })?;
         }
         let conn = connect(path, OpenFlags::SQLITE_OPEN_CREATE)?;
-        let corrupt = |detail: String| HistoryError::Corrupt {
-            path: path.to_path_buf(),
-            detail,
-        };
+        let opening = |e: rusqlite::Error| opening_failed(path, e);
         // A file that is not a database fails here, before anything is written to it.
         let check: String = conn
             .query_row("PRAGMA quick_check", [], |r| r.get(0))
-            .map_err(|e| corrupt(e.to_string()))?;
+            .map_err(opening)?;
         if check != "ok" {
-            return Err(corrupt(check));
+            return Err(HistoryError::Corrupt {
+                path: path.to_path_buf(),
+                detail: check,
+            });
         }
-        let mut history = History::configured(conn, Arc::default())?;
-        history.migrate(path)?;
+        // SQLite opens a file it may not write read-only rather than fail: every write would
+        // fail later, one request at a time.
+        if conn.is_readonly(c"main").map_err(opening)? {
+            return Err(HistoryError::NotWritable {
+                path: path.to_path_buf(),
+                detail: "SQLite could open it for reading only".into(),
+            });
+        }
+        let mut history = History::configured(conn, Arc::default()).map_err(|e| match e {
+            HistoryError::Sql(e) => opening(e),
+            other => other,
+        })?;
+        history.migrate(path).map_err(|e| match e {
+            HistoryError::Sql(e) => opening(e),
+            other => other,
+        })?;
         Ok(history)
     }
 
@@ -174,6 +194,23 @@ impl History {
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         Ok(History { conn, gate })
+    }
+}
+
+/// What an SQLite error met while opening the history at `path` means: a file that is not a
+/// database, or is damaged, is corrupt; one that cannot be written, or a full disk, is not
+/// (moving such a history away would throw a good one out).
+fn opening_failed(path: &Path, e: rusqlite::Error) -> HistoryError {
+    use rusqlite::ErrorCode;
+    let path = path.to_path_buf();
+    let detail = e.to_string();
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) => HistoryError::Corrupt { path, detail },
+        Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied | ErrorCode::CannotOpen) => {
+            HistoryError::NotWritable { path, detail }
+        }
+        Some(ErrorCode::DiskFull) => HistoryError::DiskFull { path, detail },
+        _ => HistoryError::Open { path, source: e },
     }
 }
 

@@ -227,6 +227,35 @@ fn corrupt_database_is_reported_and_left_alone() {
 }
 
 #[test]
+fn a_history_that_cannot_be_written_is_not_called_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    drop(History::open(&path).unwrap());
+    // What SQLite says when the file cannot be written (root writes through permissions, so
+    // the error is made with a read-only connection).
+    let ro = Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let e = ro
+        .execute("INSERT INTO applications(name) VALUES ('x')", [])
+        .unwrap_err();
+    let text = super::opening_failed(&path, e).to_string();
+    assert!(
+        text.contains("cannot be written") && text.contains("permissions") && !text.contains("corrupt"),
+        "{text}"
+    );
+    // And as a user, a history made read-only by its permissions.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
+        let text = History::open(&path).err().expect("must fail").to_string();
+        assert!(
+            text.contains("cannot be written") && !text.contains("corrupt"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
 fn newer_schema_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("h.sqlite");
