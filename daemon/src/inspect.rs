@@ -2,7 +2,7 @@
 //! status`, `history` and `explain`, wait statuses, and the node list of `scontrol show job`. (The queries are the history's: see
 //! [`crate::history::exchange`] and [`crate::history::explain`].)
 
-use crate::history::{Decline, Explanation, Export};
+use crate::history::{Decline, Explanation, Export, History, HistoryError};
 use multiplex_protocol::NodeStatus;
 
 /// A node's [`NodeStatus`] as the text `multiplexd status` prints: one line per GPU.
@@ -182,6 +182,39 @@ pub fn exit_text(status: i32) -> String {
     } else {
         format!("killed by signal {signal}")
     }
+}
+
+/// A job as the history explains it: for the tools and for the daemon's `Explain` answer.
+pub struct Explained {
+    /// The job's user, where the history recorded one (jobs that only were declined: none).
+    pub owner: Option<u32>,
+    pub text: String,
+    pub json: serde_json::Value,
+}
+
+/// What the history of node `node` says of job `job_id`: why it ran where it did, or only its
+/// declines if it never ran here; `None` when the history has nothing on it.
+pub fn explained(h: &History, node: &str, job_id: u32) -> Result<Option<Explained>, HistoryError> {
+    let to_json = |v: Result<serde_json::Value, serde_json::Error>| {
+        v.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))
+    };
+    if let Some(e) = h.explain(job_id)? {
+        return Ok(Some(Explained {
+            owner: h.job_owner(job_id)?,
+            text: ExplanationText(&e).to_string(),
+            json: to_json(serde_json::to_value(&e)),
+        }));
+    }
+    // Declined here, and never run here (it waits, or ran elsewhere).
+    let declines = h.declines(job_id)?;
+    if declines.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Explained {
+        owner: None,
+        text: format!("job {job_id} has not run on {node}\n{}", DeclinesText(&declines)),
+        json: serde_json::json!({ "job_id": job_id, "declines": declines }),
+    }))
 }
 
 /// The `NodeList` of `scontrol show job -o` output; `None` while the job has none.

@@ -25,10 +25,13 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let gpus = crate::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
     let access = Access {
         privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
+        // Private until Slurm says otherwise: never more than Slurm would show.
+        private_jobs: Arc::new(AtomicBool::new(true)),
     };
     let socket = config.socket.clone();
     let node_name = config.node.clone();
     let weight = config.weight.clone();
+    let weight_scontrol = config.weight.scontrol.clone();
     let config_mode_observes = config.policy.mode == crate::config::Mode::Observe;
     let reconcile = config.reconcile.clone();
     let share = config.share.clone();
@@ -85,6 +88,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
         ),
     }
+    follow_private_data(weight_scontrol, Arc::clone(&access.private_jobs), Arc::clone(&shutdown));
     server::run(listener, Arc::clone(&node), access, shutdown);
     let _ = std::fs::remove_file(&socket);
     // What ended jobs still have to teach is learned before the daemon exits.
@@ -151,4 +155,42 @@ fn raise_file_limit() {
         }
     }
     tracing::debug!(open_files = lim.rlim_max, "open-file limit");
+}
+
+/// Keeps `private` to whether Slurm keeps jobs private (`PrivateData`), asking `scontrol show
+/// config` every minute until it answers (the daemon may start before slurmctld), then every
+/// ten minutes. Until it has answered, jobs are private.
+fn follow_private_data(scontrol: std::path::PathBuf, private: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
+    let mut trouble = crate::background::Trouble::default();
+    let mut known: Option<bool> = None;
+    let mut next = std::time::Instant::now();
+    let spawned = crate::background::every("privatedata", Duration::from_secs(60), shutdown, move || {
+        if std::time::Instant::now() < next {
+            return;
+        }
+        let args = ["show".to_string(), "config".to_string()];
+        let answer = crate::command::run(&scontrol, &args, Duration::from_secs(10)).and_then(|out| {
+            crate::server::private_jobs(&out).ok_or_else(|| "no PrivateData in its output".to_string())
+        });
+        match answer {
+            Ok(p) => {
+                if trouble.recovered() || known != Some(p) {
+                    tracing::info!(private_jobs = p, "Slurm's PrivateData read");
+                }
+                known = Some(p);
+                private.store(p, Ordering::Relaxed);
+                next = std::time::Instant::now() + Duration::from_secs(600);
+            }
+            Err(e) => {
+                if trouble.failed(&e) {
+                    tracing::warn!(
+                        "cannot read Slurm's PrivateData ({e}); users see only their own jobs until it can be read"
+                    );
+                }
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the thread that reads Slurm's PrivateData ({e}): users see only their own jobs");
+    }
 }

@@ -17,12 +17,31 @@ use std::time::{Duration, Instant};
 pub struct Access {
     /// Besides root, uids that may place and finish tasks (the Slurm user).
     pub privileged_uids: Vec<u32>,
+    /// Slurm keeps jobs private (`PrivateData=jobs`): other users see only their own jobs in
+    /// `status` and `explain`; root and the Slurm user see all. Shared with the thread that
+    /// asks Slurm now and then.
+    pub private_jobs: Arc<AtomicBool>,
 }
 
 impl Access {
     fn may_place(&self, uid: u32) -> bool {
         uid == 0 || self.privileged_uids.contains(&uid)
     }
+
+    /// Whether `uid` may see the jobs of `owner` (unknown: only where jobs are not private).
+    fn may_see(&self, uid: u32, owner: Option<u32>) -> bool {
+        !self.private_jobs.load(Ordering::Relaxed) || self.may_place(uid) || owner == Some(uid)
+    }
+}
+
+/// Whether Slurm keeps jobs private, from `scontrol show config`: `PrivateData` naming `jobs`
+/// (or `usage`, which implies it); `None` when the text has no `PrivateData` line.
+pub fn private_jobs(show_config: &str) -> Option<bool> {
+    let value = show_config.lines().find_map(|l| {
+        let (key, value) = l.split_once('=')?;
+        (key.trim() == "PrivateData").then(|| value.trim().to_ascii_lowercase())
+    })?;
+    Some(value.split(',').any(|v| matches!(v.trim(), "jobs" | "usage")))
 }
 
 /// Credentials of a connected peer.
@@ -331,8 +350,26 @@ pub(crate) fn handle(
         Request::Place(_) => return denied("place tasks"),
         Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req),
         Request::Finish(_) => return denied("finish tasks"),
-        Request::Status => node.status().map(Response::Status),
+        Request::Status => node.status().map(|mut status| {
+            for gpu in &mut status.gpus {
+                gpu.tasks.retain(|t| access.may_see(cred.uid, Some(t.uid)));
+            }
+            Response::Status(status)
+        }),
         Request::Report(req) => node.report(&req, cred.uid, access.may_place(cred.uid)),
+        Request::Explain { job_id } => {
+            crate::inspect::explained(node.history(), node.name(), job_id).map(|found| match found {
+                Some(e) if access.may_see(cred.uid, e.owner) => Response::Explained {
+                    text: e.text,
+                    json: e.json,
+                },
+                // A job the peer may not see is as one this node never had.
+                _ => Response::Explained {
+                    text: String::new(),
+                    json: serde_json::Value::Null,
+                },
+            })
+        }
     };
     result.map_err(|e| e.to_string())
 }
@@ -376,6 +413,7 @@ mod tests {
         let node = node(dir.path());
         let access = Access {
             privileged_uids: vec![64030],
+            private_jobs: Arc::new(AtomicBool::new(false)),
         };
         let user = PeerCred { pid: 1, uid: 1000 };
         for request in [
@@ -405,5 +443,67 @@ mod tests {
             matches!(handle(place(), root, &node, &access).unwrap(), Response::Placed(_)),
             "asking twice is idempotent"
         );
+    }
+
+    #[test]
+    fn slurms_private_data_says_whether_jobs_are_private() {
+        let config = |v: &str| format!("Prolog = (null)\nPrivateData             = {v}\nProctrackType = x\n");
+        assert_eq!(private_jobs(&config("none")), Some(false));
+        assert_eq!(private_jobs(&config("accounts,reservations")), Some(false));
+        assert_eq!(private_jobs(&config("jobs")), Some(true));
+        assert_eq!(private_jobs(&config("accounts,usage")), Some(true));
+        assert_eq!(private_jobs("SlurmUser = slurm\n"), None);
+    }
+
+    #[test]
+    fn where_jobs_are_private_a_user_sees_only_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(dir.path());
+        let access = Access {
+            privileged_uids: vec![],
+            private_jobs: Arc::new(AtomicBool::new(true)),
+        };
+        let root = PeerCred { pid: 1, uid: 0 };
+        let placed = |job_id: u32, uid: u32| {
+            let Request::Place(mut req) = place() else {
+                unreachable!()
+            };
+            req.job_id = job_id;
+            req.uid = uid;
+            assert!(matches!(
+                handle(Request::Place(req), root, &node, &access).unwrap(),
+                Response::Placed(_)
+            ));
+        };
+        placed(7, 1000);
+        placed(8, 1001);
+        let jobs_seen_by = |uid: u32| -> Vec<u32> {
+            match handle(Request::Status, PeerCred { pid: 1, uid }, &node, &access).unwrap() {
+                Response::Status(s) => s.gpus.iter().flat_map(|g| g.tasks.iter().map(|t| t.job_id)).collect(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(jobs_seen_by(1000), [7]);
+        assert_eq!(jobs_seen_by(1001), [8]);
+        assert_eq!(jobs_seen_by(0), [7, 8]);
+        let explained =
+            |job_id: u32, uid: u32| match handle(Request::Explain { job_id }, PeerCred { pid: 1, uid }, &node, &access)
+                .unwrap()
+            {
+                Response::Explained { json, .. } => !json.is_null(),
+                other => panic!("{other:?}"),
+            };
+        assert!(explained(7, 1000) && explained(8, 0));
+        assert!(!explained(8, 1000), "another user's job is as one never seen");
+        assert!(!explained(9, 0), "a job never seen");
+        // Where Slurm does not keep jobs private, everyone sees everything.
+        let open = Access {
+            private_jobs: Arc::new(AtomicBool::new(false)),
+            ..access.clone()
+        };
+        match handle(Request::Status, PeerCred { pid: 1, uid: 1000 }, &node, &open).unwrap() {
+            Response::Status(s) => assert_eq!(s.gpus[0].tasks.len(), 2),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -48,12 +48,22 @@ fn open_history(config_path: &Path) -> Result<History, String> {
 
 /// [`open_history`] for a config already loaded from `config_path`.
 fn history_of(config: &Config, config_path: &Path) -> Result<History, String> {
-    if !config.database.exists() {
-        return Err(format!(
-            "no history database at {} (named by {})",
-            config.database.display(),
-            config_path.display()
-        ));
+    match std::fs::metadata(&config.database) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!(
+                "no history database at {} (named by {})",
+                config.database.display(),
+                config_path.display()
+            ))
+        }
+        Err(e) => {
+            return Err(format!(
+                "cannot read the history {}: {e} (it is readable by root and the daemon's user only; \
+                 multiplexd status and multiplexd explain JOBID ask the daemon instead)",
+                config.database.display()
+            ))
+        }
     }
     History::open(&config.database).map_err(|e| e.to_string())
 }
@@ -78,24 +88,41 @@ pub fn history(config_path: &Path, json: bool) -> Result<(), String> {
 /// and what was learned from it.
 pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
     let config = load_config(config_path)?;
-    let h = history_of(&config, config_path)?;
-    let Some(e) = h.explain(job_id).map_err(|e| e.to_string())? else {
-        // Declined here, and never run here (it waits, or ran elsewhere).
-        let declines = h.declines(job_id).map_err(|e| e.to_string())?;
-        if declines.is_empty() {
-            return Err(not_here(&config, job_id));
+    let found = match std::fs::File::open(&config.database) {
+        // The history is readable by root and the daemon's user only: others ask the daemon,
+        // which answers for their own jobs (all jobs where Slurm does not keep them private).
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            match client::call(&config.socket, Duration::from_secs(5), Request::Explain { job_id }) {
+                Ok(Response::Explained {
+                    json: serde_json::Value::Null,
+                    ..
+                }) => None,
+                Ok(Response::Explained { text, json }) => Some((text, json)),
+                Ok(Response::Error { message }) => return Err(message),
+                Ok(other) => return Err(format!("unexpected answer: {other:?}")),
+                Err(e) => {
+                    return Err(format!(
+                        "cannot read the history {} ({}), and the daemon did not answer: {e}",
+                        config.database.display(),
+                        std::io::Error::from(std::io::ErrorKind::PermissionDenied)
+                    ))
+                }
+            }
         }
-        if json {
-            return json_out(&serde_json::json!({ "job_id": job_id, "declines": declines }));
+        _ => {
+            let h = history_of(&config, config_path)?;
+            inspect::explained(&h, &config.node, job_id)
+                .map_err(|e| e.to_string())?
+                .map(|e| (e.text, e.json))
         }
-        println!("job {job_id} has not run on {}", config.node);
-        print!("{}", inspect::DeclinesText(&declines));
-        return Ok(());
+    };
+    let Some((text, data)) = found else {
+        return Err(not_here(&config, job_id));
     };
     if json {
-        return json_out(&e);
+        return json_out(&data);
     }
-    print!("{}", inspect::ExplanationText(&e));
+    print!("{text}");
     Ok(())
 }
 

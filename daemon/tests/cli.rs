@@ -130,3 +130,104 @@ fn a_tool_whose_reader_went_away_ends_quietly() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}", out.status);
 }
+
+#[test]
+fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
+    use multiplex_protocol::{client, PlaceRequest, Request, Response};
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: placing jobs for other users needs root (tests/run runs as root)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // The history in a directory the daemon makes (0700); Slurm's PrivateData cannot be asked
+    // (no scontrol), so jobs are private.
+    let config = dir.path().join("c.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node = \"n1\"\nsocket = \"{d}/run/d.sock\"\ndatabase = \"{d}/lib/h.sqlite\"\nslurm_user = \"root\"\n\
+             [weight]\npublish = false\nscontrol = \"{d}/no-scontrol\"\n[reconcile]\ninterval_s = 0\n\
+             [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    // Others may reach the socket's directory (it is the daemon's to make world-usable).
+    std::fs::create_dir(dir.path().join("run")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    for p in [dir.path(), &dir.path().join("run")] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let socket = dir.path().join("run/d.sock");
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = std::time::Duration::from_secs(5);
+    let mut up = false;
+    for _ in 0..200 {
+        if client::call(&socket, t, Request::Status).is_ok() {
+            up = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    assert!(up, "multiplexd did not come up");
+    for (job_id, uid) in [(7, 65534), (8, 1000)] {
+        let req = PlaceRequest {
+            job_id,
+            step_id: 0,
+            uid,
+            app: "bert".into(),
+            mem_mb: None,
+            node: "n1".into(),
+            slurm_cuda_visible_devices: None,
+            slurm_job_gpus: None,
+            slurm_shards_on_node: None,
+            restarts: 0,
+            cannot_wait: false,
+        };
+        assert!(matches!(
+            client::call(&socket, t, Request::Place(req)),
+            Ok(Response::Placed(_))
+        ));
+    }
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The file itself is out of reach...
+    let (ok, _, err) = as_nobody(&["history"]);
+    assert!(
+        !ok && err.contains("readable by root and the daemon's user only"),
+        "{err}"
+    );
+    // ...but the daemon explains the user's own job,
+    let (ok, out, err) = as_nobody(&["explain", "7"]);
+    assert!(ok && out.contains("bert"), "{out}{err}");
+    // and not another user's, which reads as a job this node never had.
+    let (ok, _, err) = as_nobody(&["explain", "8"]);
+    assert!(!ok && err.contains("job 8 is not in the history of n1"), "{err}");
+    let (ok, out, _) = as_nobody(&["status", "--json"]);
+    assert!(
+        ok && out.contains("\"job_id\": 7") && !out.contains("\"job_id\": 8"),
+        "{out}"
+    );
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+}

@@ -69,6 +69,7 @@ impl InProcess {
         let s = Arc::clone(&shutdown);
         let access = Access {
             privileged_uids: vec![],
+            private_jobs: Arc::new(AtomicBool::new(false)),
         };
         let thread = std::thread::spawn(move || server::run_with(listener, node, access, s, limits, creds_by_name));
         InProcess {

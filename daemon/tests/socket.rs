@@ -58,6 +58,7 @@ impl InProcess {
                 node,
                 Access {
                     privileged_uids: vec![],
+                    private_jobs: Arc::new(AtomicBool::new(false)),
                 },
                 s,
             )

@@ -55,6 +55,10 @@ pub enum Request {
     Status,
     /// Something a running job says about itself. (root, the Slurm user, or the job's user)
     Report(ReportRequest),
+    /// Why a job got its GPU or was declined, who shared it, what was learned: `multiplexd
+    /// explain` for users who may not read the history file. (Where Slurm keeps jobs private,
+    /// the job's own user, root and the Slurm user only.)
+    Explain { job_id: u32 },
 }
 
 /// A running job's report about itself.
@@ -129,6 +133,12 @@ pub enum Response {
     /// The report was recorded; the text says what follows from it.
     Reported {
         message: String,
+    },
+    /// A job explained: the text for people, and the same as JSON (`null`, with no text,
+    /// when the node's history has nothing on the job).
+    Explained {
+        text: String,
+        json: serde_json::Value,
     },
     Error {
         message: String,

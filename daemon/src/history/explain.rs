@@ -55,6 +55,19 @@ pub struct Explanation {
 impl History {
     /// The latest run of job `job_id` here, explained; `None` if the history has no such job.
     pub fn explain(&self, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
+        self.explain_job(job_id)
+    }
+
+    /// The user of the latest job `job_id` recorded here, if any.
+    pub fn job_owner(&self, job_id: u32) -> Result<Option<u32>, HistoryError> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT uid FROM jobs WHERE job_id = ?1 ORDER BY id DESC LIMIT 1")?
+            .query_row([job_id], |r| r.get(0))
+            .optional()?)
+    }
+
+    fn explain_job(&self, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
         let conn = &self.conn;
         let row = conn
             .query_row(

@@ -140,14 +140,38 @@ impl Default for Gate {
 
 impl History {
     /// Opens (creating if absent) and migrates the database at `path`.
+    /// A new history and the directories made for it are its owner's alone (0600, 0700): it
+    /// names every user's jobs.
     pub fn open(path: &Path) -> Result<History, HistoryError> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let cannot = |e: std::io::Error, what: &Path| HistoryError::Open {
+            path: path.to_path_buf(),
+            source: rusqlite::Error::InvalidPath(PathBuf::from(format!("{}: {e}", what.display()))),
+        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| HistoryError::Open {
-                path: path.to_path_buf(),
-                source: rusqlite::Error::InvalidPath(PathBuf::from(format!("{}: {e}", dir.display()))),
-            })?;
+            if !dir.is_dir() {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)
+                    .map_err(|e| cannot(e, dir))?;
+            }
         }
+        let existed = path.exists();
         let conn = connect(path, OpenFlags::SQLITE_OPEN_CREATE)?;
+        if !existed && path.exists() {
+            // Before the -wal and -shm files exist: SQLite gives them the database's mode.
+            // (An in-memory database, as the simulator's, has no file.)
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| cannot(e, path))?;
+        } else if let Ok(meta) = std::fs::metadata(path) {
+            if meta.permissions().mode() & 0o004 != 0 {
+                tracing::warn!(
+                    "the history {} is readable by every user (mode {:o}): it names every user's jobs; chmod 600 it",
+                    path.display(),
+                    meta.permissions().mode() & 0o777
+                );
+            }
+        }
         let opening = |e: rusqlite::Error| opening_failed(path, e);
         // A file that is not a database fails here, before anything is written to it.
         let check: String = conn

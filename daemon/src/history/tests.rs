@@ -358,3 +358,21 @@ fn declines_are_counted_per_job_and_node_and_compaction_drops_those_a_month_old(
     assert!(h.declines(7).unwrap().is_empty());
     assert_eq!(h.declines(8).unwrap().len(), 1, "n1's, declined on day 9, stays");
 }
+
+#[test]
+fn a_new_history_and_its_directory_are_not_readable_by_other_users() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lib/multiplexd/h.sqlite");
+    drop(History::open(&path).unwrap());
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&path), 0o600);
+    assert_eq!(mode(path.parent().unwrap()), 0o700);
+    assert_eq!(mode(&dir.path().join("lib")), 0o700);
+    for extra in ["h.sqlite-wal", "h.sqlite-shm"] {
+        let p = path.with_file_name(extra);
+        if p.exists() {
+            assert_eq!(mode(&p) & 0o077, 0, "{extra}");
+        }
+    }
+}
