@@ -16,6 +16,21 @@ fn out_arg(c: &Cluster, tag: &str) -> String {
     format!("--output={}", c.output_path(tag).display())
 }
 
+/// The nodes whose daemon has a record of `job`.
+fn daemons_that_recorded(c: &Cluster, job: u32) -> Vec<&'static str> {
+    ["n1", "n2"]
+        .into_iter()
+        .filter(|node| {
+            c.history(node)
+                .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| {
+                    r.get::<_, u32>(0)
+                })
+                .unwrap()
+                > 0
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn multiplexed_job_runs_where_the_daemon_decided() {
@@ -84,13 +99,11 @@ fn jobs_without_the_flag_are_left_alone() {
         env.contains_key("CUDA_VISIBLE_DEVICES"),
         "Slurm's own GPU binding is there: {env:?}"
     );
-    for node in ["n1", "n2"] {
-        let n: u32 = c
-            .history(node)
-            .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
-            .unwrap();
-        assert_eq!(n, 0, "no daemon traffic for a plain job ({node})");
-    }
+    assert_eq!(
+        daemons_that_recorded(&c, job),
+        Vec::<&str>::new(),
+        "no daemon traffic for a plain job"
+    );
 }
 
 #[test]
@@ -464,18 +477,7 @@ fn an_srun_step_inside_a_multiplexed_job_joins_its_gpu() {
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn slurm_multiplex_in_the_environment_acts_as_the_flag_and_the_command_line_wins() {
     let c = Cluster::from_env();
-    let run = |env: &[(&str, &str)], args: &[&str]| {
-        let out = std::process::Command::new("sbatch")
-            .arg("--parsable")
-            .args(args)
-            .envs(env.iter().copied())
-            .current_dir(c.path(""))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let job: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-        c.wait(job, WAIT)
-    };
+    let run = |env: &[(&str, &str)], args: &[&str]| submit_with_env(&c, env, args);
     let out = out_arg(&c, "envflag");
     let rec = run(
         &[("SLURM_MULTIPLEX", "app=itest-env")],
@@ -549,13 +551,11 @@ fn the_option_set_in_a_plain_jobs_environment_places_nothing() {
         output.contains(&format!("job {job} was not submitted with --multiplex")),
         "the job is told why: {output}"
     );
-    for node in ["n1", "n2"] {
-        let n: u32 = c
-            .history(node)
-            .query_row("SELECT count(*) FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
-            .unwrap();
-        assert_eq!(n, 0, "no daemon placed it ({node})");
-    }
+    assert_eq!(
+        daemons_that_recorded(&c, job),
+        Vec::<&str>::new(),
+        "no daemon placed it"
+    );
 }
 
 #[test]
