@@ -428,7 +428,29 @@ fn jobs_on_one_node_never_exceed_the_slots_of_a_gpu() {
         )
         .unwrap();
     assert!(max_partners <= 1, "a job had {max_partners} partners at once");
-    assert!(per_gpu.values().all(|v| v.len() <= 2), "{per_gpu:?}");
+    // And by the jobs' own times: when each started, at most one other ran on its GPU. (Slurm
+    // may start the four one after the other, so a GPU can see three of them in turn.)
+    let times: Vec<(u32, f64, f64)> = jobs
+        .iter()
+        .map(|&job| {
+            db.query_row(
+                "SELECT gpu, started_at, finished_at FROM jobs WHERE job_id = ?1",
+                [job],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap()
+        })
+        .collect();
+    for &(gpu, start, _) in &times {
+        let at_once = times
+            .iter()
+            .filter(|&&(g, s, f)| g == gpu && s <= start && start < f)
+            .count();
+        assert!(
+            at_once <= 2,
+            "{at_once} jobs at once on GPU {gpu}: {times:?} ({per_gpu:?})"
+        );
+    }
 }
 
 #[test]

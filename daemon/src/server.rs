@@ -506,4 +506,22 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    #[test]
+    fn an_answer_too_large_for_a_frame_becomes_an_error_that_says_so() {
+        let (mut daemon_end, mut client_end) = UnixStream::pair().unwrap();
+        let big = Response::Reported {
+            message: "x".repeat(wire::MAX_FRAME + 1),
+        };
+        let writer = std::thread::spawn(move || reply(&mut daemon_end, big));
+        client_end.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let body = wire::read_frame_bytes(&mut client_end).unwrap().expect("an answer");
+        assert!(writer.join().unwrap(), "the error answer was sent");
+        match wire::decode_response(&body).unwrap() {
+            Response::Error { message } => {
+                assert!(message.contains("more than a message may hold"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
