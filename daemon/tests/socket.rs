@@ -380,3 +380,94 @@ fn a_finish_answers_before_learning_and_a_stopping_daemon_learns_what_is_queued(
         .unwrap();
     assert_eq!(runs, 1, "the solo run of job 1 was learned");
 }
+
+#[test]
+fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
+    let (dir, socket, first) = served(2);
+    let config = dir.path().join("multiplexd.toml");
+    let mut daemon = first;
+    let (mut placed, mut finished) = (Vec::new(), Vec::new());
+    // Jobs still running when a daemon was killed: their ends come in the next round.
+    let mut running = std::collections::VecDeque::new();
+    let mut next = 100u32;
+    for round in 0..10u64 {
+        if round > 0 {
+            daemon = serve(&config, &socket);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, sock, first_job) = (Arc::clone(&stop), socket.clone(), next);
+        let mut carried = std::mem::take(&mut running);
+        // slurmstepd's traffic: place, and finish the oldest once both GPUs' slots are full.
+        let worker = std::thread::spawn(move || {
+            let (mut placed, mut finished) = (Vec::new(), Vec::new());
+            let mut job = first_job;
+            while !s.load(Ordering::SeqCst) {
+                if carried.len() >= 4 {
+                    let old = carried.pop_front().unwrap();
+                    match client::call(&sock, T, finish(old)) {
+                        Ok(Response::Finished) => finished.push(old),
+                        _ => {
+                            carried.push_front(old);
+                            break;
+                        }
+                    }
+                }
+                // An application per job: compaction at each start (which keeps the latest
+                // jobs of each application) then deletes nothing this test counts.
+                match client::call(&sock, T, place(job, &format!("app{job}"))) {
+                    Ok(Response::Placed(_)) => {
+                        placed.push(job);
+                        carried.push_back(job);
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+                job += 1;
+            }
+            (placed, finished, job, carried)
+        });
+        std::thread::sleep(Duration::from_millis(100 + 37 * round));
+        daemon.kill().unwrap(); // SIGKILL, mid-stream
+        daemon.wait().unwrap();
+        stop.store(true, Ordering::SeqCst);
+        let (p, f, j, r) = worker.join().unwrap();
+        placed.extend(p);
+        finished.extend(f);
+        running = r;
+        next = j + 1;
+    }
+    assert!(
+        placed.len() >= 40,
+        "load ran in every round: {} placements",
+        placed.len()
+    );
+    let mut last = serve(&config, &socket);
+    let running: Vec<u32> = status_jobs(&socket).into_iter().map(|(job, _)| job).collect();
+    last.kill().unwrap();
+    last.wait().unwrap();
+    let h = multiplexd::history::History::open(&dir.path().join("h.sqlite")).unwrap();
+    let count = |sql: &str, job: u32| -> i64 { h.connection().query_row(sql, [job], |r| r.get(0)).unwrap() };
+    for &job in &placed {
+        assert_eq!(
+            count("SELECT count(*) FROM jobs WHERE job_id = ?1", job),
+            1,
+            "placement of {job} lost"
+        );
+    }
+    for &job in &finished {
+        assert_eq!(
+            count(
+                "SELECT count(*) FROM jobs WHERE job_id = ?1 AND finished_at IS NOT NULL",
+                job
+            ),
+            1,
+            "end of {job} lost"
+        );
+        assert!(!running.contains(&job), "job {job} ended but holds a slot");
+    }
+    let integrity: String = h
+        .connection()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(integrity, "ok");
+}
