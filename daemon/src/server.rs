@@ -131,7 +131,7 @@ pub fn run_with(
             Ok(stream) => stream,
             Err(e) => {
                 // Out of file descriptors, most likely: the limits keep this rare.
-                complaints.note(u32::MAX, Fault::Refused, || format!("accept failed: {e}"));
+                complaints.note(NO_PEER, Fault::Refused, || format!("accept failed: {e}"));
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
@@ -139,9 +139,7 @@ pub fn run_with(
         let cred = match creds(&stream) {
             Ok(c) => c,
             Err(e) => {
-                complaints.note(u32::MAX, Fault::Refused, || {
-                    format!("cannot read peer credentials: {e}")
-                });
+                complaints.note(NO_PEER, Fault::Refused, || format!("cannot read peer credentials: {e}"));
                 continue;
             }
         };
@@ -168,6 +166,10 @@ pub fn run_with(
     complaints.flush();
 }
 
+/// What faults are counted under when no peer is known yet (a failed accept, credentials
+/// that cannot be read).
+const NO_PEER: u32 = u32::MAX;
+
 /// How often each uid's faults of one kind may be logged.
 const COMPLAINTS_WINDOW: Duration = Duration::from_secs(60);
 
@@ -186,72 +188,44 @@ fn refuse(mut stream: UnixStream, refusal: Refusal) {
     }
 }
 
-/// How a request failed to arrive.
-enum Unread {
-    /// Nothing came within the idle limit: closed without a word.
-    Idle,
-    /// It began but did not end within the frame deadline.
-    TooSlow,
-    Frame(FrameError),
+/// A connection read at the pace the limits allow: the first byte of a request within
+/// `limits.idle`, the rest of it within `limits.frame` of that byte. A read past either ends in
+/// `TimedOut` (or `WouldBlock`); [`Self::began`] says which.
+struct Paced<'a> {
+    stream: &'a mut UnixStream,
+    limits: &'a Limits,
+    deadline: Option<Instant>,
 }
 
-/// Reads one request frame: waits up to `limits.idle` for its first byte, then gives the whole
-/// frame `limits.frame` to arrive. The body grows with what has arrived, never with what the
-/// length prefix declared. `Ok(None)` when the peer closed between frames.
-fn read_request(stream: &mut UnixStream, limits: &Limits) -> Result<Option<Vec<u8>>, Unread> {
-    let mut len = [0u8; 4];
-    let _ = stream.set_read_timeout(Some(limits.idle));
-    loop {
-        match stream.read(&mut len[..1]) {
-            Ok(0) => return Ok(None),
-            Ok(_) => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                return Err(Unread::Idle)
-            }
-            Err(e) => return Err(Unread::Frame(FrameError::Io(e))),
-        }
+impl Paced<'_> {
+    /// Whether the current request had begun to arrive (a timeout is then a slow frame, not
+    /// an idle connection).
+    fn began(&self) -> bool {
+        self.deadline.is_some()
     }
-    let deadline = Instant::now() + limits.frame;
-    read_by(stream, &mut len[1..], deadline, "the length prefix")?;
-    let n = u32::from_be_bytes(len) as usize;
-    if n > wire::MAX_FRAME {
-        return Err(Unread::Frame(FrameError::TooLarge(n)));
-    }
-    let mut body = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    while body.len() < n {
-        let want = (n - body.len()).min(chunk.len());
-        read_by(stream, &mut chunk[..want], deadline, "the frame")?;
-        body.extend_from_slice(&chunk[..want]);
-    }
-    Ok(Some(body))
 }
 
-/// Fills `buf` from `stream` before `deadline`.
-fn read_by(stream: &mut UnixStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<(), Unread> {
-    let mut got = 0;
-    while got < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Unread::TooSlow);
+impl Read for Paced<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let wait = match self.deadline {
+            None => self.limits.idle,
+            Some(d) => d.saturating_duration_since(Instant::now()),
+        };
+        if wait.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
         }
-        let _ = stream.set_read_timeout(Some(left));
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => {
-                return Err(Unread::Frame(FrameError::Malformed(format!(
-                    "truncated frame: the connection closed inside {what}"
-                ))))
-            }
-            Ok(k) => got += k,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                return Err(Unread::TooSlow)
-            }
-            Err(e) => return Err(Unread::Frame(FrameError::Io(e))),
+        self.stream.set_read_timeout(Some(wait))?;
+        let n = self.stream.read(buf)?;
+        if n > 0 && self.deadline.is_none() {
+            self.deadline = Some(Instant::now() + self.limits.frame);
         }
+        Ok(n)
     }
-    Ok(())
+}
+
+/// Whether `e` is a read that ran out of time.
+fn timed_out(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
 fn serve_connection(
@@ -265,20 +239,29 @@ fn serve_connection(
     let limits = ticket.limits().clone();
     let _ = stream.set_write_timeout(Some(limits.frame));
     loop {
-        let body = match read_request(&mut stream, &limits) {
+        let mut paced = Paced {
+            stream: &mut stream,
+            limits: &limits,
+            deadline: None,
+        };
+        let read = wire::read_frame_bytes(&mut paced);
+        let began = paced.began();
+        let body = match read {
             Ok(Some(b)) => b,
-            Ok(None) | Err(Unread::Idle) => return,
-            Err(Unread::Frame(FrameError::Io(e))) => {
-                tracing::debug!(pid = cred.pid, "connection ended: {e}");
-                return;
-            }
-            Err(Unread::TooSlow) => {
+            Ok(None) => return,
+            // Nothing came within the idle limit: closed without a word.
+            Err(FrameError::Io(e)) if timed_out(&e) && !began => return,
+            Err(FrameError::Io(e)) if timed_out(&e) => {
                 complaints.note(cred.uid, Fault::TooSlow, || {
                     format!("a request took longer than {} s to arrive", limits.frame.as_secs())
                 });
                 return;
             }
-            Err(Unread::Frame(e)) => {
+            Err(FrameError::Io(e)) => {
+                tracing::debug!(pid = cred.pid, "connection ended: {e}");
+                return;
+            }
+            Err(e) => {
                 // The stream may be out of step after a bad frame: answer, then close.
                 complaints.note(cred.uid, Fault::BadFrame, || e.to_string());
                 reply(&mut stream, Response::Error { message: e.to_string() });

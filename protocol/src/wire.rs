@@ -252,7 +252,9 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), Fram
     Ok(())
 }
 
-/// Reads one frame's bytes. `Ok(None)` when the peer closed cleanly before a new frame.
+/// Reads one frame's bytes. `Ok(None)` when the peer closed cleanly before a new frame. The
+/// body grows with what arrives, never with the length the prefix declares (a peer that
+/// declares 256 KiB and sends 10 bytes costs 10 bytes).
 pub fn read_frame_bytes(r: &mut impl Read) -> Result<Option<Vec<u8>>, FrameError> {
     let mut len = [0u8; 4];
     let mut got = 0;
@@ -273,11 +275,11 @@ pub fn read_frame_bytes(r: &mut impl Read) -> Result<Option<Vec<u8>>, FrameError
     if n > MAX_FRAME {
         return Err(FrameError::TooLarge(n));
     }
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body).map_err(|e| match e.kind() {
-        io::ErrorKind::UnexpectedEof => FrameError::Malformed(format!("truncated frame: expected {n} bytes")),
-        _ => FrameError::Io(e),
-    })?;
+    let mut body = Vec::new();
+    r.take(n as u64).read_to_end(&mut body)?;
+    if body.len() < n {
+        return Err(FrameError::Malformed(format!("truncated frame: expected {n} bytes")));
+    }
     Ok(Some(body))
 }
 

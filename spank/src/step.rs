@@ -2,6 +2,7 @@
 //! what the daemon said ([`crate::remote`] asks it), and what happens to a declined step. The
 //! callbacks in `lib.rs` call [`post_opt`] and carry out the plan it leaves in the state.
 
+use crate::args::Args;
 use crate::remote::{self, StepInfo, StepPlan};
 use crate::{state, OPTION_ENV, PREFIX};
 use libc::c_int;
@@ -29,7 +30,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         ));
     };
     let args = state().args.clone();
-    let spec = match tagged_spec(job_id) {
+    let spec = match tagged_spec(&args, job_id) {
         Ok(spec) => spec,
         Err(plan) => {
             if let StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } = &plan {
@@ -138,12 +139,12 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
 
 /// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), or the plan
 /// for a step of a job that has no tag (it runs as Slurm placed it) or whose tag cannot be read.
-fn tagged_spec(job_id: u32) -> Result<Spec, StepPlan> {
+fn tagged_spec(args: &Args, job_id: u32) -> Result<Spec, StepPlan> {
     let comment = match slurm_ffi::host::job_admin_comment(job_id) {
         Ok(c) => c,
         Err(e) => {
             return Err(remote::unplaced(
-                &state().args,
+                args,
                 &format!("cannot ask slurmctld whether job {job_id} was submitted with --multiplex: {e}"),
             ))
         }

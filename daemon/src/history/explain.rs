@@ -53,11 +53,6 @@ pub struct Explanation {
 }
 
 impl History {
-    /// The latest run of job `job_id` here, explained; `None` if the history has no such job.
-    pub fn explain(&self, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
-        self.explain_job(job_id)
-    }
-
     /// The user of the latest job `job_id` recorded here, if any.
     pub fn job_owner(&self, job_id: u32) -> Result<Option<u32>, HistoryError> {
         Ok(self
@@ -67,7 +62,8 @@ impl History {
             .optional()?)
     }
 
-    fn explain_job(&self, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
+    /// The latest run of job `job_id` here, explained; `None` if the history has no such job.
+    pub fn explain(&self, job_id: u32) -> Result<Option<Explanation>, HistoryError> {
         let conn = &self.conn;
         let row = conn
             .query_row(
