@@ -11,6 +11,7 @@
 typedef __typeof__(&spank_option_register) multiplex_spank_option_register_f;
 typedef __typeof__(&spank_getenv) multiplex_spank_getenv_f;
 typedef __typeof__(&spank_setenv) multiplex_spank_setenv_f;
+typedef __typeof__(&spank_job_control_setenv) multiplex_spank_job_control_setenv_f;
 typedef __typeof__(&spank_context) multiplex_spank_context_f;
 typedef __typeof__(&slurm_hostlist_create) multiplex_hostlist_create_f;
 typedef __typeof__(&slurm_hostlist_shift) multiplex_hostlist_shift_f;

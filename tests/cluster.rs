@@ -495,6 +495,158 @@ fn an_srun_step_inside_a_multiplexed_job_joins_its_gpu() {
     assert_eq!(jobs, 1, "the step took no slot of its own");
 }
 
+/// Runs srun or salloc (`args`, the command last) in the state directory and returns its
+/// exit status, stdout and stderr.
+fn run_tool(c: &Cluster, tool: &str, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new("timeout")
+        .arg("120")
+        .arg(tool)
+        .args(args)
+        .current_dir(c.path(""))
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
+    let c = Cluster::from_env();
+    let probe = "echo job=$SLURM_JOB_ID; echo gpu=$MULTIPLEX_GPU; echo node=$MULTIPLEX_NODE";
+    // srun making its own job asks for the job and its step with the same --gres/--gpus; the
+    // step must take the job's shared GPU, not ask for a whole one.
+    let ways: [(&str, Vec<&str>); 5] = [
+        (
+            "srun",
+            vec!["--multiplex=app=itest-srun", "--gres=gpu:1", "bash", "-c", probe],
+        ),
+        (
+            "srun",
+            vec![
+                "--multiplex=app=itest-srun",
+                "--gpus=1",
+                "--cpus-per-gpu=1",
+                "bash",
+                "-c",
+                probe,
+            ],
+        ),
+        (
+            "salloc",
+            vec![
+                "--multiplex=app=itest-srun",
+                "--gres=gpu:1",
+                "srun",
+                "bash",
+                "-c",
+                probe,
+            ],
+        ),
+        (
+            "salloc",
+            vec![
+                "--multiplex=app=itest-srun",
+                "--gres=gpu:1",
+                "srun",
+                "--gres=gpu:1",
+                "bash",
+                "-c",
+                probe,
+            ],
+        ),
+        (
+            "salloc",
+            vec![
+                "--multiplex=app=itest-srun",
+                "--gpus=1",
+                "srun",
+                "--gpus=1",
+                "bash",
+                "-c",
+                probe,
+            ],
+        ),
+    ];
+    for (tool, args) in &ways {
+        let (ok, stdout, stderr) = run_tool(&c, tool, args);
+        assert!(ok, "{tool} {args:?} failed: {stderr}");
+        let env = env_of(&stdout);
+        let job: u32 = env["job"].parse().unwrap();
+        let rec = c.show_job(job);
+        assert_eq!(rec["Partition"], "shared", "{tool} {args:?}: {rec:?}");
+        assert_eq!(rec["AdminComment"], "multiplex:app=itest-srun", "{tool} {args:?}");
+        assert!(
+            rec["TresPerNode"].contains(&c.tres_gres("shard", 1)) && !rec["TresPerNode"].contains("gpu"),
+            "{tool} {args:?}: {rec:?}"
+        );
+        assert!(
+            !env["gpu"].is_empty(),
+            "{tool} {args:?}: no GPU from the daemon: {stdout}"
+        );
+        assert_eq!(
+            daemons_that_recorded(&c, job),
+            [env["node"].as_str()],
+            "{tool} {args:?}"
+        );
+    }
+    // srun --gres=gpu:1 inside a multiplexed batch job joins the job's GPU.
+    let job = c.submit(&[
+        "--multiplex=app=itest-srun",
+        "--gres=gpu:1",
+        &out_arg(&c, "srun-gres"),
+        "--wrap",
+        "echo batch=$MULTIPLEX_GPU; srun --gres=gpu:1 bash -c 'echo step=$MULTIPLEX_GPU'",
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let env = env_of(&c.output(&rec));
+    assert_eq!(env["batch"], env["step"], "{env:?}");
+    // In a plain job the same srun keeps its GPU request (the option in the environment is
+    // not slurmctld's tag): one of the job's two GPUs, not both.
+    let (ok, stdout, stderr) = run_tool(
+        &c,
+        "salloc",
+        &[
+            "--gres=gpu:2",
+            "bash",
+            "-c",
+            "SLURM_MULTIPLEX=app=x srun --gres=gpu:1 bash -c 'echo gpus=$SLURM_STEP_GPUS; echo gpu=$MULTIPLEX_GPU'",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let env = env_of(&stdout);
+    assert_eq!(env["gpu"], "", "{stdout}");
+    assert!(
+        ["0", "1"].contains(&env["gpus"].as_str()),
+        "the plain step asked for one GPU of its job's two: {stdout}"
+    );
+    // --cpus-per-gpu and --mem-per-gpu, which Slurm takes only beside whole GPUs, become the
+    // job's own CPUs and memory.
+    let rec = held(
+        &c,
+        &[
+            "--multiplex=app=itest-srun",
+            "--gres=gpu:1",
+            "--cpus-per-gpu=2",
+            "--mem-per-gpu=100",
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        (rec["NumCPUs"].as_str(), rec["MinMemoryNode"].as_str()),
+        ("2", "100M"),
+        "{rec:?}"
+    );
+    // More than the site allows is refused with the policy's sentence, before anything runs.
+    let (ok, _, stderr) = run_tool(&c, "srun", &["--multiplex", "--gres=gpu:2", "true"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("this job asks for 2 GPUs; multiplexed jobs may use at most 1"),
+        "{stderr}"
+    );
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn slurm_multiplex_in_the_environment_acts_as_the_flag_and_the_command_line_wins() {

@@ -141,6 +141,16 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
                 set_optional(&mut desc.cpus_per_tres, r.cpus_per_tres.as_deref());
                 set_optional(&mut desc.mem_per_tres, r.mem_per_tres.as_deref());
             }
+            if let Some(cpus) = r.min_cpus {
+                desc.min_cpus = match count(desc.min_cpus) {
+                    Some(asked) => asked.max(cpus),
+                    None => cpus,
+                };
+            }
+            if let Some(mb) = r.mem_per_node_mb {
+                // Slurm refuses --mem and --mem-per-cpu beside --mem-per-gpu before job_submit.
+                desc.pn_min_memory = mb;
+            }
             log::verbose(&format!(
                 "{PREFIX}: uid {submit_uid} app={} -> partition={} tres_per_node={}",
                 r.app,
@@ -230,7 +240,7 @@ fn modify(
             return bindings::SLURM_SUCCESS as c_int;
         };
         // SAFETY: slurmctld passes its job record and the update request, valid during the call.
-        let (tag, desc) = unsafe { (slurm_ffi::job_record::admin_comment(job_ptr), &*job_desc) };
+        let (tag, desc) = unsafe { (slurm_ffi::job_record::admin_comment(job_ptr), &mut *job_desc) };
         let Ok(tag) = tag else {
             static ONCE: std::sync::Once = std::sync::Once::new();
             ONCE.call_once(|| {

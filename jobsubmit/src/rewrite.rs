@@ -3,6 +3,7 @@
 
 use crate::policy::Policy;
 use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
+use multiplex_protocol::srun::{self, Field, GPU_REQUEST_ENV};
 
 /// The fields of a job description the rewrite reads.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -41,6 +42,10 @@ pub struct Rewrite {
     pub tres_per_socket: Option<String>,
     pub cpus_per_tres: Option<String>,
     pub mem_per_tres: Option<String>,
+    /// The job's CPUs at least (from --cpus-per-gpu).
+    pub min_cpus: Option<u32>,
+    /// The job's memory on its node, MiB (from --mem-per-gpu).
+    pub mem_per_node_mb: Option<u64>,
     /// The application key the job was tagged with.
     pub app: String,
 }
@@ -65,7 +70,7 @@ pub enum RejectKind {
 pub enum Outcome {
     /// Not a multiplexed job: nothing changes.
     Untouched,
-    Rewrite(Rewrite),
+    Rewrite(Box<Rewrite>),
     Reject {
         kind: RejectKind,
         message: String,
@@ -143,6 +148,15 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     let spec = match Spec::parse(Some(value)) {
         Ok(s) => s,
         Err(e) => return reject(RejectKind::BadOption, format!("invalid --multiplex value: {e}")),
+    };
+    let merged;
+    let job = match with_srun_asks(job) {
+        Ok(None) => job,
+        Ok(Some(m)) => {
+            merged = m;
+            &merged
+        }
+        Err(e) => return reject(RejectKind::BadOption, e),
     };
     if let Some(message) = not_allowed(job, policy) {
         return reject(RejectKind::NotAllowed, message);
@@ -244,39 +258,42 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
             .collect::<Vec<_>>()
     };
     let tres_per_node = join(keep(0).into_iter().chain(std::iter::once(shared)));
-    // --cpus-per-gpu / --mem-per-gpu become per unit of the shared gres.
-    let per_gpu = |f: &Option<String>, option: &str| -> Result<Option<String>, String> {
-        let Some(s) = f.as_deref() else { return Ok(None) };
-        let mut out = Vec::new();
+    // Slurm takes --cpus-per-gpu / --mem-per-gpu (cpus_per_tres, mem_per_tres) only beside a
+    // request for gres "gpu" ("Requested cpus_per_tres=gres/shard:1 but did not request any
+    // GPU", 22.05 for memory, 24.11 for both), so they become the job's own CPU count and
+    // memory for the GPUs it asked for.
+    let per_gpu = |f: &Option<String>, option: &str| -> Result<(Option<String>, Option<u64>), String> {
+        let Some(s) = f.as_deref() else { return Ok((None, None)) };
+        let (mut kept, mut total) = (Vec::new(), None::<u64>);
         for e in parse_tres(s) {
             if !is_gpu(&e) {
-                out.push(e.text);
+                kept.push(e.text);
                 continue;
             }
             let value = e.text.rsplit(':').next().unwrap_or("");
-            let Ok(n) = value.parse::<u64>() else {
-                return Err(format!(
-                    "{option}={value} is not a number this plugin can split over {}",
-                    policy.gres
-                ));
-            };
-            let per = u64::from(policy.gres_per_gpu);
-            if n % per != 0 {
-                return Err(format!(
-                    "{option}={n} cannot be split evenly over the {per} {} units of a shared GPU: use a multiple of {per}, or --cpus-per-task / --mem instead",
-                    policy.gres
-                ));
-            }
-            out.push(format!("gres{}{}:{}", e.sep.unwrap_or(':'), policy.gres, n / per));
+            let n = value
+                .parse::<u64>()
+                .map_err(|_| format!("{option}={value} is not a number"))?;
+            let all = n
+                .checked_mul(gpus)
+                .and_then(|t| t.checked_add(total.unwrap_or(0)))
+                .ok_or_else(|| format!("{option}={n} for {gpus} GPUs is more than can be counted"))?;
+            total = Some(all);
         }
-        Ok(join(out.into_iter()))
+        Ok((join(kept.into_iter()), total))
     };
-    let (cpus_per_tres, mem_per_tres) = match (
+    let ((cpus_per_tres, cpus), (mem_per_tres, mem_mb)) = match (
         per_gpu(&job.cpus_per_tres, "--cpus-per-gpu"),
         per_gpu(&job.mem_per_tres, "--mem-per-gpu"),
     ) {
         (Ok(c), Ok(m)) => (c, m),
         (Err(e), _) | (_, Err(e)) => return reject(RejectKind::BadOption, e),
+    };
+    let Ok(min_cpus) = cpus.map(u32::try_from).transpose() else {
+        return reject(
+            RejectKind::BadOption,
+            "--cpus-per-gpu asks for more CPUs than can be counted".into(),
+        );
     };
     let app = spec
         .app
@@ -292,7 +309,7 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         Some(existing) => format!("{tag} {existing}"),
         None => tag,
     };
-    Outcome::Rewrite(Rewrite {
+    Outcome::Rewrite(Box::new(Rewrite {
         partition: shared_partition(job.partition.as_deref(), policy),
         admin_comment,
         tres_per_node,
@@ -301,8 +318,36 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         tres_per_socket: join(keep(3).into_iter()),
         cpus_per_tres,
         mem_per_tres,
+        min_cpus,
+        mem_per_node_mb: mem_mb,
         app,
-    })
+    }))
+}
+
+/// The job with the GPU asks srun took off its own options added to their fields
+/// (`multiplex_protocol::srun`), or `None` when srun passed none.
+fn with_srun_asks(job: &JobView) -> Result<Option<JobView>, String> {
+    let prefix = format!("{GPU_REQUEST_ENV}=");
+    let Some(carried) = job.spank_env.iter().find_map(|e| e.strip_prefix(&prefix)) else {
+        return Ok(None);
+    };
+    let asks = srun::decode(carried).map_err(|e| format!("the GPU request srun passed on is unreadable: {e}"))?;
+    let mut job = job.clone();
+    for (field, value) in asks {
+        let slot = match field {
+            Field::TresPerNode => &mut job.tres_per_node,
+            Field::TresPerJob => &mut job.tres_per_job,
+            Field::TresPerTask => &mut job.tres_per_task,
+            Field::TresPerSocket => &mut job.tres_per_socket,
+            Field::CpusPerTres => &mut job.cpus_per_tres,
+            Field::MemPerTres => &mut job.mem_per_tres,
+        };
+        *slot = Some(match slot.take().filter(|s| !s.is_empty()) {
+            Some(s) => format!("{s},{value}"),
+            None => value,
+        });
+    }
+    Ok(Some(job))
 }
 
 fn reject(kind: RejectKind, message: String) -> Outcome {
@@ -484,7 +529,7 @@ mod tests {
 
     fn rewrite(j: &JobView) -> Rewrite {
         match decide(j, &Policy::default()) {
-            Outcome::Rewrite(r) => r,
+            Outcome::Rewrite(r) => *r,
             other => panic!("expected a rewrite, got {other:?}"),
         }
     }
@@ -546,10 +591,37 @@ mod tests {
         j.mem_per_tres = Some("gres:gpu:8192".into());
         let r = rewrite(&j);
         assert_eq!(r.tres_per_node.as_deref(), Some("gres:nic:1,gres:shard:1"));
-        assert_eq!(r.cpus_per_tres.as_deref(), Some("gres:shard:4"));
-        assert_eq!(r.mem_per_tres.as_deref(), Some("gres:shard:8192"));
+        assert_eq!((r.cpus_per_tres, r.min_cpus), (None, Some(4)));
+        assert_eq!((r.mem_per_tres, r.mem_per_node_mb), (None, Some(8192)));
         assert_eq!(r.admin_comment, "multiplex:app=bert,mem=16384M");
         assert_eq!(r.app, "bert");
+    }
+
+    #[test]
+    fn gpu_asks_srun_took_off_its_options_count_as_the_jobs_own() {
+        // srun --multiplex --gres=gpu:1 --cpus-per-gpu=4 alone: the job's fields hold no GPU.
+        let mut j = job(Some("app=a"), None);
+        j.spank_env.push(format!(
+            "{GPU_REQUEST_ENV}=tres_per_node=gres:gpu:1;cpus_per_tres=gres:gpu:4"
+        ));
+        let r = rewrite(&j);
+        assert_eq!(r.tres_per_node.as_deref(), Some("gres:shard:1"));
+        assert_eq!((r.cpus_per_tres, r.min_cpus), (None, Some(4)));
+        // Added to what the job asked, under the same policy.
+        j.tres_per_node = Some("gres:nic:1".into());
+        assert_eq!(rewrite(&j).tres_per_node.as_deref(), Some("gres:nic:1,gres:shard:1"));
+        let mut two = job(Some("(null)"), None);
+        two.spank_env.push(format!("{GPU_REQUEST_ENV}=tres_per_job=gres:gpu:2"));
+        assert_eq!(rejection(&two).0, RejectKind::TooManyGpus);
+        let mut bad = job(Some("(null)"), Some("gres:gpu:1"));
+        bad.spank_env.push(format!("{GPU_REQUEST_ENV}=partition=debug"));
+        let (kind, message) = rejection(&bad);
+        assert_eq!(kind, RejectKind::BadOption);
+        assert!(message.contains("unreadable"), "{message}");
+        // Without --multiplex the envelope means nothing.
+        let mut plain = job(None, Some("gres:gpu:1"));
+        plain.spank_env = vec![format!("{GPU_REQUEST_ENV}=tres_per_job=gres:gpu:2")];
+        assert_eq!(decide(&plain, &Policy::default()), Outcome::Untouched);
     }
 
     #[test]
@@ -683,23 +755,36 @@ mod tests {
     }
 
     #[test]
-    fn per_gpu_options_are_split_over_the_units_of_a_gpu() {
-        let mut j = job(Some("(null)"), Some("gres:gpu:1"));
-        j.cpus_per_tres = Some("gres:gpu:100".into());
+    fn per_gpu_options_become_the_jobs_own_cpus_and_memory() {
+        let mut j = job(Some("(null)"), Some("gres:gpu:2"));
+        j.cpus_per_tres = Some("gres:gpu:3".into());
+        j.mem_per_tres = Some("gres:gpu:1000".into());
         match decide(&j, &site()) {
-            Outcome::Rewrite(r) => assert_eq!(r.cpus_per_tres.as_deref(), Some("gres:mps:2")),
-            other => panic!("{other:?}"),
-        }
-        j.cpus_per_tres = Some("gres:gpu:4".into());
-        match decide(&j, &site()) {
-            Outcome::Reject { kind, message } => {
-                assert_eq!(kind, RejectKind::BadOption);
-                assert!(
-                    message.contains("--cpus-per-gpu=4 cannot be split evenly over the 50 mps units"),
-                    "{message}"
-                );
+            Outcome::Rewrite(r) => {
+                assert_eq!(r.tres_per_node.as_deref(), Some("gres:mps:100"));
+                assert_eq!((r.cpus_per_tres, r.min_cpus), (None, Some(6)));
+                assert_eq!((r.mem_per_tres, r.mem_per_node_mb), (None, Some(2000)));
             }
             other => panic!("{other:?}"),
+        }
+        for (cpus, mem, want) in [
+            ("gres:gpu:x", "gres:gpu:1", "--cpus-per-gpu=x is not a number"),
+            (
+                "gres:gpu:1",
+                "gres:gpu:18446744073709551615",
+                "more than can be counted",
+            ),
+            ("gres:gpu:4294967295", "gres:gpu:1", "more CPUs than can be counted"),
+        ] {
+            j.cpus_per_tres = Some(cpus.into());
+            j.mem_per_tres = Some(mem.into());
+            match decide(&j, &site()) {
+                Outcome::Reject { kind, message } => {
+                    assert_eq!(kind, RejectKind::BadOption);
+                    assert!(message.contains(want), "{message}");
+                }
+                other => panic!("{cpus} {mem}: {other:?}"),
+            }
         }
     }
 

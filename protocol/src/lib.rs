@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod spec;
+pub mod srun;
 pub mod user;
 pub mod wire;
 

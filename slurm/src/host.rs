@@ -6,8 +6,9 @@
 use crate::bindings::{
     job_desc_msg_t, multiplex_free_job_info_msg_f, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f,
     multiplex_hostlist_shift_f, multiplex_init_job_desc_msg_f, multiplex_load_job_f, multiplex_requeue_f,
-    multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_option_register_f, multiplex_spank_setenv_f,
-    multiplex_strerror_f, multiplex_update_job_f, spank_err_t, spank_item_t, spank_t,
+    multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_job_control_setenv_f,
+    multiplex_spank_option_register_f, multiplex_spank_setenv_f, multiplex_strerror_f, multiplex_update_job_f,
+    spank_err_t, spank_item_t, spank_t,
 };
 use libc::{c_char, c_void};
 use std::sync::OnceLock;
@@ -33,6 +34,7 @@ pub struct Host {
     pub spank_get_item: Option<SpankGetItemFn>,
     pub spank_getenv: multiplex_spank_getenv_f,
     pub spank_setenv: multiplex_spank_setenv_f,
+    pub spank_job_control_setenv: multiplex_spank_job_control_setenv_f,
     pub spank_context: multiplex_spank_context_f,
     pub hostlist_create: multiplex_hostlist_create_f,
     pub hostlist_shift: multiplex_hostlist_shift_f,
@@ -89,6 +91,7 @@ pub fn host() -> &'static Host {
         spank_get_item: resolve!(c"spank_get_item", SpankGetItemFn),
         spank_getenv: resolve_typed!(c"spank_getenv", multiplex_spank_getenv_f),
         spank_setenv: resolve_typed!(c"spank_setenv", multiplex_spank_setenv_f),
+        spank_job_control_setenv: resolve_typed!(c"spank_job_control_setenv", multiplex_spank_job_control_setenv_f),
         spank_context: resolve_typed!(c"spank_context", multiplex_spank_context_f),
         hostlist_create: resolve_typed!(c"slurm_hostlist_create", multiplex_hostlist_create_f),
         hostlist_shift: resolve_typed!(c"slurm_hostlist_shift", multiplex_hostlist_shift_f),

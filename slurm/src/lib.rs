@@ -12,6 +12,7 @@ pub mod host;
 pub mod job_record;
 pub mod log;
 pub mod spank;
+pub mod srun;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -70,6 +71,14 @@ pub const fn version() -> (u32, u32, u32) {
     let v = bindings::SLURM_VERSION_NUMBER;
     ((v >> 16) & 0xff, (v >> 8) & 0xff, v & 0xff)
 }
+
+/// How this Slurm writes a gres in a TRES string (`gres:gpu:1` up to 22.05, `gres/gpu:1` from
+/// 23.02): the prefix before the gres name.
+pub const GRES_PREFIX: &str = if bindings::SLURM_VERSION_NUMBER >= 0x17_02_00 {
+    "gres/"
+} else {
+    "gres:"
+};
 
 /// Reads a C string from Slurm, `None` for NULL. Invalid UTF-8 is replaced, never trusted.
 ///

@@ -146,6 +146,17 @@ impl Spank {
         check(unsafe { f(self.0, n.as_ptr(), v.as_ptr(), 1) })
     }
 
+    /// Sets a variable of the job's SPANK environment, which job_submit, the prolog and the
+    /// epilog see (local and allocator contexts, before the job is submitted).
+    pub fn job_control_setenv(&self, name: &str, value: &str) -> Result<(), SpankError> {
+        let f = host().spank_job_control_setenv.ok_or(MISSING)?;
+        let (Ok(n), Ok(v)) = (CString::new(name), CString::new(value)) else {
+            return Err(SpankError(bindings::ESPANK_BAD_ARG));
+        };
+        // SAFETY: both are valid C strings; Slurm copies them.
+        check(unsafe { f(self.0, n.as_ptr(), v.as_ptr(), 1) })
+    }
+
     /// Registers a command-line option. Slurm keeps the pointer, so the option is `'static`.
     pub fn register_option(&self, opt: &'static StaticOption) -> Result<(), SpankError> {
         let f = host().spank_option_register.ok_or(MISSING)?;

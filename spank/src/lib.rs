@@ -1,12 +1,14 @@
 //! SPANK plugin `multiplex`. The exported callbacks dispatch on the context and carry out
 //! plans; the work is in [`args`] (plugstack.conf), `step` (slurmstepd's side, read from
-//! Slurm), [`remote`] (asking the node's daemon) and the shared option syntax.
+//! Slurm), `srun` (srun's GPU options), [`remote`] (asking the node's daemon) and the shared
+//! option syntax.
 //!
 //! It runs inside sbatch, srun and slurmstepd: no threads, every callback behind
 //! [`slurm_ffi::guard`], and a daemon that does not answer costs at most `timeout_ms`.
 
 pub mod args;
 pub mod remote;
+mod srun;
 mod step;
 
 use args::Args;
@@ -148,12 +150,13 @@ unsafe extern "C" fn option_cb(_val: c_int, optarg: *const c_char, remote: c_int
 #[no_mangle]
 pub unsafe extern "C" fn slurm_spank_init_post_opt(sp: spank_t, _ac: c_int, _av: *mut *mut c_char) -> c_int {
     slurm_ffi::guard(PREFIX, "slurm_spank_init_post_opt", -1, || {
-        if sp::context() != Context::Remote {
-            return 0;
-        }
         // SAFETY: the handle of this callback.
         let spank = unsafe { Spank::from_raw(sp) };
-        step::post_opt(&spank)
+        match sp::context() {
+            Context::Remote => step::post_opt(&spank),
+            Context::Local => srun::post_opt(&spank),
+            _ => 0,
+        }
     })
 }
 

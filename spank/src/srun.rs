@@ -1,0 +1,76 @@
+//! srun's side (local context). A multiplexed job holds a share of a GPU, not a GPU, and srun
+//! asks for its step with the same options as for its job: GPU asks left on srun's command
+//! line would make the step ask for a GPU its job does not have. So before srun builds either
+//! request, they are taken off srun's options (a step that asks for no GPU gets its job's)
+//! and, when srun makes the job itself, handed to job_submit (`multiplex_protocol::srun`).
+
+use crate::{state, PREFIX};
+use libc::c_int;
+use multiplex_protocol::spec::Spec;
+use multiplex_protocol::srun::{self, GPU_REQUEST_ENV, OPTIONS};
+use slurm_ffi::spank::Spank;
+use slurm_ffi::srun::Options;
+use slurm_ffi::{host, log};
+
+pub(crate) fn post_opt(spank: &Spank) -> c_int {
+    if state().option.is_none() {
+        return 0; // not multiplexed: srun's options are the user's business
+    }
+    // SAFETY: the local context is srun.
+    let Some(opts) = (unsafe { Options::of_srun() }) else {
+        log::verbose(&format!(
+            "{PREFIX}: this srun does not expose its options; its GPU request is passed on as given"
+        ));
+        return 0;
+    };
+    let moved = srun::move_gpu_asks(&OPTIONS.map(|name| opts.get(name)), slurm_ffi::GRES_PREFIX);
+    if moved.reset.is_empty() {
+        return 0;
+    }
+    match std::env::var("SLURM_JOB_ID") {
+        // srun makes the job: job_submit gets the asks and turns them into the shared GPU.
+        Err(_) => {
+            if let Err(e) = spank.job_control_setenv(GPU_REQUEST_ENV, &srun::encode(&moved.carry)) {
+                log::error(&format!("{PREFIX}: cannot pass srun's GPU request on to the job ({e})"));
+                return -1;
+            }
+        }
+        // A step in an existing job: only a multiplexed job's (slurmctld's tag says which)
+        // holds a shared GPU that the step takes instead.
+        Ok(id) => {
+            let Ok(job) = id.trim().parse::<u32>() else { return 0 };
+            match host::job_admin_comment(job) {
+                Ok(comment) if matches!(Spec::from_tag(comment.as_deref()), Some(Ok(_))) => {}
+                Ok(_) => return 0,
+                Err(e) => {
+                    log::verbose(&format!(
+                        "{PREFIX}: cannot read job {job} from slurmctld ({e}); srun's GPU request is left as given"
+                    ));
+                    return 0;
+                }
+            }
+        }
+    }
+    for name in &moved.reset {
+        if !opts.reset(name) {
+            log::error(&format!("{PREFIX}: srun would not unset --{name}"));
+            return -1;
+        }
+    }
+    if let Some(keep) = &moved.keep_gres {
+        if !opts.set("gres", keep) {
+            log::error(&format!("{PREFIX}: srun would not take back --gres={keep}"));
+            return -1;
+        }
+    }
+    log::verbose(&format!(
+        "{PREFIX}: the step takes its job's shared GPU; srun's {} moved to the job",
+        moved
+            .reset
+            .iter()
+            .map(|n| format!("--{n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    ));
+    0
+}
