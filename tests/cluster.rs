@@ -828,6 +828,84 @@ fn a_changed_policy_applies_and_a_broken_one_keeps_the_last_good() {
     assert!(reports[0].contains("keeping the previous policy"), "{reports:?}");
 }
 
+/// A Slurm host list's hosts, sorted (Slurm writes `n[1-2]` or keeps `n2,n1` as given).
+fn hosts(c: &Cluster, list: &str) -> Vec<String> {
+    let text = c.scontrol(&["show", "hostnames", list]).unwrap();
+    let mut hosts: Vec<String> = text.split_whitespace().map(String::from).collect();
+    hosts.sort();
+    hosts
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn plain_gpu_jobs_are_kept_off_nodes_whose_gpus_are_shared() {
+    let c = Cluster::from_env();
+    // This cluster's nodes are in the default partition too: the layout of issue 27, where
+    // Slurm gave a plain job the very GPU a multiplexed job held a shard of. With n1 named as
+    // shared, plain GPU jobs go elsewhere.
+    let _policy = c.policy("shared_nodes = \"n1\"\n");
+    let rec = held(&c, &["-p", "debug", "--gres=gpu:1"]).unwrap();
+    assert_eq!(rec["ExcNodeList"], "n1", "{rec:?}");
+    let rec = held(&c, &["-p", "debug", "--gpus=1", "--exclude=n2"]).unwrap();
+    assert_eq!(
+        hosts(&c, &rec["ExcNodeList"]),
+        ["n1", "n2"],
+        "kept with the user's own: {rec:?}"
+    );
+    let refused = held(&c, &["-p", "debug", "--gres=gpu:1", "-w", "n1"]).unwrap_err();
+    assert!(
+        refused.contains("n1 shares its GPUs among multiplexed jobs"),
+        "{refused}"
+    );
+    // No GPU, no change; multiplexed jobs still go to n1.
+    let rec = held(&c, &["-p", "debug", "-w", "n1"]).unwrap();
+    assert_eq!(rec["ExcNodeList"], "(null)", "{rec:?}");
+    let rec = held(&c, &["--multiplex=app=itest-nodes", "--gres=gpu:1", "-w", "n1"]).unwrap();
+    assert_eq!(rec["Partition"], "shared");
+    // A pending plain job cannot be moved onto n1 or given a GPU by an update, and a new
+    // exclusion keeps n1 in it.
+    // (scontrol shows the plugin's sentence from 23.02 on; 22.05 shows Slurm's code and the
+    // sentence is in slurmctld's log.)
+    let job = c.submit(&["-H", "-p", "debug", "--output=/dev/null", "--wrap", "true"]);
+    let id = format!("JobId={job}");
+    for (change, says) in [
+        ("ReqNodeList=n1", "cannot be moved to n1"),
+        ("TresPerNode=gres:gpu:1", "not by an update"),
+    ] {
+        let err = c.scontrol(&["update", &id, change]).unwrap_err();
+        assert!(err.contains("Invalid node name"), "{change}: {err}");
+        let logged = c.ctld_log_lines(&format!("refused to update job {job} for uid 0: multiplex: "));
+        assert!(logged.iter().any(|l| l.contains(says)), "{change}: {logged:?}");
+    }
+    c.scontrol(&["update", &id, "ExcNodeList=n2"]).unwrap();
+    assert_eq!(hosts(&c, &c.show_job(job)["ExcNodeList"]), ["n1", "n2"]);
+    std::process::Command::new("scancel")
+        .arg(job.to_string())
+        .status()
+        .unwrap();
+    // And a plain GPU job runs, on n2, while a multiplexed job holds n1's GPU 0.
+    let mx = c.submit(&[
+        "--multiplex=app=itest-nodes",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 20",
+    ]);
+    let plain = c.submit(&["-p", "debug", "--gres=gpu:2", "--output=/dev/null", "--wrap", "true"]);
+    let rec = c.wait(plain, WAIT);
+    assert_eq!(
+        (rec["JobState"].as_str(), rec["NodeList"].as_str()),
+        ("COMPLETED", "n2"),
+        "{rec:?}"
+    );
+    std::process::Command::new("scancel")
+        .arg(mx.to_string())
+        .status()
+        .unwrap();
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn only_the_users_and_accounts_of_the_policy_multiplex() {

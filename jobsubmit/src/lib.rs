@@ -46,7 +46,7 @@ fn current_policy(force: bool) -> Option<Arc<Policy>> {
         policy: None,
         watcher: Watcher::new(Policy::path(), POLICY_CHECK),
     });
-    let change = st.watcher.poll(Instant::now(), force, &policy::system_user);
+    let change = st.watcher.poll(Instant::now(), force, policy::SYSTEM);
     let path = st.watcher.path().display().to_string();
     match change {
         Change::Unchanged => {}
@@ -128,6 +128,14 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
             }
             reject_code(kind)
         }
+        Outcome::KeepOff { exc_nodes } => {
+            // SAFETY: exc_nodes is a Slurm-owned string or NULL (as in the rewrite below).
+            unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };
+            log::verbose(&format!(
+                "{PREFIX}: uid {submit_uid}: a job without --multiplex asks for GPUs; kept off the shared nodes: exclude={exc_nodes}"
+            ));
+            bindings::SLURM_SUCCESS as c_int
+        }
         Outcome::Rewrite(r) => {
             // SAFETY: every field written is a Slurm-owned string (or NULL); replace_string
             // frees the old value with xfree and allocates the new one with xstrdup.
@@ -170,6 +178,7 @@ fn reject_code(kind: RejectKind) -> c_int {
         RejectKind::Exclusive => bindings::ESLURM_NOT_SUPPORTED,
         RejectKind::NotAllowed => bindings::ESLURM_ACCESS_DENIED,
         RejectKind::SharedPartition => bindings::ESLURM_INVALID_PARTITION_NAME,
+        RejectKind::SharedNode => bindings::ESLURM_INVALID_NODE_NAME,
     }) as c_int
 }
 
@@ -187,6 +196,13 @@ unsafe fn set_optional(field: &mut *mut c_char, value: Option<&str>) {
 
 fn count(v: u32) -> Option<u32> {
     (v != 0 && v != bindings::NO_VAL).then_some(v)
+}
+
+/// The hosts of a `--nodelist` (Slurm's own expansion; where Slurm cannot read it, the names
+/// between its commas, which Slurm will refuse anyway).
+fn hosts_of(list: &str) -> Vec<String> {
+    host::hostlist_expand(list, policy::MAX_SHARED_NODES)
+        .unwrap_or_else(|| list.split(',').map(|h| h.trim().to_string()).collect())
 }
 
 /// # Safety
@@ -221,6 +237,8 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             min_nodes: count(desc.min_nodes),
             max_nodes: count(desc.max_nodes),
             num_tasks: count(desc.num_tasks),
+            req_nodes: c_str(desc.req_nodes).map(|l| hosts_of(&l)).unwrap_or_default(),
+            exc_nodes: c_str(desc.exc_nodes),
         }
     }
 }
@@ -253,7 +271,12 @@ fn modify(
         // SAFETY: as in job_submit.
         let update = unsafe { view_of(desc) };
         match rewrite::check_modify(&update, tag.as_deref(), &policy) {
-            Ok(()) => bindings::SLURM_SUCCESS as c_int,
+            Ok(rewrite::ModifyOk::AsAsked) => bindings::SLURM_SUCCESS as c_int,
+            Ok(rewrite::ModifyOk::ExcNodes(exc_nodes)) => {
+                // SAFETY: the update's exc_nodes is a Slurm-owned string.
+                unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };
+                bindings::SLURM_SUCCESS as c_int
+            }
             Err((kind, message)) => {
                 // SAFETY: NULL or Slurm's string, valid during the call.
                 let job = unsafe { c_str(desc.job_id_str) }

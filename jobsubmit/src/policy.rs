@@ -22,6 +22,7 @@ struct RawPolicy {
     unflagged_on_shared: Option<bool>,
     users: Option<Vec<String>>,
     accounts: Option<Vec<String>>,
+    shared_nodes: Option<String>,
 }
 
 /// What the rewrite needs to know about the site.
@@ -40,6 +41,16 @@ pub struct Policy {
     pub unflagged_on_shared: bool,
     /// Who may multiplex: `None` = everybody; otherwise users (by uid) and accounts.
     pub allowed: Option<Allowed>,
+    /// The nodes whose GPUs multiplexed jobs share, where those nodes are also in partitions
+    /// that are not shared: jobs without --multiplex that ask for GPUs are kept off them.
+    pub shared_nodes: Option<Box<SharedNodes>>,
+}
+
+/// `shared_nodes` as written (a Slurm host list) and expanded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedNodes {
+    pub list: String,
+    pub hosts: HashSet<String>,
 }
 
 /// The users and accounts allowed to multiplex (a job needs to match either).
@@ -60,17 +71,32 @@ impl Default for Policy {
             max_gpus: 1,
             unflagged_on_shared: false,
             allowed: None,
+            shared_nodes: None,
         }
     }
 }
 
-/// Looks a user name up (the system's user database); `None` when there is no such user.
-pub type UserLookup<'a> = &'a dyn Fn(&str) -> Option<u32>;
+/// What reading a policy looks up: user names (`None`: no such user) and Slurm host lists
+/// (`None`: not a host list Slurm can read).
+#[derive(Clone, Copy)]
+pub struct Lookups<'a> {
+    pub user: &'a dyn Fn(&str) -> Option<u32>,
+    pub hosts: &'a dyn Fn(&str) -> Option<Vec<String>>,
+}
+
+/// The most hosts `shared_nodes` may name.
+pub const MAX_SHARED_NODES: usize = 65_536;
+
+/// The system's user database and slurmctld's own host-list parser.
+pub const SYSTEM: Lookups<'static> = Lookups {
+    user: &system_user,
+    hosts: &system_hosts,
+};
 
 impl Policy {
     /// Parses policy text. Errors carry TOML's line and column; the warnings are for user
     /// names that do not resolve (they are left out, the rest of the policy stands).
-    pub fn parse(text: &str, lookup: UserLookup) -> Result<(Policy, Vec<String>), String> {
+    pub fn parse(text: &str, lookup: Lookups) -> Result<(Policy, Vec<String>), String> {
         let raw: RawPolicy = toml::from_str(text).map_err(|e| one_line(&e))?;
         let d = Policy::default();
         let partitions = raw.partitions.unwrap_or(d.partitions);
@@ -104,7 +130,7 @@ impl Policy {
         } else {
             let mut uids = HashSet::new();
             for u in &users {
-                match u.parse::<u32>().ok().or_else(|| lookup(u)) {
+                match u.parse::<u32>().ok().or_else(|| (lookup.user)(u)) {
                     Some(uid) => {
                         uids.insert(uid);
                     }
@@ -117,6 +143,21 @@ impl Policy {
                 accounts,
             })
         };
+        let shared_nodes = match raw.shared_nodes.map(|l| l.trim().to_string()) {
+            None => None,
+            Some(l) if l.is_empty() => None,
+            Some(list) => {
+                let hosts = (lookup.hosts)(&list).filter(|h| !h.is_empty()).ok_or_else(|| {
+                    format!(
+                        "shared_nodes = {list:?}: not a Slurm host list (such as \"gpu[01-04]\") of at most {MAX_SHARED_NODES} nodes"
+                    )
+                })?;
+                Some(Box::new(SharedNodes {
+                    list,
+                    hosts: hosts.into_iter().collect(),
+                }))
+            }
+        };
         let policy = Policy {
             partitions,
             gres,
@@ -124,6 +165,7 @@ impl Policy {
             max_gpus,
             unflagged_on_shared: raw.unflagged_on_shared.unwrap_or(d.unflagged_on_shared),
             allowed,
+            shared_nodes,
         };
         Ok((policy, warnings))
     }
@@ -145,12 +187,13 @@ impl Policy {
             Some(a) => format!("users {:?} accounts {:?}", a.user_names, a.accounts),
         };
         format!(
-            "partitions={} gres={} gres_per_gpu={} max_gpus={} unflagged_on_shared={} may multiplex: {who}",
+            "partitions={} gres={} gres_per_gpu={} max_gpus={} unflagged_on_shared={} shared_nodes={} may multiplex: {who}",
             self.partitions.join(","),
             self.gres,
             self.gres_per_gpu,
             self.max_gpus,
-            self.unflagged_on_shared
+            self.unflagged_on_shared,
+            self.shared_nodes.as_ref().map_or("", |n| n.list.as_str())
         )
     }
 
@@ -161,7 +204,7 @@ impl Policy {
 
     /// Reads the policy at `path`. A missing file means the defaults (`Ok(None)` tells the
     /// caller to say so); an unreadable or invalid one is an error naming the file.
-    pub fn load(path: &Path, lookup: UserLookup) -> Result<Option<(Policy, Vec<String>)>, String> {
+    pub fn load(path: &Path, lookup: Lookups) -> Result<Option<(Policy, Vec<String>)>, String> {
         match std::fs::read_to_string(path) {
             Ok(text) => Policy::parse(&text, lookup)
                 .map(Some)
@@ -195,6 +238,11 @@ fn one_line(e: &toml::de::Error) -> String {
 /// The system's user database, for [`Policy::parse`].
 pub fn system_user(name: &str) -> Option<u32> {
     multiplex_protocol::user::uid(name)
+}
+
+/// Slurm's host-list parser (in slurmctld), for [`Policy::parse`].
+pub fn system_hosts(list: &str) -> Option<Vec<String>> {
+    slurm_ffi::host::hostlist_expand(list, MAX_SHARED_NODES)
 }
 
 /// What a look at the policy file found.
@@ -247,7 +295,7 @@ impl Watcher {
 
     /// Looks at the file if `every` has passed since the last look (or always when `force`),
     /// and reads it only when it changed.
-    pub fn poll(&mut self, now: Instant, force: bool, lookup: UserLookup) -> Change {
+    pub fn poll(&mut self, now: Instant, force: bool, lookup: Lookups) -> Change {
         if !force && self.last_look.is_some_and(|t| now.duration_since(t) < self.every) {
             return Change::Unchanged;
         }
@@ -287,8 +335,30 @@ mod tests {
         }
     }
 
+    /// Enough of Slurm's host lists for the tests: `a,b` and one `[x-y]` range.
+    fn hosts(list: &str) -> Option<Vec<String>> {
+        let mut out = Vec::new();
+        for part in list.split(',') {
+            match part.split_once('[') {
+                None if !part.is_empty() && !part.contains(']') => out.push(part.to_string()),
+                None => return None,
+                Some((stem, rest)) => {
+                    let (a, b) = rest.strip_suffix(']')?.split_once('-')?;
+                    let (lo, hi) = (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?);
+                    out.extend((lo..=hi).map(|i| format!("{stem}{i:0w$}", w = a.len())));
+                }
+            }
+        }
+        Some(out)
+    }
+
+    const TEST: Lookups<'static> = Lookups {
+        user: &users,
+        hosts: &hosts,
+    };
+
     fn parse(text: &str) -> Result<(Policy, Vec<String>), String> {
-        Policy::parse(text, &users)
+        Policy::parse(text, TEST)
     }
 
     #[test]
@@ -309,6 +379,7 @@ mod tests {
             unflagged_on_shared = true
             users = ["alice", "2000", "nobody-here"]
             accounts = ["ml"]
+            shared_nodes = "gpu[01-02],big"
             "#,
         )
         .unwrap();
@@ -319,6 +390,9 @@ mod tests {
         let a = p.allowed.unwrap();
         assert_eq!(a.uids, HashSet::from([1001, 2000]));
         assert_eq!(a.accounts, vec!["ml".to_string()]);
+        let n = p.shared_nodes.unwrap();
+        assert_eq!(n.list, "gpu[01-02],big");
+        assert_eq!(n.hosts, HashSet::from(["gpu01", "gpu02", "big"].map(String::from)));
         assert_eq!(
             warnings,
             vec!["users: no user named \"nobody-here\"; left out".to_string()]
@@ -338,6 +412,8 @@ mod tests {
             ("max_gpus = 0", "at least 1"),
             ("max_gpus = -1", "invalid value"),
             ("unflagged_on_shared = \"no\"", "invalid type"),
+            ("shared_nodes = \"gpu[01-\"", "not a Slurm host list"),
+            ("shared_nodes = [\"gpu01\"]", "invalid type"),
             ("\n\nmax_gpus = ", "line 3, column 12: "),
         ] {
             let err = parse(text).unwrap_err();
@@ -348,7 +424,7 @@ mod tests {
 
     #[test]
     fn missing_file_means_defaults() {
-        assert_eq!(Policy::load(Path::new("/nonexistent/policy.toml"), &users), Ok(None));
+        assert_eq!(Policy::load(Path::new("/nonexistent/policy.toml"), TEST), Ok(None));
     }
 
     #[test]
@@ -364,30 +440,30 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let mut w = Watcher::new(path.clone(), Duration::from_secs(1));
         let t0 = Instant::now();
-        assert_eq!(w.poll(t0, false, &users), Change::Loaded(None), "no file: defaults");
+        assert_eq!(w.poll(t0, false, TEST), Change::Loaded(None), "no file: defaults");
         std::fs::write(&path, "max_gpus = 2\n").unwrap();
-        assert_eq!(w.poll(t0, false, &users), Change::Unchanged, "too soon to look");
+        assert_eq!(w.poll(t0, false, TEST), Change::Unchanged, "too soon to look");
         let t1 = t0 + Duration::from_secs(2);
-        match w.poll(t1, false, &users) {
+        match w.poll(t1, false, TEST) {
             Change::Loaded(Some((p, _))) => assert_eq!(p.max_gpus, 2),
             other => panic!("{other:?}"),
         }
         let t2 = t1 + Duration::from_secs(2);
-        assert_eq!(w.poll(t2, false, &users), Change::Unchanged, "same file");
+        assert_eq!(w.poll(t2, false, TEST), Change::Unchanged, "same file");
         std::fs::write(&path, "max_gpus = oops\n").unwrap();
         let t3 = t2 + Duration::from_secs(2);
-        match w.poll(t3, false, &users) {
+        match w.poll(t3, false, TEST) {
             Change::Broken(e) => assert!(e.contains("policy.toml") && e.contains("line 1"), "{e}"),
             other => panic!("{other:?}"),
         }
         let t4 = t3 + Duration::from_secs(2);
         assert_eq!(
-            w.poll(t4, false, &users),
+            w.poll(t4, false, TEST),
             Change::Unchanged,
             "a broken file is reported once"
         );
         assert!(
-            matches!(w.poll(t4, true, &users), Change::Broken(_)),
+            matches!(w.poll(t4, true, TEST), Change::Broken(_)),
             "forced: read again"
         );
         std::fs::remove_dir_all(&dir).unwrap();

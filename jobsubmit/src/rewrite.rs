@@ -29,6 +29,10 @@ pub struct JobView {
     pub max_nodes: Option<u32>,
     /// Requested task count; `None` when unset.
     pub num_tasks: Option<u32>,
+    /// `--nodelist`, expanded to host names (Slurm's host-list syntax).
+    pub req_nodes: Vec<String>,
+    /// `--exclude`, as given.
+    pub exc_nodes: Option<String>,
 }
 
 /// The new values of the fields a rewrite changes (`None` = cleared).
@@ -63,6 +67,8 @@ pub enum RejectKind {
     NotAllowed,
     /// A job without --multiplex aimed at a shared partition.
     SharedPartition,
+    /// A job without --multiplex that asks for GPUs on a node whose GPUs are shared.
+    SharedNode,
 }
 
 /// The outcome for one job.
@@ -71,6 +77,11 @@ pub enum Outcome {
     /// Not a multiplexed job: nothing changes.
     Untouched,
     Rewrite(Box<Rewrite>),
+    /// A job without --multiplex that asks for GPUs: kept off the shared nodes (its new
+    /// `--exclude`).
+    KeepOff {
+        exc_nodes: String,
+    },
     Reject {
         kind: RejectKind,
         message: String,
@@ -140,9 +151,13 @@ fn is_gpu(e: &TresEntry) -> bool {
 pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     let prefix = format!("{SPANK_ENV_VAR}=");
     let Some(value) = job.spank_env.iter().find_map(|e| e.strip_prefix(&prefix)) else {
-        return match unflagged_on_shared(job.partition.as_deref(), policy) {
-            Some(message) => reject(RejectKind::SharedPartition, message),
-            None => Outcome::Untouched,
+        if let Some(message) = unflagged_on_shared(job.partition.as_deref(), policy) {
+            return reject(RejectKind::SharedPartition, message);
+        }
+        return match keep_off_shared_nodes(job, policy) {
+            Ok(None) => Outcome::Untouched,
+            Ok(Some(exc_nodes)) => Outcome::KeepOff { exc_nodes },
+            Err((kind, message)) => Outcome::Reject { kind, message },
         };
     };
     let spec = match Spec::parse(Some(value)) {
@@ -391,6 +406,85 @@ fn unflagged_on_shared(asked: Option<&str>, policy: &Policy) -> Option<String> {
     ))
 }
 
+/// What an accepted update becomes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModifyOk {
+    AsAsked,
+    /// The update's `--exclude`, with the shared nodes added back.
+    ExcNodes(String),
+}
+
+/// An update of a job without --multiplex where the policy names `shared_nodes`. The job's own
+/// request is not at hand here (only the update), so: an update that gives it GPUs is refused
+/// (its exclusion could not be kept), one that names a shared node in its node list is
+/// refused, and a new `--exclude` gets the shared nodes added back.
+fn plain_update_off_shared_nodes(update: &JobView, policy: &Policy) -> Result<ModifyOk, (RejectKind, String)> {
+    let Some(shared) = policy.shared_nodes.as_ref() else {
+        return Ok(ModifyOk::AsAsked);
+    };
+    let why = "the site shares the GPUs of nodes that are also in other partitions";
+    if asks_gpus(update, policy) {
+        return Err(refuse(
+            RejectKind::SharedNode,
+            format!("{why}: a job without --multiplex is given GPUs at submission, not by an update; submit it again"),
+        ));
+    }
+    if let Some(node) = update.req_nodes.iter().find(|n| shared.hosts.contains(*n)) {
+        return Err(refuse(
+            RejectKind::SharedNode,
+            format!("{why}: a job without --multiplex cannot be moved to {node}, whose GPUs are shared"),
+        ));
+    }
+    Ok(match update.exc_nodes.as_deref() {
+        None => ModifyOk::AsAsked,
+        Some(e) if e.trim().is_empty() => ModifyOk::ExcNodes(shared.list.clone()),
+        Some(e) => ModifyOk::ExcNodes(format!("{},{}", e.trim(), shared.list)),
+    })
+}
+
+/// Whether any TRES field of `job` asks for GPUs or for the shared-GPU gres.
+fn asks_gpus(job: &JobView, policy: &Policy) -> bool {
+    [
+        &job.tres_per_node,
+        &job.tres_per_job,
+        &job.tres_per_task,
+        &job.tres_per_socket,
+    ]
+    .into_iter()
+    .flatten()
+    .flat_map(|f| parse_tres(f))
+    .any(|e| e.sep.is_some() && (e.name == "gpu" || e.name == policy.gres))
+}
+
+/// A job without --multiplex that asks for GPUs, on a site whose shared-GPU nodes are also in
+/// other partitions (the policy's `shared_nodes`): Slurm would hand it a GPU whole while
+/// multiplexed jobs share it (22.05 does so even for the GPU a shard was taken from), so the
+/// shared nodes are added to its `--exclude`, and naming one with `--nodelist` is refused.
+/// `Ok(None)`: nothing to change.
+fn keep_off_shared_nodes(job: &JobView, policy: &Policy) -> Result<Option<String>, (RejectKind, String)> {
+    let Some(shared) = policy.shared_nodes.as_ref() else {
+        return Ok(None);
+    };
+    if !asks_gpus(job, policy) {
+        return Ok(None);
+    }
+    if let Some(node) = job.req_nodes.iter().find(|n| shared.hosts.contains(*n)) {
+        return Err(refuse(
+            RejectKind::SharedNode,
+            format!(
+                "{node} shares its GPUs among multiplexed jobs: a job without --multiplex cannot have GPUs there; \
+                 add --multiplex, or leave {node} out of --nodelist"
+            ),
+        ));
+    }
+    Ok(Some(
+        match job.exc_nodes.as_deref().map(str::trim).filter(|e| !e.is_empty()) {
+            Some(existing) => format!("{existing},{}", shared.list),
+            None => shared.list.clone(),
+        },
+    ))
+}
+
 /// The sentence for a user the policy does not let multiplex.
 fn not_allowed(job: &JobView, policy: &Policy) -> Option<String> {
     let allowed = policy.allowed.as_ref()?;
@@ -428,16 +522,20 @@ fn not_allowed(job: &JobView, policy: &Policy) -> Option<String> {
 /// `current_tag`, its admin_comment) cannot be modified into what the rewrite would have
 /// rejected, and a job without the flag cannot be moved into a shared partition the policy
 /// keeps for multiplexed jobs. `update` holds only the fields being changed.
-pub fn check_modify(update: &JobView, current_tag: Option<&str>, policy: &Policy) -> Result<(), (RejectKind, String)> {
+pub fn check_modify(
+    update: &JobView,
+    current_tag: Option<&str>,
+    policy: &Policy,
+) -> Result<ModifyOk, (RejectKind, String)> {
     let multiplexed = current_tag.is_some_and(|t| t.starts_with(TAG_PREFIX))
         // An update that also drops the tag (an admin taking the job out of multiplexing) is
         // judged as for a plain job.
         && update.admin_comment.as_deref().is_none_or(|c| c.starts_with(TAG_PREFIX));
     if !multiplexed {
-        return match unflagged_on_shared(update.partition.as_deref(), policy) {
-            Some(message) => Err(refuse(RejectKind::SharedPartition, message)),
-            None => Ok(()),
-        };
+        if let Some(message) = unflagged_on_shared(update.partition.as_deref(), policy) {
+            return Err(refuse(RejectKind::SharedPartition, message));
+        }
+        return plain_update_off_shared_nodes(update, policy);
     }
     let why = "a multiplexed job shares its GPU: ";
     if update.exclusive {
@@ -510,7 +608,7 @@ pub fn check_modify(update: &JobView, current_tag: Option<&str>, policy: &Policy
             ))
         }
     }
-    Ok(())
+    Ok(ModifyOk::AsAsked)
 }
 
 #[cfg(test)]
@@ -715,7 +813,108 @@ mod tests {
             max_gpus: 2,
             unflagged_on_shared: false,
             allowed: None,
+            shared_nodes: None,
         }
+    }
+
+    /// `site()` whose nodes gpu01 and gpu02 are also in a partition that is not shared.
+    fn mixed_site() -> Policy {
+        Policy {
+            shared_nodes: Some(Box::new(crate::policy::SharedNodes {
+                list: "gpu[01-02]".into(),
+                hosts: ["gpu01", "gpu02"].map(String::from).into(),
+            })),
+            ..site()
+        }
+    }
+
+    #[test]
+    fn plain_gpu_jobs_are_kept_off_shared_nodes_where_the_site_names_them() {
+        let p = mixed_site();
+        let mut plain = job(None, Some("gres:gpu:1"));
+        plain.partition = Some("gpu".into());
+        assert_eq!(
+            decide(&plain, &p),
+            Outcome::KeepOff {
+                exc_nodes: "gpu[01-02]".into()
+            }
+        );
+        plain.exc_nodes = Some("gpu07".into());
+        assert_eq!(
+            decide(&plain, &p),
+            Outcome::KeepOff {
+                exc_nodes: "gpu07,gpu[01-02]".into()
+            }
+        );
+        // Every way of asking for GPUs, and the shared gres itself.
+        for (field, value) in [("job", "gres/gpu:2"), ("task", "gres:gpu:1"), ("node", "gres:mps:50")] {
+            let mut j = job(None, None);
+            *match field {
+                "job" => &mut j.tres_per_job,
+                "task" => &mut j.tres_per_task,
+                _ => &mut j.tres_per_node,
+            } = Some(value.into());
+            assert!(matches!(decide(&j, &p), Outcome::KeepOff { .. }), "{field}={value}");
+        }
+        // Naming a shared node is refused with the reason.
+        plain.req_nodes = vec!["gpu09".into(), "gpu02".into()];
+        match decide(&plain, &p) {
+            Outcome::Reject { kind, message } => {
+                assert_eq!(kind, RejectKind::SharedNode);
+                assert!(
+                    message.contains("gpu02 shares its GPUs among multiplexed jobs"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Jobs without GPUs, multiplexed jobs, and sites that name no shared nodes: unchanged.
+        let mut cpu_only = job(None, Some("gres:nic:1"));
+        cpu_only.req_nodes = vec!["gpu01".into()];
+        assert_eq!(decide(&cpu_only, &p), Outcome::Untouched);
+        assert!(matches!(
+            decide(&job(Some("(null)"), Some("gres:gpu:1")), &p),
+            Outcome::Rewrite(_)
+        ));
+        assert_eq!(decide(&job(None, Some("gres:gpu:1")), &site()), Outcome::Untouched);
+    }
+
+    #[test]
+    fn updates_cannot_bring_a_plain_job_back_onto_shared_nodes() {
+        let p = mixed_site();
+        let upd = |f: &dyn Fn(&mut JobView)| {
+            let mut u = JobView::default();
+            f(&mut u);
+            u
+        };
+        assert_eq!(check_modify(&upd(&|_| {}), None, &p), Ok(ModifyOk::AsAsked));
+        assert_eq!(
+            check_modify(&upd(&|u| u.exc_nodes = Some("gpu05".into())), None, &p),
+            Ok(ModifyOk::ExcNodes("gpu05,gpu[01-02]".into()))
+        );
+        assert_eq!(
+            check_modify(&upd(&|u| u.exc_nodes = Some(String::new())), None, &p),
+            Ok(ModifyOk::ExcNodes("gpu[01-02]".into()))
+        );
+        for (u, why) in [
+            (upd(&|u| u.req_nodes = vec!["gpu01".into()]), "cannot be moved to gpu01"),
+            (
+                upd(&|u| u.tres_per_node = Some("gres:gpu:1".into())),
+                "not by an update",
+            ),
+        ] {
+            match check_modify(&u, None, &p) {
+                Err((RejectKind::SharedNode, m)) => assert!(m.contains(why), "{m}"),
+                other => panic!("{why}: {other:?}"),
+            }
+        }
+        // Without shared_nodes, and for multiplexed jobs, these rules do not apply.
+        let to_gpu01 = upd(&|u| u.req_nodes = vec!["gpu01".into()]);
+        assert_eq!(check_modify(&to_gpu01, None, &site()), Ok(ModifyOk::AsAsked));
+        assert_eq!(
+            check_modify(&to_gpu01, Some("multiplex:app=a"), &p),
+            Ok(ModifyOk::AsAsked)
+        );
     }
 
     #[test]
@@ -946,7 +1145,7 @@ mod tests {
         ];
         for (u, tag, want, why) in cases {
             match (check_modify(&u, tag, &site()), want) {
-                (Ok(()), None) => {}
+                (Ok(ModifyOk::AsAsked), None) => {}
                 (Err((kind, message)), Some(k)) => {
                     assert_eq!(kind, k, "{message}");
                     assert!(

@@ -171,6 +171,42 @@ pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
     found
 }
 
+/// Every host of a Slurm host list such as `gpu[01-04],big1`, expanded by Slurm itself;
+/// `None` when Slurm cannot read the list (or the host process has no hostlist functions),
+/// or it names more than `limit` hosts.
+pub fn hostlist_expand(list: &str, limit: usize) -> Option<Vec<String>> {
+    let h = host();
+    let (create, shift, destroy) = (h.hostlist_create?, h.hostlist_shift?, h.hostlist_destroy?);
+    let c = std::ffi::CString::new(list).ok()?;
+    // SAFETY: slurm_hostlist_create copies the string; the handle is destroyed below.
+    let hl = unsafe { create(c.as_ptr()) };
+    if hl.is_null() {
+        return None;
+    }
+    let mut hosts = Vec::new();
+    let mut complete = true;
+    loop {
+        // SAFETY: hl is a live host list; shift returns a malloc'd string or NULL when empty.
+        let p = unsafe { shift(hl) };
+        if p.is_null() {
+            break;
+        }
+        // SAFETY: p is a valid NUL-terminated string from Slurm.
+        match unsafe { crate::c_str(p) } {
+            Some(name) if hosts.len() < limit => hosts.push(name),
+            _ => complete = false,
+        }
+        // SAFETY: slurm_hostlist_shift's result is allocated with malloc (slurm.h).
+        unsafe { libc::free(p.cast()) };
+        if !complete {
+            break;
+        }
+    }
+    // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
+    unsafe { destroy(hl) };
+    complete.then_some(hosts)
+}
+
 /// Slurm's description of its last API error: `slurm_get_errno` where the host has it, else
 /// `errno` (Slurm 24.11 sets errno and dropped slurm_get_errno from its headers).
 fn last_error() -> String {
