@@ -1188,3 +1188,49 @@ fn what_one_node_learns_the_other_knows_soon() {
         assert!(c.path(&format!("share/{node}.json")).exists(), "{node} wrote its file");
     }
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn check_config_says_what_disagrees_with_slurm() {
+    let c = Cluster::from_env();
+    let check = |config: &std::path::Path| {
+        let out = std::process::Command::new(c.path("plugins/multiplexd"))
+            .args(["check-config", "--config"])
+            .arg(config)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let good = c.path("multiplexd/n1/multiplexd.toml");
+    let (code, text) = check(&good);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("error:"), "{text}");
+    for want in [
+        "ok: GPUs 0, 1 of multiplexd.toml are in gres.conf",
+        "ok: slurmctld gives n1 gpu:2,shard:4",
+        "ok: plugstack.conf's socket is",
+        // This cluster's nodes are in the default partition too.
+        "warning: n1 is also in partition debug",
+    ] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+    // The same node, described wrongly: each disagreement is named and the exit status says so.
+    let wrong = c.path("multiplexd/n1-wrong.toml");
+    let text = std::fs::read_to_string(&good)
+        .unwrap()
+        .replace("jobs_per_gpu = 2", "jobs_per_gpu = 3")
+        .replace("n1.sock", "n1-old.sock")
+        + "\n[[gpu]]\nindex = 5\nmodel = \"v100\"\nmemory_mb = 16384\n";
+    std::fs::write(&wrong, text).unwrap();
+    let (code, text) = check(&wrong);
+    std::fs::remove_file(&wrong).unwrap();
+    assert_eq!(code, Some(1), "{text}");
+    for want in [
+        "error: multiplexd.toml lists GPU 5 that gres.conf does not give node n1",
+        "error: jobs_per_gpu = 3 but gres.conf's shards disagree",
+        "wants shard:6",
+        "error: plugstack.conf sends this node's jobs to",
+    ] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+}

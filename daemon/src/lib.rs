@@ -3,6 +3,7 @@
 
 pub mod admission;
 pub mod background;
+pub mod check;
 pub mod command;
 pub mod config;
 pub mod gpus;

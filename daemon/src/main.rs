@@ -1,5 +1,6 @@
 //! `multiplexd`: the command line. `serve` runs the node daemon (see [`multiplexd::serve`]); the
-//! tools (`status`, `report`, `history`, `explain`, `export`, `import`) are in [`multiplexd::tools`].
+//! tools (`status`, `report`, `history`, `explain`, `export`, `import`, `check-config`) are in
+//! [`multiplexd::tools`].
 
 use clap::{Parser, Subcommand};
 use multiplexd::config::DEFAULT_CONFIG;
@@ -77,6 +78,12 @@ enum Command {
         #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
+    /// Check that this node's config agrees with gres.conf, slurmctld's record of the node,
+    /// plugstack.conf and job_submit's partitions; exits 1 when something disagrees.
+    CheckConfig {
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
     /// Merge another node's export into this node's history (more observations win).
     Import {
         /// The file to read, or - for standard input.
@@ -110,6 +117,11 @@ fn main() -> ExitCode {
         Command::Explain { job_id, config, json } => tools::explain(&config, job_id, json),
         Command::Export { file, config } => tools::export(&config, &file),
         Command::Import { file, config } => tools::import(&config, &file),
+        Command::CheckConfig { config } => match tools::check_config(&config) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(1),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

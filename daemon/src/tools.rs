@@ -236,3 +236,116 @@ pub fn report(
 fn read(path: &Path) -> Result<String, String> {
     std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }
+
+/// `multiplexd check-config`: compares the daemon's config with gres.conf, slurmctld's record of
+/// the node, plugstack.conf and job_submit's policy, and prints one line per check. `Ok(false)`
+/// when something disagrees.
+pub fn check_config(config_path: &Path) -> Result<bool, String> {
+    use crate::check::{self, Finding, Inputs, Level, PolicyView};
+    let config = load_config(config_path)?;
+    let scontrol = config.weight.scontrol.clone();
+    let run = |args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        crate::command::run(&scontrol, &args, Duration::from_secs(10))
+    };
+    let names_node = |list: &str| {
+        run(&["show", "hostnames", list])
+            .map(|out| out.split_whitespace().any(|h| h == config.node))
+            .unwrap_or(false)
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+    let slurm_conf = PathBuf::from(std::env::var_os("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into()));
+    let etc = slurm_conf.parent().unwrap_or(Path::new("/etc/slurm")).to_path_buf();
+    let conf_value = |key: &str| {
+        read(&slurm_conf).ok().and_then(|text| {
+            text.lines().find_map(|l| {
+                let (k, v) = l.split('#').next()?.trim().split_once('=')?;
+                k.trim().eq_ignore_ascii_case(key).then(|| v.trim().to_string())
+            })
+        })
+    };
+    let plugstack_path = conf_value("PlugStackConfig").map_or_else(|| etc.join("plugstack.conf"), PathBuf::from);
+    let plugstack = read(&plugstack_path).map(|text| {
+        // Lines of the files it includes (`include /etc/slurm/plugstack.conf.d/*.conf`) too.
+        let mut all = text.clone();
+        for pattern in text.lines().filter_map(|l| l.trim().strip_prefix("include ")) {
+            let pattern = Path::new(pattern.trim());
+            let (dir, name) = (pattern.parent().unwrap_or(Path::new("/")), pattern.file_name());
+            let name = name.and_then(|n| n.to_str()).unwrap_or("");
+            let (head, tail) = name.split_once('*').unwrap_or((name, ""));
+            let Ok(entries) = std::fs::read_dir(dir) else { continue };
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with(head) && n.ends_with(tail) && (name.contains('*') || n == name) {
+                    all.push('\n');
+                    all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+                }
+            }
+        }
+        check::plugstack_socket(&all, &config.node)
+    });
+    let gres_path = etc.join("gres.conf");
+    let gres = read(&gres_path).and_then(|text| check::parse_gres_conf(&text, &|list| names_node(list)));
+    let record = run(&["show", "node", &config.node, "-o"]).map(|out| check::parse_node_record(&out));
+    let policy_path = std::env::var_os("MULTIPLEX_JOB_SUBMIT_CONF")
+        .map_or_else(|| etc.join("job_submit_multiplex.toml"), PathBuf::from);
+    let mut notes: Vec<Finding> = Vec::new();
+    let policy = match read(&policy_path) {
+        Ok(text) => match text.parse::<toml::Table>() {
+            Ok(t) => Some(PolicyView {
+                partitions: t
+                    .get("partitions")
+                    .and_then(|v| v.as_array())
+                    .map(|a| a.iter().filter_map(|p| p.as_str().map(String::from)).collect())
+                    .unwrap_or_else(|| vec!["shared".into()]),
+                names_node: t.get("shared_nodes").and_then(|v| v.as_str()).is_some_and(names_node),
+            }),
+            Err(e) => {
+                notes.push(Finding {
+                    level: Level::Warning,
+                    text: format!(
+                        "partitions not checked: {} is not valid TOML ({e})",
+                        policy_path.display()
+                    ),
+                });
+                None
+            }
+        },
+        Err(_) => {
+            notes.push(Finding {
+                level: Level::Ok,
+                text: format!(
+                    "no job_submit policy at {} here: its defaults (partition shared) assumed",
+                    policy_path.display()
+                ),
+            });
+            Some(PolicyView {
+                partitions: vec!["shared".into()],
+                names_node: false,
+            })
+        }
+    };
+    let inputs = Inputs {
+        config: &config,
+        gres: gres.map_err(|e| format!("{e} ({} is read beside SLURM_CONF)", gres_path.display())),
+        record,
+        plugstack,
+        policy,
+    };
+    let mut findings = notes;
+    findings.extend(check::check(&inputs));
+    let mut ok = true;
+    println!("checking node {} ({})", config.node, config_path.display());
+    for f in &findings {
+        let label = match f.level {
+            Level::Ok => "ok",
+            Level::Warning => "warning",
+            Level::Error => {
+                ok = false;
+                "error"
+            }
+        };
+        println!("{label}: {}", f.text);
+    }
+    Ok(ok)
+}

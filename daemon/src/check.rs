@@ -1,0 +1,518 @@
+//! `multiplexd check-config`: does this node's daemon config agree with what Slurm was told?
+//! The node's GPUs and slots in `multiplexd.toml`, gres.conf, slurmctld's record of the node,
+//! plugstack.conf's socket, and the partitions that reach the node. What disagrees is a
+//! finding with one sentence; the reading of files and commands is in [`crate::tools`], the
+//! comparisons here.
+
+use crate::config::{Config, GpuSource};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Ok,
+    Warning,
+    Error,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finding {
+    pub level: Level,
+    pub text: String,
+}
+
+fn finding(level: Level, text: impl Into<String>) -> Finding {
+    Finding {
+        level,
+        text: text.into(),
+    }
+}
+
+/// What gres.conf says of one node.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GresConf {
+    /// GPU index (the N of the device file's trailing number) -> device file.
+    pub gpus: BTreeMap<u32, String>,
+    /// Shards per GPU index, where the shard line names its file.
+    pub shards: BTreeMap<u32, u64>,
+    /// Shards on lines without a file (Slurm spreads them over the GPUs itself).
+    pub shards_without_file: u64,
+    /// `AutoDetect=nvml` (or another): the GPUs are not listed in the file.
+    pub autodetect: Option<String>,
+}
+
+/// `/dev/nvidia[0-3]`, `/dev/nvidia[0,2]`, `/dev/nvidia1`: the files one `File=` names (one
+/// bracket group, as gres.conf writes device ranges); `None` for what this cannot read.
+pub fn expand_files(spec: &str) -> Option<Vec<String>> {
+    let Some((stem, rest)) = spec.split_once('[') else {
+        return Some(vec![spec.to_string()]);
+    };
+    let (inside, tail) = rest.split_once(']')?;
+    let mut out = Vec::new();
+    for part in inside.split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi) = (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?);
+        if hi < lo || hi - lo > 4096 {
+            return None;
+        }
+        out.extend((lo..=hi).map(|i| format!("{stem}{i:0w$}{tail}", w = a.len())));
+    }
+    Some(out)
+}
+
+/// The GPU index a device file stands for: its trailing number (`/dev/nvidia3` -> 3).
+fn index_of(file: &str) -> Option<u32> {
+    let digits: String = file
+        .chars()
+        .rev()
+        .take_while(char::is_ascii_digit)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    digits.parse().ok()
+}
+
+/// Reads gres.conf for one node. Lines with a `NodeName=` apply to the nodes it names
+/// (`node_in(list)` answers, by Slurm's host-list rules); lines without one to every node.
+pub fn parse_gres_conf(text: &str, node_in: &dyn Fn(&str) -> bool) -> Result<GresConf, String> {
+    let mut g = GresConf::default();
+    for (n, raw) in text.lines().enumerate() {
+        let line = raw.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut fields: BTreeMap<String, String> = BTreeMap::new();
+        for word in line.split_whitespace() {
+            let Some((k, v)) = word.split_once('=') else {
+                return Err(format!("gres.conf line {}: {word:?} is not KEY=VALUE", n + 1));
+            };
+            fields.insert(k.to_ascii_lowercase(), v.to_string());
+        }
+        if let Some(list) = fields.get("nodename") {
+            if !node_in(list) {
+                continue;
+            }
+        }
+        if let Some(a) = fields.get("autodetect") {
+            if !a.eq_ignore_ascii_case("off") {
+                g.autodetect = Some(a.clone());
+            }
+        }
+        let files = match fields.get("file") {
+            Some(f) => expand_files(f).ok_or_else(|| format!("gres.conf line {}: cannot read File={f}", n + 1))?,
+            None => Vec::new(),
+        };
+        match fields.get("name").map(|s| s.as_str()) {
+            Some("gpu") => {
+                for f in files {
+                    let i =
+                        index_of(&f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
+                    g.gpus.insert(i, f);
+                }
+            }
+            Some("shard") => {
+                let count: u64 = match fields.get("count") {
+                    Some(c) => c
+                        .parse()
+                        .map_err(|_| format!("gres.conf line {}: Count={c} is not a number", n + 1))?,
+                    None => 1,
+                };
+                if files.is_empty() {
+                    g.shards_without_file += count;
+                }
+                for f in &files {
+                    let i =
+                        index_of(f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
+                    // Count= on a line with several files is spread over them.
+                    *g.shards.entry(i).or_default() += count / files.len() as u64;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(g)
+}
+
+/// slurmctld's record of the node (`scontrol show node -o`): its gres and partitions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeRecord {
+    /// gres name -> count (`gpu:v100:4(S:0)` counts 4 for gpu).
+    pub gres: BTreeMap<String, u64>,
+    pub partitions: Vec<String>,
+}
+
+pub fn parse_node_record(text: &str) -> NodeRecord {
+    let mut r = NodeRecord::default();
+    for word in text.split_whitespace() {
+        if let Some(v) = word.strip_prefix("Gres=") {
+            for entry in v.split(',').filter(|e| !e.is_empty() && *e != "(null)") {
+                let entry = entry.split('(').next().unwrap_or(entry);
+                let mut parts = entry.split(':');
+                let name = parts.next().unwrap_or("").to_string();
+                let count = parts.next_back().and_then(|c| c.parse::<u64>().ok()).unwrap_or(1);
+                *r.gres.entry(name).or_default() += count;
+            }
+        } else if let Some(v) = word.strip_prefix("Partitions=") {
+            r.partitions = v.split(',').filter(|p| !p.is_empty()).map(String::from).collect();
+        }
+    }
+    r
+}
+
+/// The socket plugstack.conf gives the multiplex plugin on `node` (`%n` replaced), from its
+/// `socket=` argument; `None` where no line loads `multiplex.so`.
+pub fn plugstack_socket(text: &str, node: &str) -> Option<Option<String>> {
+    let line = text.lines().map(str::trim).find(|l| {
+        !l.starts_with('#')
+            && l.split_whitespace()
+                .nth(1)
+                .is_some_and(|so| so.ends_with("multiplex.so"))
+    })?;
+    Some(
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix("socket="))
+            .map(|s| s.replace("%n", node)),
+    )
+}
+
+/// What job_submit's policy says about this node: its shared partitions, and whether its
+/// `shared_nodes` names the node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyView {
+    pub partitions: Vec<String>,
+    pub names_node: bool,
+}
+
+/// Everything known about the node, from the files and commands that could be read (`Err`:
+/// why one could not).
+pub struct Inputs<'a> {
+    pub config: &'a Config,
+    pub gres: Result<GresConf, String>,
+    pub record: Result<NodeRecord, String>,
+    pub plugstack: Result<Option<Option<String>>, String>,
+    pub policy: Option<PolicyView>,
+}
+
+pub fn check(i: &Inputs) -> Vec<Finding> {
+    let c = i.config;
+    let mut out = Vec::new();
+    let listed: Option<Vec<u32>> = match &c.gpus {
+        GpuSource::Listed(g) => Some(g.iter().map(|g| g.index).collect()),
+        GpuSource::Nvml => None,
+    };
+    match &i.gres {
+        Err(e) => out.push(finding(Level::Warning, format!("gres.conf not checked: {e}"))),
+        Ok(g) if g.gpus.is_empty() && g.autodetect.is_some() => out.push(finding(
+            Level::Ok,
+            format!(
+                "gres.conf detects the GPUs itself (AutoDetect={}): only shard counts are checked",
+                g.autodetect.as_deref().unwrap_or("")
+            ),
+        )),
+        Ok(g) if g.gpus.is_empty() => out.push(finding(
+            Level::Error,
+            format!("gres.conf gives node {} no GPU (Name=gpu File=...)", c.node),
+        )),
+        Ok(g) => {
+            if let Some(listed) = &listed {
+                let missing: Vec<String> = listed
+                    .iter()
+                    .filter(|i| !g.gpus.contains_key(i))
+                    .map(|i| i.to_string())
+                    .collect();
+                if missing.is_empty() {
+                    out.push(finding(
+                        Level::Ok,
+                        format!("GPUs {} of multiplexd.toml are in gres.conf", join(listed)),
+                    ));
+                } else {
+                    out.push(finding(
+                        Level::Error,
+                        format!(
+                            "multiplexd.toml lists GPU {} that gres.conf does not give node {} (gres.conf has {})",
+                            missing.join(", "),
+                            c.node,
+                            join(&g.gpus.keys().copied().collect::<Vec<_>>())
+                        ),
+                    ));
+                }
+                let unshared: Vec<u32> = g
+                    .gpus
+                    .keys()
+                    .filter(|i| g.shards.contains_key(i) && !listed.contains(i))
+                    .copied()
+                    .collect();
+                if !unshared.is_empty() {
+                    out.push(finding(
+                        Level::Warning,
+                        format!(
+                            "gres.conf has shards of GPU {} but multiplexd.toml does not list it: jobs Slurm gives a shard of it run on a listed GPU",
+                            join(&unshared)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Ok(g) = &i.gres {
+        let wrong: Vec<String> = g
+            .shards
+            .iter()
+            .filter(|(_, &n)| n != u64::from(c.jobs_per_gpu))
+            .map(|(i, n)| format!("GPU {i} has {n}"))
+            .collect();
+        if !wrong.is_empty() {
+            out.push(finding(
+                Level::Error,
+                format!(
+                    "jobs_per_gpu = {} but gres.conf's shards disagree ({}): Slurm would start more or fewer jobs per GPU than the daemon places",
+                    c.jobs_per_gpu,
+                    wrong.join(", ")
+                ),
+            ));
+        } else if !g.shards.is_empty() {
+            out.push(finding(
+                Level::Ok,
+                format!(
+                    "gres.conf gives each GPU {} shards, as jobs_per_gpu says",
+                    c.jobs_per_gpu
+                ),
+            ));
+        }
+        if g.shards.is_empty() && g.shards_without_file == 0 {
+            out.push(finding(
+                Level::Error,
+                format!(
+                    "gres.conf gives node {} no shards (Name=shard Count=... File=...)",
+                    c.node
+                ),
+            ));
+        }
+    }
+    match &i.record {
+        Err(e) => out.push(finding(
+            Level::Warning,
+            format!("slurmctld's record of the node not checked: {e}"),
+        )),
+        Ok(r) => {
+            let gpus = r.gres.get("gpu").copied().unwrap_or(0);
+            let shards = r.gres.get("shard").copied().unwrap_or(0);
+            let expect = gpus * u64::from(c.jobs_per_gpu);
+            if shards != expect {
+                out.push(finding(
+                    Level::Error,
+                    format!(
+                        "slurmctld gives {} gpu:{gpus},shard:{shards}, but jobs_per_gpu = {} wants shard:{expect} (slurm.conf Gres=)",
+                        c.node, c.jobs_per_gpu
+                    ),
+                ));
+            } else {
+                out.push(finding(
+                    Level::Ok,
+                    format!("slurmctld gives {} gpu:{gpus},shard:{shards}", c.node),
+                ));
+            }
+            if let Some(listed) = &listed {
+                if listed.len() as u64 > gpus {
+                    out.push(finding(
+                        Level::Error,
+                        format!(
+                            "multiplexd.toml lists {} GPUs, slurmctld knows {gpus} on {}",
+                            listed.len(),
+                            c.node
+                        ),
+                    ));
+                }
+            }
+            if let Some(p) = &i.policy {
+                let others: Vec<&String> = r.partitions.iter().filter(|x| !p.partitions.contains(x)).collect();
+                let shared_in = r.partitions.iter().any(|x| p.partitions.contains(x));
+                if !shared_in {
+                    out.push(finding(
+                        Level::Error,
+                        format!(
+                            "{} is in no shared partition of job_submit's policy ({}); it is in {}",
+                            c.node,
+                            p.partitions.join(", "),
+                            r.partitions.join(", ")
+                        ),
+                    ));
+                } else if !others.is_empty() && !p.names_node {
+                    out.push(finding(
+                        Level::Warning,
+                        format!(
+                            "{} is also in partition {}, whose jobs can be given its GPUs whole while multiplexed jobs share them: name it in job_submit's shared_nodes, or keep it in shared partitions only",
+                            c.node,
+                            others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                } else {
+                    out.push(finding(
+                        Level::Ok,
+                        format!("partitions of {}: {}", c.node, r.partitions.join(", ")),
+                    ));
+                }
+            }
+        }
+    }
+    match &i.plugstack {
+        Err(e) => out.push(finding(Level::Warning, format!("plugstack.conf not checked: {e}"))),
+        Ok(None) => out.push(finding(
+            Level::Error,
+            "plugstack.conf loads no multiplex.so: jobs on this node are never placed",
+        )),
+        Ok(Some(None)) => out.push(finding(
+            Level::Error,
+            "plugstack.conf's multiplex.so line has no socket= argument",
+        )),
+        Ok(Some(Some(s))) if Path::new(s) == c.socket => {
+            out.push(finding(Level::Ok, format!("plugstack.conf's socket is {s}")));
+        }
+        Ok(Some(Some(s))) => out.push(finding(
+            Level::Error,
+            format!(
+                "plugstack.conf sends this node's jobs to {s}, but the daemon listens on {}",
+                c.socket.display()
+            ),
+        )),
+    }
+    out
+}
+
+fn join(v: &[u32]) -> String {
+    v.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GRES: &str = "# two GPUs\nNodeName=n[1-2] Name=gpu File=/dev/nvidia[0-1]\n\
+        NodeName=n1 Name=shard Count=2 File=/dev/nvidia0\nNodeName=n1 Name=shard Count=2 File=/dev/nvidia1\n\
+        NodeName=n9 Name=gpu File=/dev/nvidia[0-7]\n";
+
+    fn n1_or_n2(list: &str) -> bool {
+        list == "n[1-2]" || list == "n1"
+    }
+
+    fn config(jobs_per_gpu: u32, gpus: &[u32]) -> Config {
+        let mut text = format!(
+            "node = \"n1\"\nsocket = \"/run/m/n1.sock\"\ndatabase = \"/tmp/x.sqlite\"\njobs_per_gpu = {jobs_per_gpu}\n"
+        );
+        for g in gpus {
+            text.push_str(&format!("[[gpu]]\nindex = {g}\nmodel = \"v100\"\nmemory_mb = 16384\n"));
+        }
+        Config::parse(&text).unwrap()
+    }
+
+    fn record() -> NodeRecord {
+        parse_node_record("NodeName=n1 Gres=gpu:2,shard:4 Partitions=shared State=IDLE")
+    }
+
+    fn errors(f: &[Finding]) -> Vec<&str> {
+        f.iter()
+            .filter(|f| f.level == Level::Error)
+            .map(|f| f.text.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn files_and_records_are_read() {
+        assert_eq!(
+            expand_files("/dev/nvidia[0-2,5]").unwrap(),
+            ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia5"]
+        );
+        assert_eq!(expand_files("/x/g[08-10]").unwrap(), ["/x/g08", "/x/g09", "/x/g10"]);
+        assert!(expand_files("/dev/nvidia[0-").is_none());
+        let g = parse_gres_conf(GRES, &n1_or_n2).unwrap();
+        assert_eq!(g.gpus.keys().copied().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(g.shards, BTreeMap::from([(0, 2), (1, 2)]));
+        assert!(parse_gres_conf("Name=gpu oops", &n1_or_n2)
+            .unwrap_err()
+            .contains("line 1"));
+        let r = parse_node_record("Gres=gpu:v100:4(S:0-1),shard:8 Partitions=debug,shared");
+        assert_eq!(r.gres, BTreeMap::from([("gpu".into(), 4), ("shard".into(), 8)]));
+        assert_eq!(r.partitions, ["debug", "shared"]);
+        assert_eq!(
+            plugstack_socket("# x\nrequired /p/multiplex.so socket=/run/m/%n.sock timeout_ms=1", "n1"),
+            Some(Some("/run/m/n1.sock".into()))
+        );
+        assert_eq!(plugstack_socket("optional /p/other.so", "n1"), None);
+    }
+
+    #[test]
+    fn an_agreeing_node_has_no_error_and_each_disagreement_is_named() {
+        let c = config(2, &[0, 1]);
+        let good = Inputs {
+            config: &c,
+            gres: parse_gres_conf(GRES, &n1_or_n2),
+            record: Ok(record()),
+            plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
+            policy: Some(PolicyView {
+                partitions: vec!["shared".into()],
+                names_node: false,
+            }),
+        };
+        let f = check(&good);
+        assert!(errors(&f).is_empty(), "{f:?}");
+        assert!(f.iter().all(|f| f.level == Level::Ok), "{f:?}");
+
+        let c3 = config(3, &[0, 1, 2]);
+        let mut r = record();
+        r.partitions = vec!["debug".into(), "shared".into()];
+        let bad = Inputs {
+            config: &c3,
+            gres: parse_gres_conf(GRES, &n1_or_n2),
+            record: Ok(r),
+            plugstack: Ok(Some(Some("/run/other/n1.sock".into()))),
+            policy: Some(PolicyView {
+                partitions: vec!["shared".into()],
+                names_node: false,
+            }),
+        };
+        let f = check(&bad);
+        let e = errors(&f).join("\n");
+        for want in [
+            "lists GPU 2 that gres.conf does not give node n1",
+            "jobs_per_gpu = 3 but gres.conf's shards disagree (GPU 0 has 2, GPU 1 has 2)",
+            "shard:4, but jobs_per_gpu = 3 wants shard:6",
+            "lists 3 GPUs, slurmctld knows 2",
+            "sends this node's jobs to /run/other/n1.sock, but the daemon listens on /run/m/n1.sock",
+        ] {
+            assert!(e.contains(want), "{want:?} not in:\n{e}");
+        }
+        assert!(
+            f.iter()
+                .any(|f| f.level == Level::Warning && f.text.contains("also in partition debug")),
+            "{f:?}"
+        );
+        // Named in shared_nodes: the other partition is no longer a warning.
+        let named = Inputs {
+            policy: Some(PolicyView {
+                partitions: vec!["shared".into()],
+                names_node: true,
+            }),
+            ..bad
+        };
+        assert!(
+            check(&named).iter().all(|f| f.level != Level::Warning),
+            "{:?}",
+            check(&named)
+        );
+        // What could not be read is said, not guessed.
+        let unread = Inputs {
+            config: &c,
+            gres: Err("cannot read /etc/slurm/gres.conf: No such file".into()),
+            record: Err("scontrol: not found".into()),
+            plugstack: Ok(None),
+            policy: None,
+        };
+        let f = check(&unread);
+        assert_eq!(
+            errors(&f),
+            ["plugstack.conf loads no multiplex.so: jobs on this node are never placed"]
+        );
+        assert_eq!(f.iter().filter(|f| f.level == Level::Warning).count(), 2, "{f:?}");
+    }
+}
