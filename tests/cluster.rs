@@ -314,6 +314,14 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
         "the job was requeued: {:?}",
         c.show_job(job)
     );
+    // Why it waits is in its record too, after the tag (its output is truncated on the rerun).
+    let comment = c.show_job(job)["AdminComment"].clone();
+    assert!(
+        comment.starts_with(
+            "multiplex:app=itest-waits,mem=12288M | multiplex: requeued, waiting 5 s: no GPU on n1 can take this job safely now ("
+        ) || comment.contains("waiting 10 s"),
+        "{comment}"
+    );
     // Usually it starts again after the plugin's 5 s BeginTime. On a loaded machine Slurm
     // 24.11 once set its own BeginTime last, 120 s after the requeue (EligibleTime 121 s after
     // it): the job still runs later, as this test claims, only later than the daemon asked.
@@ -334,6 +342,10 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
     assert!(
         env_of(&out).contains_key("MULTIPLEX_GPU"),
         "it ran multiplexed in the end: {out}"
+    );
+    assert!(
+        rec["AdminComment"].starts_with("multiplex:app=itest-waits,mem=12288M | multiplex: requeued, waiting "),
+        "the note stays after the job ran: {rec:?}"
     );
     for f in fillers {
         assert_eq!(c.wait(f, WAIT)["JobState"], "COMPLETED");

@@ -89,6 +89,22 @@ impl Spec {
     }
 }
 
+/// What separates the note of a job's latest decline from the rest of its admin comment.
+pub const DECLINE_NOTE: &str = " | multiplex: ";
+
+/// A multiplexed job's admin comment with `note` (why it was declined, where, how long it
+/// waits) in place of any earlier one: the tag and any admin's text before it stay, so the
+/// tag still leads and `scontrol show job` / `sacct -o AdminComment` show why the job waited,
+/// also after the rerun that truncated its output.
+pub fn with_decline_note(admin_comment: &str, note: &str) -> String {
+    let kept = admin_comment
+        .split_once(DECLINE_NOTE)
+        .map_or(admin_comment, |(before, _)| before)
+        .trim_end();
+    let note: String = note.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    format!("{kept}{DECLINE_NOTE}{note}")
+}
+
 impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts = Vec::new();
@@ -163,6 +179,22 @@ pub fn parse_mem_mb(s: &str) -> Result<u64, SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decline_note_replaces_the_last_one_and_keeps_the_tag_first() {
+        let tag = "multiplex:app=a ticket 42";
+        let once = with_decline_note(tag, "requeued, waiting 60 s: no GPU on n1");
+        assert_eq!(
+            once,
+            "multiplex:app=a ticket 42 | multiplex: requeued, waiting 60 s: no GPU on n1"
+        );
+        let twice = with_decline_note(&once, "requeued, waiting 120 s:\nno GPU on n2");
+        assert_eq!(
+            twice,
+            "multiplex:app=a ticket 42 | multiplex: requeued, waiting 120 s: no GPU on n2"
+        );
+        assert_eq!(Spec::from_tag(Some(&twice)).unwrap().unwrap().app.as_deref(), Some("a"));
+    }
 
     #[test]
     fn a_tag_gives_back_the_spec_it_was_written_from() {

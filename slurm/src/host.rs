@@ -233,9 +233,9 @@ pub fn requeue(job_id: u32) -> Result<(), String> {
     }
 }
 
-/// Sets a pending job's earliest start (`--begin`) to `begin`, in seconds since the epoch.
-/// An RPC, like [`requeue`].
-pub fn set_begin_time(job_id: u32, begin: i64) -> Result<(), String> {
+/// Sets a pending job's earliest start (`--begin`) to `begin`, in seconds since the epoch,
+/// and its admin comment where given. An RPC, like [`requeue`].
+pub fn set_begin_time(job_id: u32, begin: i64, admin_comment: Option<&str>) -> Result<(), String> {
     let h = host();
     let init = h
         .init_job_desc_msg
@@ -249,7 +249,14 @@ pub fn set_begin_time(job_id: u32, begin: i64) -> Result<(), String> {
         let d = desc.assume_init_mut();
         d.job_id = job_id;
         d.begin_time = begin as _;
-        match update(d) {
+        // Owned here and only read by slurm_update_job.
+        let comment = admin_comment.map(|c| std::ffi::CString::new(c.replace('\0', "")).expect("NULs removed"));
+        if let Some(c) = &comment {
+            d.admin_comment = c.as_ptr() as *mut c_char;
+        }
+        let rc = update(d);
+        d.admin_comment = std::ptr::null_mut();
+        match rc {
             0 => Ok(()),
             _ => Err(last_error()),
         }

@@ -6,7 +6,7 @@ use crate::args::Args;
 use crate::remote::{self, StepInfo, StepPlan};
 use crate::{state, OPTION_ENV, PREFIX};
 use libc::c_int;
-use multiplex_protocol::spec::Spec;
+use multiplex_protocol::spec::{with_decline_note, Spec};
 use slurm_ffi::log;
 use slurm_ffi::spank::Spank;
 
@@ -30,8 +30,8 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         ));
     };
     let args = state().args.clone();
-    let spec = match tagged_spec(&args, job_id) {
-        Ok(spec) => spec,
+    let (spec, comment) = match tagged_spec(&args, job_id) {
+        Ok(tagged) => tagged,
         Err(plan) => {
             if let StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } = &plan {
                 log::info(&format!("{text} (job {job_id} step {step})"));
@@ -55,7 +55,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
     };
     let plan = match remote::plan(&args, &spec, &info, false) {
         StepPlan::Declined { reason, retry_after_s } => {
-            match declined(job_id, step_id, &node, &reason, retry_after_s) {
+            match declined(job_id, step_id, &node, &reason, retry_after_s, &comment) {
                 Declined::Requeued(plan) => plan,
                 // A decline would fail a job that cannot be requeued: ask for any GPU where it fits.
                 Declined::CannotWait(why) => {
@@ -114,7 +114,7 @@ enum Declined {
 
 /// A declined batch job is requeued and held back for the daemon's `retry_after_s`; any other
 /// declined step fails with the reason.
-fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32) -> Declined {
+fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32, comment: &str) -> Declined {
     let delay = match remote::on_decline(node, step_id, reason, retry_after_s) {
         Ok(delay) => delay,
         Err(message) => return Declined::Requeued(StepPlan::Fail { message }),
@@ -125,21 +125,24 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64);
-    if let Err(e) = slurm_ffi::host::set_begin_time(job_id, now + i64::from(delay)) {
+    // The reason also goes into the job's admin comment, after the tag: the rerun truncates
+    // the job's output, and `scontrol show job` then says why it waits.
+    let why = format!("requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})");
+    let note = with_decline_note(comment, &why);
+    if let Err(e) = slurm_ffi::host::set_begin_time(job_id, now + i64::from(delay), Some(&note)) {
         log::error(&format!(
             "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
         ));
     }
     Declined::Requeued(StepPlan::Fail {
-        message: format!(
-            "multiplex: requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})"
-        ),
+        message: format!("multiplex: {why}"),
     })
 }
 
-/// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), or the plan
-/// for a step of a job that has no tag (it runs as Slurm placed it) or whose tag cannot be read.
-fn tagged_spec(args: &Args, job_id: u32) -> Result<Spec, StepPlan> {
+/// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), with the admin
+/// comment it was read from; or the plan for a step of a job that has no tag (it runs as Slurm
+/// placed it) or whose tag cannot be read.
+fn tagged_spec(args: &Args, job_id: u32) -> Result<(Spec, String), StepPlan> {
     let comment = match slurm_ffi::host::job_admin_comment(job_id) {
         Ok(c) => c,
         Err(e) => {
@@ -150,7 +153,7 @@ fn tagged_spec(args: &Args, job_id: u32) -> Result<Spec, StepPlan> {
         }
     };
     match Spec::from_tag(comment.as_deref()) {
-        Some(Ok(spec)) => Ok(spec),
+        Some(Ok(spec)) => Ok((spec, comment.unwrap_or_default())),
         Some(Err(e)) => Err(StepPlan::Fail {
             message: format!("{PREFIX}: job {job_id}'s multiplex tag in its admin comment is not valid: {e}"),
         }),
