@@ -51,6 +51,20 @@ pub struct Node {
     teacher: Teacher,
     /// The learning thread, once [`Self::learn_in_background`] started it.
     learner: Option<Learner>,
+    /// Ends of jobs the history could not record (its disk was full, or it could not be
+    /// written): their slots are free at once, and each is written when the history takes
+    /// writes again (tried before every request). A restart before that loses only the exit
+    /// status: reconcile frees such a job as one whose end was never heard of.
+    unrecorded: Vec<UnrecordedEnd>,
+}
+
+/// A job's end the history has not recorded yet.
+struct UnrecordedEnd {
+    job: ActiveJob,
+    step_id: u32,
+    exit_status: i32,
+    remaining: Vec<i64>,
+    at: f64,
 }
 
 impl Node {
@@ -66,6 +80,7 @@ impl Node {
             on_load: None,
             refusing: false,
             learner: None,
+            unrecorded: Vec::new(),
         };
         node.teacher.compact(&mut node.history);
         for job in node.history.active_jobs(&node.config.node)? {
@@ -77,6 +92,11 @@ impl Node {
             node.teacher.learn(&mut node.history, &Lesson::Ended((&job).into()));
         }
         Ok(node)
+    }
+
+    /// The history database's path.
+    pub fn database(&self) -> &std::path::Path {
+        &self.config.database
     }
 
     /// The node name this daemon serves.
@@ -171,7 +191,30 @@ impl Node {
     }
 
     fn active(&self) -> Result<Vec<ActiveJob>, HistoryError> {
-        self.history.active_jobs(&self.config.node)
+        let mut active = self.history.active_jobs(&self.config.node)?;
+        active.retain(|j| !self.unrecorded.iter().any(|u| u.job.row == j.row));
+        Ok(active)
+    }
+
+    /// Writes the ends the history could not take before; those that still fail wait.
+    fn record_unrecorded(&mut self) {
+        if self.unrecorded.is_empty() {
+            return;
+        }
+        let mut still = Vec::new();
+        for u in std::mem::take(&mut self.unrecorded) {
+            match self
+                .history
+                .record_finish(u.job.row, u.step_id, u.exit_status, true, &u.remaining, u.at)
+            {
+                Ok(()) => {
+                    tracing::info!(job = u.job.job_id, "recorded the end the history could not take before");
+                    self.teach(Lesson::Ended((&u.job).into()));
+                }
+                Err(_) => still.push(u),
+            }
+        }
+        self.unrecorded = still;
     }
 
     /// Decides where a job step runs and records it. A step of a job that already holds a GPU
@@ -184,6 +227,7 @@ impl Node {
 
     fn place_step(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
         self.history.request_seen();
+        self.record_unrecorded();
         if req.node != self.config.node {
             return Ok(Response::Error {
                 message: format!("this multiplexd serves node {}, not {}", self.config.node, req.node),
@@ -444,6 +488,7 @@ impl Node {
 
     fn finish_step(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
         self.history.request_seen();
+        self.record_unrecorded();
         let now = (self.clock)();
         let active = self.active()?;
         let Some(job) = active.iter().find(|j| j.job_id == req.job_id) else {
@@ -460,8 +505,30 @@ impl Node {
             .filter(|o| o.gpu == job.gpu && o.row != job.row)
             .map(|o| o.row)
             .collect();
-        self.history
-            .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)?;
+        match self
+            .history
+            .record_finish(job.row, req.step_id, req.exit_status, releases, &remaining, now)
+        {
+            Ok(()) => {}
+            // The job has ended whatever the disk says: its slot is free now, its end is
+            // written once the history takes writes again.
+            Err(e) if releases && e.is_write_refused() => {
+                tracing::warn!(
+                    job = req.job_id,
+                    "the history cannot record this job's end now ({e}); its slot is free, and the end is written once it can be"
+                );
+                self.unrecorded.push(UnrecordedEnd {
+                    job: job.clone(),
+                    step_id: req.step_id,
+                    exit_status: req.exit_status,
+                    remaining,
+                    at: now,
+                });
+                self.refusing = false;
+                return Ok((Response::Finished, None));
+            }
+            Err(e) => return Err(e),
+        }
         if releases {
             self.refusing = false;
         }

@@ -354,7 +354,7 @@ pub(crate) fn handle(
             })
         }
     };
-    result.map_err(|e| e.to_string())
+    result.map_err(|e| e.at(node.database()).to_string())
 }
 
 #[cfg(test)]

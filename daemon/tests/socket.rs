@@ -471,3 +471,145 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
         .unwrap();
     assert_eq!(integrity, "ok");
 }
+
+/// A tmpfs of `size` mounted on a new directory, unmounted (and removed) on drop.
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount a tmpfs on {}", dir.path().display());
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+/// Writes zeros into `path` until the file system is full.
+fn fill(path: &Path) -> std::fs::File {
+    let mut f = std::fs::File::create(path).unwrap();
+    let block = vec![0u8; 64 * 1024];
+    loop {
+        match f.write(&block) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("filling {}: {e}", path.display()),
+        }
+    }
+    // Whatever a last short write could still take.
+    while let Ok(n) = f.write(&[0u8; 512]) {
+        if n == 0 {
+            break;
+        }
+    }
+    f
+}
+
+#[test]
+fn a_full_disk_frees_ended_jobs_slots_says_so_and_records_their_ends_when_space_returns() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: mounting a tmpfs needs root (tests/run runs this as root)");
+        return;
+    }
+    let disk = Tmpfs::mount("2m");
+    let dir = tempfile::tempdir().unwrap();
+    // The history on the small tmpfs, the socket and config beside the test.
+    let config = dir.path().join("multiplexd.toml");
+    let text = config_text(dir.path(), 1).replace(
+        &format!("{}/h.sqlite", dir.path().display()),
+        &format!("{}/h.sqlite", disk.0.path().display()),
+    );
+    std::fs::write(&config, text).unwrap();
+    let socket = dir.path().join("d.sock");
+    let mut daemon = Stopped(serve(&config, &socket));
+    for job in [1, 2] {
+        assert!(matches!(
+            client::call(&socket, T, place(job, "a")).unwrap(),
+            Response::Placed(_)
+        ));
+    }
+    let filler = disk.0.path().join("filler");
+    let f = fill(&filler);
+    // Jobs end and start until a write no longer fits (the history's log may still hold a
+    // few): every end is answered and frees its slot, recorded or not.
+    assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
+    let mut refused = None;
+    for job in 3..40 {
+        match client::call(&socket, T, place(job, "b")).unwrap() {
+            Response::Error { message } => {
+                refused = Some(message);
+                break;
+            }
+            Response::Placed(_) => {
+                assert_eq!(client::call(&socket, T, finish(job)).unwrap(), Response::Finished);
+            }
+            other => panic!("job {job}: {other:?}"),
+        }
+    }
+    // A newcomer that cannot be recorded is refused with the reason, naming the file.
+    let message = refused.expect("a full disk refused some placement");
+    assert!(
+        message.contains("is full") && message.contains("h.sqlite") && message.contains("free some space"),
+        "{message}"
+    );
+    assert_eq!(
+        status_jobs(&socket).iter().map(|(j, _)| *j).collect::<Vec<_>>(),
+        [2],
+        "no slot leaked"
+    );
+    // Space returns: the next request records the ends it could not, and placing works again.
+    drop(f);
+    std::fs::remove_file(&filler).unwrap();
+    assert!(matches!(
+        client::call(&socket, T, place(50, "c")).unwrap(),
+        Response::Placed(_)
+    ));
+    let db = disk.0.path().join("h.sqlite");
+    let h = multiplexd::history::History::open(&db).unwrap();
+    let running: Vec<u32> = h
+        .connection()
+        .prepare("SELECT job_id FROM jobs WHERE finished_at IS NULL ORDER BY job_id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(running, [2, 50], "every end was recorded once there was room");
+    assert!(daemon.0.try_wait().unwrap().is_none(), "the daemon kept running");
+    // Full again, with an end it could not record: SIGTERM still stops it (the end is lost
+    // with the daemon; reconcile frees such a job after a restart).
+    let _f = fill(&filler);
+    assert_eq!(client::call(&socket, T, finish(50)).unwrap(), Response::Finished);
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(daemon.0.id() as i32, libc::SIGTERM) };
+    let start = std::time::Instant::now();
+    while daemon.0.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "SIGTERM did not stop the daemon"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A daemon killed on drop, so that a failing test leaves none behind.
+struct Stopped(std::process::Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

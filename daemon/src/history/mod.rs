@@ -50,13 +50,49 @@ pub enum HistoryError {
     #[error("the history database {path} cannot be written ({detail}): multiplexd must be able to write it, its -wal and -shm files and its directory (check their owner and permissions, and that the file system is not read-only); it was left as is")]
     NotWritable { path: PathBuf, detail: String },
     #[error(
-        "the disk holding the history database {path} is full ({detail}): free some space; the history was left as is"
+        "the disk holding the history database {path} is full ({detail}): free some space there; nothing recorded so far was lost"
     )]
     DiskFull { path: PathBuf, detail: String },
     #[error("history database: {0}")]
     Sql(#[from] rusqlite::Error),
     #[error("cannot start a history thread: {0}")]
     Thread(String),
+}
+
+impl HistoryError {
+    /// An SQLite error met while serving a request, told as what it means for the database
+    /// at `path`: a full disk or a file that cannot be written name the file and what to do.
+    pub fn at(self, path: &Path) -> HistoryError {
+        use rusqlite::ErrorCode;
+        match &self {
+            HistoryError::Sql(e) => match e.sqlite_error_code() {
+                Some(ErrorCode::DiskFull) => HistoryError::DiskFull {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                },
+                Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => HistoryError::NotWritable {
+                    path: path.to_path_buf(),
+                    detail: e.to_string(),
+                },
+                _ => self,
+            },
+            _ => self,
+        }
+    }
+
+    /// The history refused a write for want of space or permission (the disk is full, the
+    /// file or its file system became read-only): worth trying again later, unlike a bug.
+    pub fn is_write_refused(&self) -> bool {
+        use rusqlite::ErrorCode;
+        match self {
+            HistoryError::DiskFull { .. } | HistoryError::NotWritable { .. } => true,
+            HistoryError::Sql(e) => matches!(
+                e.sqlite_error_code(),
+                Some(ErrorCode::DiskFull | ErrorCode::ReadOnly | ErrorCode::SystemIoFailure)
+            ),
+            _ => false,
+        }
+    }
 }
 
 /// How long a connection waits for another's write lock before it fails, in polls of
