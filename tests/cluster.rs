@@ -1246,3 +1246,150 @@ fn check_config_says_what_disagrees_with_slurm() {
         assert!(text.contains(want), "{want:?} not in:\n{text}");
     }
 }
+
+/// An HTTP GET on loopback; the body, when the answer is 200.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    (head.split_whitespace().nth(1) == Some("200")).then(|| body.to_string())
+}
+
+/// A Prometheus server started by hand for one test, stopped by its pid on drop.
+struct Prometheus(std::process::Child);
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The value of a PromQL query that yields one number, through Prometheus's HTTP API.
+fn promql(port: u16, query: &str) -> Option<f64> {
+    let encoded: String = query
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let body = http_get(port, &format!("/api/v1/query?query={encoded}"))?;
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_real_prometheus_scrapes_what_the_daemons_count() {
+    let c = Cluster::from_env();
+    // Each daemon's endpoint, from its own config.
+    let targets: Vec<String> = ["n1", "n2"]
+        .iter()
+        .map(|n| {
+            let text = std::fs::read_to_string(c.path(&format!("multiplexd/{n}/multiplexd.toml"))).unwrap();
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("listen = "))
+                .expect("a [metrics] listen");
+            line.trim_start_matches("listen = ").trim_matches('"').to_string()
+        })
+        .collect();
+    // The exposition itself, as a scraper reads it.
+    let port_of = |t: &str| t.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let text = http_get(port_of(&targets[0]), "/metrics").expect("GET /metrics answers 200");
+    for name in [
+        "multiplexd_slots_per_gpu 2",
+        "# TYPE multiplexd_placements counter",
+        "multiplexd_history_jobs",
+    ] {
+        assert!(text.contains(name), "{name:?} not in:\n{text}");
+    }
+    assert!(text.trim_end().ends_with("# EOF"), "OpenMetrics ends with # EOF");
+    assert_eq!(http_get(port_of(&targets[0]), "/"), None, "only /metrics is served");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = c.path("prometheus");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: multiplexd\n    static_configs:\n      - targets: [{}]\n",
+            ALERTS,
+            targets.iter().map(|t| format!("'{t}'")).collect::<Vec<_>>().join(", ")
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
+    let _prometheus = Prometheus(
+        std::process::Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("run prometheus (Debian's package; tests/cluster/packages --tests installs it)"),
+    );
+    // Both daemons are up for Prometheus.
+    assert!(
+        wait_until(WAIT, || promql(port, "sum(up{job=\"multiplexd\"})") == Some(2.0)),
+        "both targets up: {:?}",
+        std::fs::read_to_string(dir.join("prometheus.log"))
+    );
+    let placed = || promql(port, "sum(multiplexd_placements_total{outcome=\"placed\"})").unwrap_or(0.0);
+    let before = placed();
+    let job = c.submit(&[
+        "--multiplex=app=itest-metrics",
+        "--gres=gpu:1",
+        "--output=/dev/null",
+        "--wrap",
+        "true",
+    ]);
+    assert_eq!(c.wait(job, WAIT)["JobState"], "COMPLETED");
+    assert!(
+        wait_until(WAIT, || placed() > before),
+        "the placement reached Prometheus: {before} -> {}",
+        placed()
+    );
+    let served = promql(port, "sum(multiplexd_request_seconds_count{kind=\"place\"})").unwrap_or(0.0);
+    assert!(served >= 1.0, "placement latency is recorded: {served}");
+    assert_eq!(promql(port, "max(multiplexd_slots_per_gpu)"), Some(2.0));
+    // The shipped alerting rules load and evaluate against these metrics.
+    let rules_healthy = || {
+        let Some(body) = http_get(port, "/api/v1/rules") else {
+            return false;
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let rules: Vec<&serde_json::Value> = v["data"]["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+            .collect();
+        rules.len() >= 6 && rules.iter().all(|r| r["health"] == "ok")
+    };
+    assert!(
+        wait_until(WAIT, rules_healthy),
+        "alert rules: {:?}",
+        http_get(port, "/api/v1/rules")
+    );
+    let check = std::process::Command::new("promtool")
+        .args(["check", "rules", ALERTS])
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+}
+
+/// The alerting rules the project ships.
+const ALERTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/prometheus/multiplexd-alerts.yml");

@@ -167,6 +167,16 @@ pub enum Fault {
 }
 
 impl Fault {
+    /// The `kind` label of `multiplexd_client_faults_total`.
+    fn metric(self) -> &'static str {
+        match self {
+            Fault::BadFrame => "bad_frame",
+            Fault::Refused => "refused",
+            Fault::TooSlow => "too_slow",
+            Fault::Failed => "failed",
+        }
+    }
+
     fn what(self) -> &'static str {
         match self {
             Fault::BadFrame => "bad messages",
@@ -219,6 +229,7 @@ impl Complaints {
 
     /// Notes a fault of `uid`; `detail` is asked for only when it is logged.
     pub fn note(&self, uid: u32, fault: Fault, detail: impl FnOnce() -> String) {
+        crate::metrics::global().fault(fault.metric());
         let now = Instant::now();
         let mut seen = self.lock();
         match seen.get_mut(&(uid, fault)) {

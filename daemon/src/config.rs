@@ -65,6 +65,14 @@ struct RawConfig {
     reconcile: RawReconcile,
     #[serde(default)]
     share: RawShare,
+    #[serde(default)]
+    metrics: RawMetrics,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,6 +216,8 @@ pub struct Config {
     pub weight: WeightConfig,
     pub reconcile: ReconcileConfig,
     pub share: ShareConfig,
+    /// Where Prometheus scrapes the daemon (`GET /metrics`); `None`: no endpoint.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// A configuration that cannot be used; the text names the file and the problem.
@@ -340,10 +350,17 @@ impl Config {
         if share.every_s == 0 {
             return Err("share.every_s = 0: must be at least 1 second".into());
         }
+        let metrics_listen = match raw.metrics.listen.as_deref() {
+            None | Some("") => None,
+            Some(a) => Some(a.parse::<std::net::SocketAddr>().map_err(|_| {
+                format!("metrics.listen = {a:?}: must be an address and port, such as \"127.0.0.1:9822\"")
+            })?),
+        };
         Ok(Config {
             weight,
             reconcile,
             share,
+            metrics_listen,
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),

@@ -11,6 +11,7 @@ pub mod history;
 pub mod inspect;
 pub mod learn;
 pub mod lessons;
+pub mod metrics;
 pub mod node;
 pub mod placement;
 pub mod reconcile;

@@ -94,6 +94,14 @@ impl Node {
         Ok(node)
     }
 
+    /// How many job rows the history holds.
+    pub fn history_jobs(&self) -> Result<i64, HistoryError> {
+        Ok(self
+            .history
+            .connection()
+            .query_row("SELECT count(*) FROM jobs", [], |r| r.get(0))?)
+    }
+
     /// The history database's path.
     pub fn database(&self) -> &std::path::Path {
         &self.config.database
@@ -531,6 +539,12 @@ impl Node {
         }
         if releases {
             self.refusing = false;
+            // How far off its prediction the job's run was, where its solo runtime is known.
+            if let Ok(Some(observed)) = self.history.observed_speed(job.row) {
+                crate::metrics::global()
+                    .prediction_error
+                    .observe((job.predicted_speed - observed).abs());
+            }
         }
         tracing::info!(
             job = req.job_id,
@@ -584,6 +598,7 @@ impl Node {
                     .history
                     .record_report(job.row, "oom", None, &partners, prior, now)?;
                 tracing::warn!(job = job.job_id, app = %job.app, partners = ?names, "job ran out of GPU memory");
+                crate::metrics::global().oom_marks.inc();
                 if names.is_empty() {
                     format!(
                         "job {} ran out of memory alone on GPU {}: recorded",

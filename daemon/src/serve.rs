@@ -36,6 +36,15 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let reconcile = config.reconcile.clone();
     let share = config.share.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
+    // Bound before anything starts, so that a taken port stops the daemon with the reason.
+    let metrics = match config.metrics_listen {
+        Some(addr) => {
+            let l = crate::metrics::bind(addr)?;
+            tracing::info!(%addr, "metrics for Prometheus at /metrics");
+            Some(l)
+        }
+        None => None,
+    };
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
     // Block the stop signals before any thread starts, so only the waiting thread sees them.
@@ -89,7 +98,21 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         ),
     }
     follow_private_data(weight_scontrol, Arc::clone(&access.private_jobs), Arc::clone(&shutdown));
+    if let Some(listener) = metrics {
+        let (node, private, shutdown) = (
+            Arc::clone(&node),
+            Arc::clone(&access.private_jobs),
+            Arc::clone(&shutdown),
+        );
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || crate::metrics::serve(listener, node, private, shutdown))
+            .map_err(|e| format!("cannot start the metrics endpoint: {e}"))?;
+    }
+    // systemd (Type=notify): the socket answers from here on.
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     server::run(listener, Arc::clone(&node), access, shutdown);
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket);
     // What ended jobs still have to teach is learned before the daemon exits.
     node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();

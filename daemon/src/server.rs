@@ -326,6 +326,14 @@ pub(crate) fn handle(
             message: format!("uid {} may not {what}: only root and the Slurm user may", cred.uid),
         })
     };
+    let kind = match &request {
+        Request::Place(_) => "place",
+        Request::Finish(_) => "finish",
+        Request::Status => "status",
+        Request::Report(_) => "report",
+        Request::Explain { .. } => "explain",
+    };
+    let start = std::time::Instant::now();
     // A panic in one request must not poison the node for everyone: recover the guard.
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
     let result = match request {
@@ -354,6 +362,16 @@ pub(crate) fn handle(
             })
         }
     };
+    let metrics = crate::metrics::global();
+    metrics.request(kind, start.elapsed());
+    if kind == "place" {
+        metrics.placement(match &result {
+            Ok(Response::Placed(_)) => "placed",
+            Ok(Response::Declined { retry_after_s: 0, .. }) => "too_large",
+            Ok(Response::Declined { .. }) => "declined",
+            _ => "error",
+        });
+    }
     result.map_err(|e| e.at(node.database()).to_string())
 }
 

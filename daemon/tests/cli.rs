@@ -235,3 +235,36 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
     let _ = daemon.kill();
     let _ = daemon.wait();
 }
+
+#[test]
+fn the_systemd_unit_verifies_clean() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../etc/systemd/multiplexd.service"
+    ))
+    .unwrap();
+    assert!(unit.contains("ExecStart=/usr/sbin/multiplexd serve --config /etc/slurm/multiplexd.toml"));
+    // The same unit, run from this build (verify checks that ExecStart can be executed).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("multiplexd.service");
+    std::fs::write(
+        &path,
+        unit.replace("/usr/sbin/multiplexd", env!("CARGO_BIN_EXE_multiplexd")),
+    )
+    .unwrap();
+    let out = match std::process::Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => panic!("cannot run systemd-analyze ({e}): install systemd (tests/cluster/packages --tests does)"),
+    };
+    let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    // It warns about unknown keys and bad values on stderr and still exits 0: nothing at all
+    // may be said.
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+}

@@ -164,6 +164,22 @@ impl History {
 
     /// Records a step's end; when it is the step that holds the GPU, the job ends too and its
     /// former co-runners' intervals are reopened without it.
+    /// The speed a job that ended ran at, relative to its application alone on this GPU
+    /// model (its solo runtime over its own runtime); `None` without a solo runtime.
+    pub fn observed_speed(&self, job_row: i64) -> Result<Option<f64>, HistoryError> {
+        use rusqlite::OptionalExtension;
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT s.runtime_s / (j.finished_at - j.started_at) FROM jobs j
+                 JOIN solo_baselines s ON s.gpu_model = j.gpu_model AND s.app_id = j.app_id
+                 WHERE j.id = ?1 AND j.finished_at > j.started_at",
+                [job_row],
+                |r| r.get::<_, f64>(0),
+            )
+            .optional()?)
+    }
+
     pub fn record_finish(
         &mut self,
         job_row: i64,
