@@ -336,6 +336,7 @@ fn place(job_id: u32) -> Request {
         slurm_shards_on_node: None,
         restarts: 0,
         cannot_wait: true,
+        admin_comment: None,
     })
 }
 

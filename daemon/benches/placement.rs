@@ -212,6 +212,7 @@ fn main() {
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
             cannot_wait: false,
+            admin_comment: None,
         };
         let t = Instant::now();
         let r = call(&socket, timeout, Request::Place(req)).unwrap();

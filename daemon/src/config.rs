@@ -55,6 +55,7 @@ struct RawConfig {
     telemetry_interval_s: Option<u64>,
     slurm_user: Option<String>,
     mps: Option<bool>,
+    annotate: Option<bool>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
     #[serde(default)]
@@ -211,6 +212,8 @@ pub struct Config {
     /// The user slurmstepd runs as besides root; may place and finish tasks.
     pub slurm_user: String,
     pub mps: bool,
+    /// Write where each job runs into its admin comment (`scontrol update`).
+    pub annotate: bool,
     pub gpus: GpuSource,
     pub policy: PolicyConfig,
     pub weight: WeightConfig,
@@ -372,6 +375,7 @@ impl Config {
             telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(10),
             slurm_user: raw.slurm_user.unwrap_or_else(|| "slurm".into()),
             mps: raw.mps.unwrap_or(false),
+            annotate: raw.annotate.unwrap_or(true),
             gpus,
             policy: PolicyConfig {
                 unknown_pair_speed,

@@ -2,6 +2,7 @@
 //! keeps the interference history, and learns from every finished job.
 
 pub mod admission;
+pub mod annotate;
 pub mod background;
 pub mod check;
 pub mod command;

@@ -38,6 +38,21 @@ pub struct NodeLoad {
 /// Told the node's load after every change.
 pub type LoadListener = Box<dyn Fn(NodeLoad) + Send>;
 
+/// A job this node has just placed (a job's first step, not the steps that join it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placed {
+    pub job_id: u32,
+    pub gpu: u32,
+    /// The jobs already on that GPU.
+    pub partners: Vec<u32>,
+    pub predicted_speed: f64,
+    /// The job's admin comment as slurmstepd read it (the request's).
+    pub admin_comment: Option<String>,
+}
+
+/// Told every job placed, on the request's thread: it must only hand the news on.
+pub type PlacedListener = Box<dyn Fn(Placed) + Send>;
+
 /// The daemon's state for its node.
 pub struct Node {
     config: Config,
@@ -45,6 +60,7 @@ pub struct Node {
     history: History,
     clock: Clock,
     on_load: Option<LoadListener>,
+    on_placed: Option<PlacedListener>,
     /// See [`NodeLoad::refusing`].
     refusing: bool,
     /// Learning inline, through `history`; unused while `learner` runs.
@@ -78,6 +94,7 @@ impl Node {
             history,
             clock,
             on_load: None,
+            on_placed: None,
             refusing: false,
             learner: None,
             unrecorded: Vec::new(),
@@ -92,6 +109,11 @@ impl Node {
             node.teacher.learn(&mut node.history, &Lesson::Ended((&job).into()));
         }
         Ok(node)
+    }
+
+    /// Tells `listener` of every job placed from now on ([`Placed`]).
+    pub fn on_placed(&mut self, listener: PlacedListener) {
+        self.on_placed = Some(listener);
     }
 
     /// How many job rows the history holds.
@@ -424,6 +446,15 @@ impl Node {
         )?;
         tracing::info!(job = req.job_id, step = %step_label(req.step_id), app = %req.app, gpu, %reason, "placed");
         let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
+        if let Some(tell) = &self.on_placed {
+            tell(Placed {
+                job_id: req.job_id,
+                gpu,
+                partners: partners.iter().map(|p| p.job_id).collect(),
+                predicted_speed,
+                admin_comment: req.admin_comment.clone(),
+            });
+        }
         Ok(Response::Placed(self.placement(
             gpu,
             &req.app,

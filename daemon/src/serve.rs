@@ -36,6 +36,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let reconcile = config.reconcile.clone();
     let share = config.share.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
+    let annotate = config.annotate;
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
         Some(addr) => {
@@ -59,6 +60,11 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
     } else {
         tracing::info!("not publishing the node's weight (weight.publish = false)");
+    }
+    if annotate {
+        let annotator = crate::annotate::Annotator::start(weight_scontrol.clone(), Arc::clone(&access.private_jobs))
+            .map_err(|e| format!("cannot start the admin comment writer: {e}"))?;
+        node.on_placed(Box::new(move |placed| annotator.tell(placed)));
     }
     raise_file_limit();
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;

@@ -405,6 +405,7 @@ mod tests {
             slurm_shards_on_node: None,
             restarts: 0,
             cannot_wait: false,
+            admin_comment: None,
         })
     }
 

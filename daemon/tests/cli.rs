@@ -190,6 +190,7 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
             slurm_shards_on_node: None,
             restarts: 0,
             cannot_wait: false,
+            admin_comment: None,
         };
         assert!(matches!(
             client::call(&socket, t, Request::Place(req)),

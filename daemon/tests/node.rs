@@ -84,6 +84,7 @@ impl World {
                 slurm_shards_on_node: Some("1".into()),
                 restarts: 0,
                 cannot_wait: false,
+                admin_comment: None,
             })
             .unwrap()
     }
@@ -648,6 +649,7 @@ fn a_gpu_known_by_uuid_is_named_to_cuda_by_it() {
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
             cannot_wait: false,
+            admin_comment: None,
         })
         .unwrap();
     let Response::Placed(p) = r else { panic!("{r:?}") };
@@ -685,6 +687,7 @@ fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
                 slurm_shards_on_node: Some("1".into()),
                 restarts,
                 cannot_wait: false,
+                admin_comment: None,
             })
             .unwrap()
     };
@@ -739,6 +742,7 @@ fn a_step_that_cannot_wait_takes_a_poor_partner_but_never_one_it_cannot_fit_besi
                 slurm_shards_on_node: Some("1".into()),
                 restarts: 0,
                 cannot_wait,
+                admin_comment: None,
             })
             .unwrap()
     };

@@ -94,6 +94,7 @@ fn place(job_id: u32, app: &str) -> Request {
         slurm_shards_on_node: Some("1".into()),
         restarts: 0,
         cannot_wait: false,
+        admin_comment: None,
     })
 }
 

@@ -89,20 +89,28 @@ impl Spec {
     }
 }
 
-/// What separates the note of a job's latest decline from the rest of its admin comment.
-pub const DECLINE_NOTE: &str = " | multiplex: ";
+/// What separates the daemon's note (where the job runs, or why it waits) from the rest of a
+/// job's admin comment.
+pub const NOTE: &str = " | multiplex: ";
 
-/// A multiplexed job's admin comment with `note` (why it was declined, where, how long it
-/// waits) in place of any earlier one: the tag and any admin's text before it stay, so the
-/// tag still leads and `scontrol show job` / `sacct -o AdminComment` show why the job waited,
-/// also after the rerun that truncated its output.
-pub fn with_decline_note(admin_comment: &str, note: &str) -> String {
-    let kept = admin_comment
-        .split_once(DECLINE_NOTE)
-        .map_or(admin_comment, |(before, _)| before)
-        .trim_end();
+/// A multiplexed job's admin comment with `note` added: it replaces an earlier note of the
+/// same kind (its first word: "requeued", "runs"), so the comment holds the tag and any
+/// admin's text, then at most the latest decline and where the job runs. `scontrol show job`
+/// and `sacct -o AdminComment` thus show why the job waited (also after the rerun that
+/// truncated its output) and where it ran.
+pub fn with_note(admin_comment: &str, note: &str) -> String {
     let note: String = note.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
-    format!("{kept}{DECLINE_NOTE}{note}")
+    let kind = |n: &str| n.split([' ', ',']).next().unwrap_or("").to_string();
+    let mut parts = admin_comment.split(NOTE);
+    let base = parts.next().unwrap_or("").trim_end();
+    let mut out = base.to_string();
+    for old in parts.filter(|old| kind(old) != kind(&note)) {
+        out.push_str(NOTE);
+        out.push_str(old.trim_end());
+    }
+    out.push_str(NOTE);
+    out.push_str(&note);
+    out
 }
 
 impl fmt::Display for Spec {
@@ -181,19 +189,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_decline_note_replaces_the_last_one_and_keeps_the_tag_first() {
+    fn a_note_replaces_the_last_one_of_its_kind_and_keeps_the_tag_first() {
         let tag = "multiplex:app=a ticket 42";
-        let once = with_decline_note(tag, "requeued, waiting 60 s: no GPU on n1");
+        let once = with_note(tag, "requeued, waiting 60 s: no GPU on n1");
         assert_eq!(
             once,
             "multiplex:app=a ticket 42 | multiplex: requeued, waiting 60 s: no GPU on n1"
         );
-        let twice = with_decline_note(&once, "requeued, waiting 120 s:\nno GPU on n2");
+        let twice = with_note(&once, "requeued, waiting 120 s:\nno GPU on n2");
         assert_eq!(
             twice,
             "multiplex:app=a ticket 42 | multiplex: requeued, waiting 120 s: no GPU on n2"
         );
-        assert_eq!(Spec::from_tag(Some(&twice)).unwrap().unwrap().app.as_deref(), Some("a"));
+        let ran = with_note(&twice, "runs on GPU 1 alone");
+        assert_eq!(
+            ran,
+            "multiplex:app=a ticket 42 | multiplex: requeued, waiting 120 s: no GPU on n2 | multiplex: runs on GPU 1 alone"
+        );
+        let requeued_again = with_note(&ran, "requeued, waiting 5 s: x");
+        assert_eq!(
+            requeued_again,
+            "multiplex:app=a ticket 42 | multiplex: runs on GPU 1 alone | multiplex: requeued, waiting 5 s: x"
+        );
+        assert_eq!(Spec::from_tag(Some(&ran)).unwrap().unwrap().app.as_deref(), Some("a"));
     }
 
     #[test]

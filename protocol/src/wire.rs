@@ -106,6 +106,11 @@ pub struct PlaceRequest {
     /// be declined for a poor partner. Absent from an older plugin: false.
     #[serde(default)]
     pub cannot_wait: bool,
+    /// The job's admin comment as slurmstepd read it from slurmctld (job_submit's tag first):
+    /// the daemon adds where the job runs after it, keeping the rest. Absent from an older
+    /// plugin: nothing is added.
+    #[serde(default)]
+    pub admin_comment: Option<String>,
 }
 
 /// A job step's end.
@@ -327,6 +332,7 @@ mod tests {
             slurm_shards_on_node: Some("1".into()),
             restarts: 0,
             cannot_wait: false,
+            admin_comment: None,
         })
     }
 

@@ -456,6 +456,7 @@ impl Policy for Learned<'_> {
             slurm_shards_on_node: None,
             restarts: job.restarts,
             cannot_wait: false,
+            admin_comment: None,
         };
         let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
         match answer {

@@ -32,6 +32,8 @@ pub struct StepInfo {
     pub shards_on_node: Option<String>,
     /// Slurm's restart count of the job (its requeues so far).
     pub restarts: u32,
+    /// The job's admin comment as slurmctld holds it (read for the tag).
+    pub admin_comment: Option<String>,
 }
 
 /// Asks the daemon where the step runs, and turns every failure into the configured behaviour.
@@ -53,6 +55,7 @@ pub fn plan(args: &Args, spec: &Spec, step: &StepInfo, cannot_wait: bool) -> Ste
         slurm_shards_on_node: step.shards_on_node.clone(),
         restarts: step.restarts,
         cannot_wait: cannot_wait || step.step_id != slurm_ffi::bindings::SLURM_BATCH_SCRIPT,
+        admin_comment: step.admin_comment.clone(),
     };
     let socket = args.socket_for(&step.node);
     let problem = match client::call(&socket, Duration::from_millis(args.timeout_ms), Request::Place(request)) {
@@ -138,6 +141,7 @@ mod tests {
             job_gpus: Some("0".into()),
             shards_on_node: Some("1".into()),
             restarts: 0,
+            admin_comment: Some("multiplex:app=a".into()),
         }
     }
 

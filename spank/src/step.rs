@@ -6,7 +6,7 @@ use crate::args::Args;
 use crate::remote::{self, StepInfo, StepPlan};
 use crate::{state, OPTION_ENV, PREFIX};
 use libc::c_int;
-use multiplex_protocol::spec::{with_decline_note, Spec};
+use multiplex_protocol::spec::{with_note, Spec};
 use slurm_ffi::log;
 use slurm_ffi::spank::Spank;
 
@@ -52,6 +52,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         // slurmstepd's own count, not the job's environment (which its user may set); it is
         // 0 for batch steps (22.05 to 24.11), so the daemon also counts its own declines.
         restarts: spank.restart_count().unwrap_or(0),
+        admin_comment: Some(comment.clone()),
     };
     let plan = match remote::plan(&args, &spec, &info, false) {
         StepPlan::Declined { reason, retry_after_s } => {
@@ -128,7 +129,7 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
     // The reason also goes into the job's admin comment, after the tag: the rerun truncates
     // the job's output, and `scontrol show job` then says why it waits.
     let why = format!("requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})");
-    let note = with_decline_note(comment, &why);
+    let note = with_note(comment, &why);
     if let Err(e) = slurm_ffi::host::set_begin_time(job_id, now + i64::from(delay), Some(&note)) {
         log::error(&format!(
             "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
