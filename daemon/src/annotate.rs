@@ -55,7 +55,16 @@ impl Annotator {
         Ok(Annotator { tx })
     }
 
+    /// Queues `placed` for writing, if job_submit tagged its job (the request carries the
+    /// comment slurmstepd read).
     pub fn tell(&self, placed: Placed) {
+        if !placed
+            .admin_comment
+            .as_deref()
+            .is_some_and(|c| c.trim_start().starts_with(TAG_PREFIX))
+        {
+            return;
+        }
         if let Err(TrySendError::Full(p)) = self.tx.try_send(placed) {
             tracing::warn!(
                 job = p.job_id,
@@ -67,12 +76,7 @@ impl Annotator {
 
 fn write_all(rx: Receiver<Placed>, scontrol: &std::path::Path, private_jobs: &AtomicBool) {
     for p in rx {
-        // Only a job job_submit tagged (the request carries the comment slurmstepd read).
-        let Some(comment) = p
-            .admin_comment
-            .as_deref()
-            .filter(|c| c.trim_start().starts_with(TAG_PREFIX))
-        else {
+        let Some(comment) = p.admin_comment.as_deref() else {
             continue;
         };
         let text = with_note(comment, &note(&p, private_jobs.load(Ordering::Relaxed)));

@@ -212,6 +212,14 @@ impl Metrics {
     }
 }
 
+/// Whether an endpoint serves the metrics: what costs a query to measure (the prediction
+/// error) is only measured then.
+static SERVED: AtomicBool = AtomicBool::new(false);
+
+pub fn served() -> bool {
+    SERVED.load(Ordering::Relaxed)
+}
+
 /// The process's metrics.
 pub fn global() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();
@@ -226,6 +234,7 @@ const MAX_REQUEST: usize = 8192;
 
 /// Serves `GET /metrics` on `listener` until `shutdown`, one connection at a time.
 pub fn serve(listener: TcpListener, node: Arc<Mutex<Node>>, private_jobs: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
+    SERVED.store(true, Ordering::Relaxed);
     let _ = listener.set_nonblocking(true);
     while !shutdown.load(Ordering::Relaxed) {
         match listener.accept() {

@@ -570,11 +570,14 @@ impl Node {
         }
         if releases {
             self.refusing = false;
-            // How far off its prediction the job's run was, where its solo runtime is known.
-            if let Ok(Some(observed)) = self.history.observed_speed(job.row) {
-                crate::metrics::global()
-                    .prediction_error
-                    .observe((job.predicted_speed - observed).abs());
+            // How far off its prediction the job's run was, where its solo runtime is known
+            // (one query: only while an endpoint serves the metrics).
+            if crate::metrics::served() {
+                if let Ok(Some(observed)) = self.history.observed_speed(job.row) {
+                    crate::metrics::global()
+                        .prediction_error
+                        .observe((job.predicted_speed - observed).abs());
+                }
             }
         }
         tracing::info!(
