@@ -142,8 +142,10 @@ pub unsafe fn replace_string(field: &mut *mut c_char, value: &str) {
     *field = xstrdup(value);
 }
 
-/// The `n`-th host (from 0) of a Slurm host list such as `n[1-3,7]`, expanded by Slurm itself.
-pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
+/// Walks the hosts of a Slurm host list such as `n[1-3,7]`, expanded by Slurm itself, while
+/// `each` returns true. `None` when Slurm cannot read the list or the host process has no
+/// hostlist functions.
+fn hostlist_walk(list: &str, mut each: impl FnMut(String) -> bool) -> Option<()> {
     let h = host();
     let (create, shift, destroy) = (h.hostlist_create?, h.hostlist_shift?, h.hostlist_destroy?);
     let c = std::ffi::CString::new(list).ok()?;
@@ -152,39 +154,6 @@ pub fn hostlist_nth(list: &str, n: usize) -> Option<String> {
     if hl.is_null() {
         return None;
     }
-    let mut found = None;
-    for i in 0..=n {
-        // SAFETY: hl is a live host list; shift returns a malloc'd string or NULL when empty.
-        let p = unsafe { shift(hl) };
-        if p.is_null() {
-            break;
-        }
-        if i == n {
-            // SAFETY: p is a valid NUL-terminated string from Slurm.
-            found = unsafe { crate::c_str(p) };
-        }
-        // SAFETY: slurm_hostlist_shift's result is allocated with malloc (slurm.h).
-        unsafe { libc::free(p.cast()) };
-    }
-    // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
-    unsafe { destroy(hl) };
-    found
-}
-
-/// Every host of a Slurm host list such as `gpu[01-04],big1`, expanded by Slurm itself;
-/// `None` when Slurm cannot read the list (or the host process has no hostlist functions),
-/// or it names more than `limit` hosts.
-pub fn hostlist_expand(list: &str, limit: usize) -> Option<Vec<String>> {
-    let h = host();
-    let (create, shift, destroy) = (h.hostlist_create?, h.hostlist_shift?, h.hostlist_destroy?);
-    let c = std::ffi::CString::new(list).ok()?;
-    // SAFETY: slurm_hostlist_create copies the string; the handle is destroyed below.
-    let hl = unsafe { create(c.as_ptr()) };
-    if hl.is_null() {
-        return None;
-    }
-    let mut hosts = Vec::new();
-    let mut complete = true;
     loop {
         // SAFETY: hl is a live host list; shift returns a malloc'd string or NULL when empty.
         let p = unsafe { shift(hl) };
@@ -192,18 +161,30 @@ pub fn hostlist_expand(list: &str, limit: usize) -> Option<Vec<String>> {
             break;
         }
         // SAFETY: p is a valid NUL-terminated string from Slurm.
-        match unsafe { crate::c_str(p) } {
-            Some(name) if hosts.len() < limit => hosts.push(name),
-            _ => complete = false,
-        }
+        let name = unsafe { crate::c_str(p) }.unwrap_or_default();
         // SAFETY: slurm_hostlist_shift's result is allocated with malloc (slurm.h).
         unsafe { libc::free(p.cast()) };
-        if !complete {
+        if !each(name) {
             break;
         }
     }
     // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
     unsafe { destroy(hl) };
+    Some(())
+}
+
+/// Every host of a Slurm host list such as `gpu[01-04],big1`, expanded by Slurm itself;
+/// `None` when Slurm cannot read the list (or the host process has no hostlist functions),
+/// or it names more than `limit` hosts.
+pub fn hostlist_expand(list: &str, limit: usize) -> Option<Vec<String>> {
+    let (mut hosts, mut complete) = (Vec::new(), true);
+    hostlist_walk(list, |name| {
+        complete = hosts.len() < limit;
+        if complete {
+            hosts.push(name);
+        }
+        complete
+    })?;
     complete.then_some(hosts)
 }
 
