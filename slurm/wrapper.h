@@ -15,6 +15,7 @@ typedef __typeof__(&spank_job_control_setenv) multiplex_spank_job_control_setenv
 typedef __typeof__(&spank_context) multiplex_spank_context_f;
 typedef __typeof__(&slurm_hostlist_create) multiplex_hostlist_create_f;
 typedef __typeof__(&slurm_hostlist_shift) multiplex_hostlist_shift_f;
+typedef __typeof__(&slurm_hostlist_find) multiplex_hostlist_find_f;
 typedef __typeof__(&slurm_hostlist_destroy) multiplex_hostlist_destroy_f;
 typedef __typeof__(&slurm_requeue) multiplex_requeue_f;
 typedef __typeof__(&slurm_init_job_desc_msg) multiplex_init_job_desc_msg_f;

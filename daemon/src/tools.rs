@@ -248,10 +248,14 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         crate::command::run(&scontrol, &args, Duration::from_secs(10))
     };
+    // gres.conf repeats one NodeName= list on line after line: each is asked of scontrol once.
+    let asked = std::cell::RefCell::new(std::collections::HashMap::<String, bool>::new());
     let names_node = |list: &str| {
-        run(&["show", "hostnames", list])
-            .map(|out| out.split_whitespace().any(|h| h == config.node))
-            .unwrap_or(false)
+        *asked.borrow_mut().entry(list.to_string()).or_insert_with(|| {
+            run(&["show", "hostnames", list])
+                .map(|out| out.split_whitespace().any(|h| h == config.node))
+                .unwrap_or(false)
+        })
     };
     let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
     let slurm_conf = PathBuf::from(std::env::var_os("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into()));

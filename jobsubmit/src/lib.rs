@@ -109,7 +109,7 @@ pub unsafe extern "C" fn job_submit(
 
 fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char) -> c_int {
     // SAFETY: the pointers in `desc` are Slurm's strings and string array, valid during the call.
-    let view = unsafe { view_of(desc) };
+    let mut view = unsafe { view_of(desc) };
     let Some(policy) = current_policy(false) else {
         if rewrite::decide(&view, &Policy::default()) != Outcome::Untouched {
             log::error(&format!(
@@ -118,6 +118,7 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
         }
         return bindings::SLURM_SUCCESS as c_int;
     };
+    shared_nodes_asked(&mut view, desc, &policy);
     match rewrite::decide(&view, &policy) {
         Outcome::Untouched => bindings::SLURM_SUCCESS as c_int,
         Outcome::Reject { kind, message } => {
@@ -198,11 +199,24 @@ fn count(v: u32) -> Option<u32> {
     (v != 0 && v != bindings::NO_VAL).then_some(v)
 }
 
-/// The hosts of a `--nodelist` (Slurm's own expansion; where Slurm cannot read it, the names
-/// between its commas, which Slurm will refuse anyway).
-fn hosts_of(list: &str) -> Vec<String> {
-    host::hostlist_expand(list, policy::MAX_SHARED_NODES)
-        .unwrap_or_else(|| list.split(',').map(|h| h.trim().to_string()).collect())
+/// Fills in which shared nodes `desc`'s `--nodelist` names, where the policy names any: the
+/// user's list is searched by Slurm's parser, never expanded (where Slurm cannot read it, the
+/// names between its commas, a list Slurm refuses anyway).
+fn shared_nodes_asked(view: &mut JobView, desc: &job_desc_msg_t, policy: &Policy) {
+    let Some(shared) = policy.shared_nodes.as_deref() else {
+        return;
+    };
+    // SAFETY: NULL or Slurm's string, valid during the call.
+    let Some(list) = (unsafe { c_str(desc.req_nodes) }) else {
+        return;
+    };
+    view.req_nodes = host::hostlist_names(&list, shared.hosts.iter().map(String::as_str)).unwrap_or_else(|| {
+        list.split(',')
+            .map(str::trim)
+            .filter(|h| shared.hosts.contains(*h))
+            .map(String::from)
+            .collect()
+    });
 }
 
 /// # Safety
@@ -237,7 +251,7 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             min_nodes: count(desc.min_nodes),
             max_nodes: count(desc.max_nodes),
             num_tasks: count(desc.num_tasks),
-            req_nodes: c_str(desc.req_nodes).map(|l| hosts_of(&l)).unwrap_or_default(),
+            req_nodes: Vec::new(),
             exc_nodes: c_str(desc.exc_nodes),
         }
     }
@@ -269,7 +283,8 @@ fn modify(
             return bindings::SLURM_SUCCESS as c_int;
         };
         // SAFETY: as in job_submit.
-        let update = unsafe { view_of(desc) };
+        let mut update = unsafe { view_of(desc) };
+        shared_nodes_asked(&mut update, desc, &policy);
         match rewrite::check_modify(&update, tag.as_deref(), &policy) {
             Ok(rewrite::ModifyOk::AsAsked) => bindings::SLURM_SUCCESS as c_int,
             Ok(rewrite::ModifyOk::ExcNodes(exc_nodes)) => {

@@ -29,7 +29,8 @@ pub struct JobView {
     pub max_nodes: Option<u32>,
     /// Requested task count; `None` when unset.
     pub num_tasks: Option<u32>,
-    /// `--nodelist`, expanded to host names (Slurm's host-list syntax).
+    /// The nodes of the policy's `shared_nodes` that `--nodelist` names, in its order (filled
+    /// in only where the policy names shared nodes).
     pub req_nodes: Vec<String>,
     /// `--exclude`, as given.
     pub exc_nodes: Option<String>,

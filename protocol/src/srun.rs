@@ -141,18 +141,27 @@ pub fn encode(carry: &[(Field, String)]) -> String {
         .join(";")
 }
 
-/// The inverse of [`encode`]; an unknown field or a part without `=` is an error naming it.
+/// At most 64 characters of `s`, for an error that quotes what a client sent.
+fn cut(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// The inverse of [`encode`]; an unknown field or a part without `=` is an error naming it
+/// (cut short: a client other than the plugin may have written anything there).
 pub fn decode(s: &str) -> Result<Vec<(Field, String)>, String> {
     s.split(';')
         .filter(|p| !p.is_empty())
         .map(|part| {
             let (name, value) = part
                 .split_once('=')
-                .ok_or_else(|| format!("{part:?} is not FIELD=VALUE"))?;
+                .ok_or_else(|| format!("{:?} is not FIELD=VALUE", cut(part)))?;
             let field = Field::ALL
                 .into_iter()
                 .find(|f| f.name() == name)
-                .ok_or_else(|| format!("{name:?} is not a field srun's GPU options become"))?;
+                .ok_or_else(|| format!("{:?} is not a field srun's GPU options become", cut(name)))?;
             Ok((field, value.to_string()))
         })
         .collect()
@@ -262,5 +271,7 @@ mod tests {
         assert_eq!(decode("").unwrap(), []);
         assert!(decode("partition=shared").unwrap_err().contains("\"partition\""));
         assert!(decode("tres_per_node").unwrap_err().contains("FIELD=VALUE"));
+        let long = decode(&"x".repeat(100_000)).unwrap_err();
+        assert!(long.len() < 120, "a client's text is cut short: {} bytes", long.len());
     }
 }

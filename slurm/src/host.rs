@@ -5,8 +5,8 @@
 
 use crate::bindings::{
     job_desc_msg_t, multiplex_free_job_info_msg_f, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f,
-    multiplex_hostlist_shift_f, multiplex_init_job_desc_msg_f, multiplex_load_job_f, multiplex_requeue_f,
-    multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_job_control_setenv_f,
+    multiplex_hostlist_find_f, multiplex_hostlist_shift_f, multiplex_init_job_desc_msg_f, multiplex_load_job_f,
+    multiplex_requeue_f, multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_job_control_setenv_f,
     multiplex_spank_option_register_f, multiplex_spank_setenv_f, multiplex_strerror_f, multiplex_update_job_f,
     spank_err_t, spank_item_t, spank_t,
 };
@@ -39,6 +39,7 @@ pub struct Host {
     pub hostlist_create: multiplex_hostlist_create_f,
     pub hostlist_shift: multiplex_hostlist_shift_f,
     pub hostlist_destroy: multiplex_hostlist_destroy_f,
+    pub hostlist_find: multiplex_hostlist_find_f,
     pub requeue: multiplex_requeue_f,
     pub init_job_desc_msg: multiplex_init_job_desc_msg_f,
     pub update_job: multiplex_update_job_f,
@@ -96,6 +97,7 @@ pub fn host() -> &'static Host {
         hostlist_create: resolve_typed!(c"slurm_hostlist_create", multiplex_hostlist_create_f),
         hostlist_shift: resolve_typed!(c"slurm_hostlist_shift", multiplex_hostlist_shift_f),
         hostlist_destroy: resolve_typed!(c"slurm_hostlist_destroy", multiplex_hostlist_destroy_f),
+        hostlist_find: resolve_typed!(c"slurm_hostlist_find", multiplex_hostlist_find_f),
         requeue: resolve_typed!(c"slurm_requeue", multiplex_requeue_f),
         init_job_desc_msg: resolve_typed!(c"slurm_init_job_desc_msg", multiplex_init_job_desc_msg_f),
         update_job: resolve_typed!(c"slurm_update_job", multiplex_update_job_f),
@@ -186,6 +188,32 @@ pub fn hostlist_expand(list: &str, limit: usize) -> Option<Vec<String>> {
         complete
     })?;
     complete.then_some(hosts)
+}
+
+/// Which of `names` the Slurm host list `list` names, in the list's order, found with Slurm's
+/// own `hostlist_find`, which searches the list's ranges without expanding them (`list` may be
+/// a user's `--nodelist`, `names` are few). `None` when Slurm cannot read the list.
+pub fn hostlist_names<'a>(list: &str, names: impl Iterator<Item = &'a str>) -> Option<Vec<String>> {
+    let h = host();
+    let (create, find, destroy) = (h.hostlist_create?, h.hostlist_find?, h.hostlist_destroy?);
+    let c = std::ffi::CString::new(list).ok()?;
+    // SAFETY: slurm_hostlist_create copies the string; the handle is destroyed below.
+    let hl = unsafe { create(c.as_ptr()) };
+    if hl.is_null() {
+        return None;
+    }
+    let mut found: Vec<(i32, String)> = names
+        .filter_map(|name| {
+            let n = std::ffi::CString::new(name).ok()?;
+            // SAFETY: hl is a live host list and n a valid C string; find only reads them.
+            let at = unsafe { find(hl, n.as_ptr()) };
+            (at >= 0).then(|| (at, name.to_string()))
+        })
+        .collect();
+    // SAFETY: hl came from slurm_hostlist_create and is not used afterwards.
+    unsafe { destroy(hl) };
+    found.sort();
+    Some(found.into_iter().map(|(_, name)| name).collect())
 }
 
 /// Slurm's description of its last API error: `slurm_get_errno` where the host has it, else
