@@ -389,6 +389,135 @@ impl Config {
     }
 }
 
+/// What a config re-read by a running daemon (SIGHUP) changes: the decline knobs of
+/// `[policy]` apply at once; everything else is read at start and takes a restart.
+#[derive(Debug, Default, PartialEq)]
+pub struct Reload {
+    /// The policy to run with from now on (`None`: nothing that applies at once changed).
+    pub policy: Option<PolicyConfig>,
+    /// `key: old -> new` for each change applied at once.
+    pub applied: Vec<String>,
+    /// The keys changed in the file that keep their running value until a restart.
+    pub needs_restart: Vec<&'static str>,
+}
+
+impl Config {
+    /// Compares the running config with `new`, the file as it reads now.
+    pub fn reload(&self, new: &Config) -> Result<Reload, String> {
+        // Destructured field by field, so that a key added later must be sorted here.
+        let Config {
+            node,
+            socket,
+            database,
+            jobs_per_gpu,
+            telemetry_interval_s,
+            slurm_user,
+            mps,
+            annotate,
+            gpus,
+            policy,
+            weight,
+            reconcile,
+            share,
+            metrics_listen,
+        } = new;
+        let mut needs_restart = Vec::new();
+        let mut restart_if = |changed: bool, key: &'static str| {
+            if changed {
+                needs_restart.push(key);
+            }
+        };
+        restart_if(*node != self.node, "node");
+        restart_if(*socket != self.socket, "socket");
+        restart_if(*database != self.database, "database");
+        restart_if(*jobs_per_gpu != self.jobs_per_gpu, "jobs_per_gpu");
+        restart_if(
+            *telemetry_interval_s != self.telemetry_interval_s,
+            "telemetry_interval_s",
+        );
+        restart_if(*slurm_user != self.slurm_user, "slurm_user");
+        restart_if(*mps != self.mps, "mps");
+        restart_if(*annotate != self.annotate, "annotate");
+        restart_if(*gpus != self.gpus, "gpu");
+        restart_if(*weight != self.weight, "weight");
+        restart_if(*reconcile != self.reconcile, "reconcile");
+        restart_if(*share != self.share, "share");
+        restart_if(*metrics_listen != self.metrics_listen, "metrics");
+        // The prior is what the learned model was fitted with; observe/decide decides which
+        // threads run.
+        let PolicyConfig {
+            unknown_pair_speed,
+            min_gain,
+            decline_retry_s,
+            decline_retry_max_s,
+            max_declines,
+            mode,
+        } = policy;
+        restart_if(
+            *unknown_pair_speed != self.policy.unknown_pair_speed,
+            "policy.unknown_pair_speed",
+        );
+        restart_if(*mode != self.policy.mode, "policy.mode");
+
+        let old = &self.policy;
+        let mut applied = Vec::new();
+        let mut note = |changed: bool, key: &str, was: String, now: String| {
+            if changed {
+                applied.push(format!("policy.{key}: {was} -> {now}"));
+            }
+        };
+        note(
+            *min_gain != old.min_gain,
+            "min_gain",
+            old.min_gain.to_string(),
+            min_gain.to_string(),
+        );
+        note(
+            *decline_retry_s != old.decline_retry_s,
+            "decline_retry_s",
+            old.decline_retry_s.to_string(),
+            decline_retry_s.to_string(),
+        );
+        note(
+            *decline_retry_max_s != old.decline_retry_max_s,
+            "decline_retry_max_s",
+            old.decline_retry_max_s.to_string(),
+            decline_retry_max_s.to_string(),
+        );
+        note(
+            *max_declines != old.max_declines,
+            "max_declines",
+            old.max_declines.to_string(),
+            max_declines.to_string(),
+        );
+        if applied.is_empty() {
+            return Ok(Reload {
+                policy: None,
+                applied,
+                needs_restart,
+            });
+        }
+        // The new threshold must also work with the prior the daemon keeps running with.
+        check_min_gain(*min_gain, old.unknown_pair_speed).map_err(|e| {
+            format!(
+                "policy.min_gain = {min_gain} with the running policy.unknown_pair_speed = {}: {e}",
+                old.unknown_pair_speed
+            )
+        })?;
+        Ok(Reload {
+            policy: Some(PolicyConfig {
+                min_gain: *min_gain,
+                decline_retry_s: *decline_retry_s,
+                decline_retry_max_s: *decline_retry_max_s,
+                max_declines: *max_declines,
+                ..old.clone()
+            }),
+            applied,
+            needs_restart,
+        })
+    }
+}
+
 /// Whether `min_gain` can work with the prior `unknown_pair_speed`: a pair never seen is
 /// predicted to add `2 x prior - 1` (the newcomer at the prior, the resident slowed to it), so
 /// a threshold at or above that would never let an untried pair be tried.
@@ -511,6 +640,48 @@ mod tests {
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.share.dir, Some(PathBuf::from("/shared/slurm/multiplexd")));
         assert_eq!(c.share.every_s, 600);
+    }
+
+    #[test]
+    fn a_reread_config_applies_the_decline_knobs_and_names_what_waits_for_a_restart() {
+        let base = "node = \"n1\"\njobs_per_gpu = 2\n[policy]\nmin_gain = 0.25\ndecline_retry_s = 60\n";
+        let running = Config::parse(base).unwrap();
+        // Nothing changed: nothing to do.
+        assert_eq!(running.reload(&running.clone()).unwrap(), Reload::default());
+
+        let new = Config::parse(
+            "node = \"n1\"\njobs_per_gpu = 3\nannotate = false\n[policy]\nmin_gain = 0.1\ndecline_retry_s = 120\n\
+             unknown_pair_speed = 0.8\nmode = \"observe\"\n",
+        )
+        .unwrap();
+        let r = running.reload(&new).unwrap();
+        assert_eq!(
+            r.applied,
+            ["policy.min_gain: 0.25 -> 0.1", "policy.decline_retry_s: 60 -> 120"]
+        );
+        assert_eq!(
+            r.needs_restart,
+            ["jobs_per_gpu", "annotate", "policy.unknown_pair_speed", "policy.mode"]
+        );
+        let p = r.policy.unwrap();
+        assert_eq!((p.min_gain, p.decline_retry_s), (0.1, 120));
+        // What waits for a restart keeps its running value.
+        assert_eq!(p.unknown_pair_speed, running.policy.unknown_pair_speed);
+        assert_eq!(p.mode, running.policy.mode);
+
+        // Only restart keys changed: no policy to apply, the keys named (the default socket
+        // is named after the node).
+        let r = running.reload(&Config::parse("node = \"n2\"\n[policy]\nmin_gain = 0.25\n").unwrap());
+        let r = r.unwrap();
+        assert_eq!((r.policy, r.needs_restart), (None, vec!["node", "socket"]));
+
+        // A threshold the new prior allows but the running one does not is refused whole.
+        let new = Config::parse("node = \"n1\"\n[policy]\nunknown_pair_speed = 0.9\nmin_gain = 0.5\n").unwrap();
+        let e = running.reload(&new).unwrap_err();
+        assert!(
+            e.starts_with("policy.min_gain = 0.5 with the running policy.unknown_pair_speed = 0.7: must be 0"),
+            "{e}"
+        );
     }
 
     #[test]

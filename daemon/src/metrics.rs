@@ -46,6 +46,8 @@ pub struct Metrics {
     pub oom_marks: Counter,
     pub client_faults: Family<Kind, Counter>,
     pub prediction_error: Histogram,
+    /// Config re-reads on SIGHUP, by outcome (applied, failed).
+    pub config_reloads: Family<Outcome, Counter>,
     slots_used: Family<GpuLabel, Gauge>,
     slots_per_gpu: Gauge,
     jobs_by_app: Family<AppLabel, Gauge>,
@@ -72,6 +74,7 @@ impl Metrics {
             oom_marks: Counter::default(),
             client_faults: Family::default(),
             prediction_error: speed_error(),
+            config_reloads: Family::default(),
             slots_used: Family::default(),
             slots_per_gpu: Gauge::default(),
             jobs_by_app: Family::default(),
@@ -105,6 +108,11 @@ impl Metrics {
             "prediction_error",
             "|predicted - observed| speed of jobs that ended beside others, where the application's solo runtime is known",
             m.prediction_error.clone(),
+        );
+        r.register(
+            "config_reloads",
+            "Config re-reads on SIGHUP: applied, or failed (the daemon runs on with the config it had)",
+            m.config_reloads.clone(),
         );
         r.register("slots_used", "Jobs on each shared GPU", m.slots_used.clone());
         r.register(
@@ -144,6 +152,14 @@ impl Metrics {
 
     pub fn placement(&self, outcome: &str) {
         self.placements
+            .get_or_create(&Outcome {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    pub fn config_reload(&self, outcome: &str) {
+        self.config_reloads
             .get_or_create(&Outcome {
                 outcome: outcome.into(),
             })
@@ -332,6 +348,7 @@ mod tests {
         m.placement("placed");
         m.fault("bad_frame");
         m.oom_marks.inc();
+        m.config_reload("failed");
         m.prediction_error.observe(0.1);
         m.slots_used.get_or_create(&GpuLabel { gpu: "0".into() }).set(1);
         m.jobs_by_app.get_or_create(&AppLabel { app: "a".into() }).set(1);

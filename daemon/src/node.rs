@@ -164,6 +164,17 @@ impl Node {
         Ok(())
     }
 
+    /// The running config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Runs with `policy` from the next placement on (a config re-read on SIGHUP; see
+    /// [`Config::reload`]).
+    pub fn set_policy(&mut self, policy: crate::config::PolicyConfig) {
+        self.config.policy = policy;
+    }
+
     /// Learns what is still queued, then stops the learning thread (at shutdown): later
     /// lessons are learned inline.
     pub fn stop_learning(&mut self) {

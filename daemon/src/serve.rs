@@ -48,8 +48,9 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     };
     let mut node = Node::open(config, gpus.clone(), wall_clock()).map_err(|e| e.to_string())?;
 
-    // Block the stop signals before any thread starts, so only the waiting thread sees them.
-    let signals = stop_signals();
+    // Block the stop and reload signals before any thread starts, so that only the waiting
+    // thread sees them.
+    let signals = daemon_signals();
     if config_mode_observes {
         tracing::info!("observe mode: jobs run where Slurm binds them; no weight is published");
     } else if weight.publish {
@@ -70,16 +71,6 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
     let shutdown = Arc::new(AtomicBool::new(false));
-    {
-        let shutdown = Arc::clone(&shutdown);
-        let socket = socket.clone();
-        std::thread::spawn(move || {
-            let sig = wait_for(&signals);
-            tracing::info!(signal = sig, "stopping");
-            shutdown.store(true, Ordering::SeqCst);
-            let _ = std::os::unix::net::UnixStream::connect(&socket);
-        });
-    }
     if let Err(e) = node.checkpoint_in_background(Arc::clone(&shutdown)) {
         tracing::warn!(error = %e, "checkpointing on commit instead of in the background");
     }
@@ -87,6 +78,23 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         tracing::warn!(error = %e, "learning inside each finish request instead of on a thread of its own");
     }
     let node = Arc::new(Mutex::new(node));
+    {
+        let shutdown = Arc::clone(&shutdown);
+        let socket = socket.clone();
+        let node = Arc::clone(&node);
+        let config_path = config_path.to_path_buf();
+        std::thread::spawn(move || loop {
+            let sig = wait_for(&signals);
+            if sig == libc::SIGHUP {
+                reload(&config_path, &node);
+                continue;
+            }
+            tracing::info!(signal = sig, "stopping");
+            shutdown.store(true, Ordering::SeqCst);
+            let _ = std::os::unix::net::UnixStream::connect(&socket);
+            break;
+        });
+    }
     crate::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
     crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
     match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
@@ -126,7 +134,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn stop_signals() -> libc::sigset_t {
+fn daemon_signals() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
     // changes this thread's mask (inherited by threads started later).
     unsafe {
@@ -134,14 +142,51 @@ fn stop_signals() -> libc::sigset_t {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     }
 }
 
+/// Re-reads the config on SIGHUP (systemd's ExecReload): the decline knobs of `[policy]`
+/// apply from the next placement on; other changed keys are named as waiting for a restart. A
+/// file that no longer parses changes nothing, and the log says why.
+fn reload(config_path: &Path, node: &Mutex<Node>) {
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Reloading]);
+    let outcome = crate::tools::load_config(config_path).and_then(|new| {
+        let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
+        let reload = node.config().reload(&new)?;
+        if let Some(policy) = reload.policy.clone() {
+            node.set_policy(policy);
+        }
+        Ok(reload)
+    });
+    match outcome {
+        Ok(reload) => {
+            if reload.applied.is_empty() {
+                tracing::info!(config = %config_path.display(), "config re-read: nothing that applies at once changed");
+            } else {
+                tracing::info!(config = %config_path.display(), changes = %reload.applied.join(", "), "config reloaded");
+            }
+            if !reload.needs_restart.is_empty() {
+                tracing::warn!(
+                    keys = %reload.needs_restart.join(", "),
+                    "changed in the config but read only at start: they keep their running values until multiplexd restarts"
+                );
+            }
+            crate::metrics::global().config_reload("applied");
+        }
+        Err(e) => {
+            tracing::error!("config not reloaded, the daemon runs on with the config it had: {e}");
+            crate::metrics::global().config_reload("failed");
+        }
+    }
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+}
+
 fn wait_for(set: &libc::sigset_t) -> i32 {
     let mut sig = 0;
-    // SAFETY: set was initialised by stop_signals; sig is a valid out pointer.
+    // SAFETY: set was initialised by daemon_signals; sig is a valid out pointer.
     unsafe { libc::sigwait(set, &mut sig) };
     sig
 }

@@ -269,3 +269,68 @@ fn the_systemd_unit_verifies_clean() {
         "systemd-analyze verify: {said}"
     );
 }
+
+#[test]
+fn sighup_rereads_the_config_and_a_broken_one_changes_nothing() {
+    use multiplex_protocol::{client, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("c.toml");
+    let text = |min_gain: &str, jobs_per_gpu: u32| {
+        format!(
+            "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\nannotate = false\n\
+             jobs_per_gpu = {jobs_per_gpu}\n[weight]\npublish = false\nscontrol = \"{d}/no-scontrol\"\n\
+             [reconcile]\ninterval_s = 0\n[policy]\nmin_gain = {min_gain}\n\
+             [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
+            d = dir.path().display()
+        )
+    };
+    std::fs::write(&config, text("0.25", 2)).unwrap();
+    let log = dir.path().join("log");
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_multiplexd"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("MULTIPLEXD_LOG", "info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("d.sock");
+    let t = std::time::Duration::from_secs(5);
+    let answers = || client::call(&socket, t, Request::Status).is_ok();
+    let wait_for = |what: &str| {
+        for _ in 0..200 {
+            let said = std::fs::read_to_string(&log).unwrap();
+            if said.contains(what) {
+                return said;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        panic!(
+            "the log never said {what:?}: {}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+    };
+    wait_for("multiplexd serving");
+    let hup = || {
+        // SAFETY: kill with a child's pid and a valid signal.
+        assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGHUP) }, 0);
+    };
+
+    std::fs::write(&config, text("0.1", 3)).unwrap();
+    hup();
+    let said = wait_for("config reloaded");
+    assert!(said.contains("policy.min_gain: 0.25 -> 0.1"), "{said}");
+    let said = wait_for("read only at start");
+    assert!(said.contains("keys=jobs_per_gpu"), "{said}");
+    assert!(answers(), "the daemon stopped answering after a reload");
+
+    std::fs::write(&config, "node = [").unwrap();
+    hup();
+    let said = wait_for("config not reloaded");
+    assert!(said.contains("the daemon runs on with the config it had"), "{said}");
+    assert!(answers(), "a broken config stopped the daemon");
+
+    // SAFETY: as above; SIGTERM still stops it.
+    assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) }, 0);
+    let status = daemon.wait().unwrap();
+    assert!(status.success(), "{status}: {}", std::fs::read_to_string(&log).unwrap());
+}
