@@ -1419,3 +1419,45 @@ fn a_real_prometheus_scrapes_what_the_daemons_count() {
 
 /// The alerting rules the project ships.
 const ALERTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/prometheus/multiplexd-alerts.yml");
+
+#[test]
+#[ignore = "needs the local Slurm cluster with its accounting database: run tests/run (tests/cluster/up --accounting)"]
+fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
+    let c = Cluster::from_env();
+    let job = c.submit(&[
+        "--multiplex=app=itest-sacct",
+        "--gres=gpu:1",
+        &out_arg(&c, "sacct"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let env = env_of(&c.output(&rec));
+    // The tag job_submit wrote, then where the daemon ran it: slurmdbd's record, as sacct
+    // reads it from MariaDB once the job has ended.
+    let want = format!(
+        "{job}|COMPLETED|multiplex:app=itest-sacct | multiplex: runs on GPU {} ",
+        env["MULTIPLEX_GPU"]
+    );
+    let sacct = || {
+        let out = std::process::Command::new("sacct")
+            .args([
+                "-j",
+                &job.to_string(),
+                "-X",
+                "-n",
+                "-P",
+                "-o",
+                "JobID,State,AdminComment",
+            ])
+            .output()
+            .expect("sacct runs");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || sacct().starts_with(&want)),
+        "{want:?}: sacct said {:?}",
+        sacct()
+    );
+}
