@@ -151,19 +151,11 @@ impl Metrics {
     }
 
     pub fn placement(&self, outcome: &str) {
-        self.placements
-            .get_or_create(&Outcome {
-                outcome: outcome.into(),
-            })
-            .inc();
+        count(&self.placements, outcome);
     }
 
     pub fn config_reload(&self, outcome: &str) {
-        self.config_reloads
-            .get_or_create(&Outcome {
-                outcome: outcome.into(),
-            })
-            .inc();
+        count(&self.config_reloads, outcome);
     }
 
     pub fn fault(&self, kind: &str) {
@@ -234,6 +226,14 @@ static SERVED: AtomicBool = AtomicBool::new(false);
 
 pub fn served() -> bool {
     SERVED.load(Ordering::Relaxed)
+}
+
+fn count(family: &Family<Outcome, Counter>, outcome: &str) {
+    family
+        .get_or_create(&Outcome {
+            outcome: outcome.into(),
+        })
+        .inc();
 }
 
 /// The process's metrics.
