@@ -213,3 +213,18 @@ fn a_written_trace_reads_back_as_the_same_trace() {
         assert!((a.submit_s - b.submit_s).abs() <= 0.0005 && (a.solo_runtime_s - b.solo_runtime_s).abs() <= 0.0005);
     }
 }
+
+#[test]
+fn the_demo_trace_is_the_generators_seed_1() {
+    // tests/demo says its trace is `--seed 1 --jobs 20 --load 1.0 --nodes 2 --gpus-per-node 2`
+    // of this generator: a changed generator or an edited file must not make that untrue.
+    let table = Table::parse(GAVEL_V100, "gavel").unwrap();
+    let shape = Shape {
+        nodes: 2,
+        gpus_per_node: 2,
+        jobs_per_gpu: 2,
+    };
+    let trace = generated_trace(&table, 20, 1.0, &shape, 1).unwrap();
+    let file = include_str!("../../tests/emulate/gavel-20.csv");
+    assert_eq!(input::trace_csv(&trace, &table), file);
+}
