@@ -11,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(5);
 
@@ -397,6 +397,10 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (s, sock, first_job) = (Arc::clone(&stop), socket.clone(), next);
+        // Placements of this round so far: the kill waits for a few, so that it always lands
+        // mid-stream, however slowly this machine starts the daemon.
+        let placed_now = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = Arc::clone(&placed_now);
         let mut carried = std::mem::take(&mut running);
         // slurmstepd's traffic: place, and finish the oldest once both GPUs' slots are full.
         let worker = std::thread::spawn(move || {
@@ -404,11 +408,12 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
             let mut job = first_job;
             while !s.load(Ordering::SeqCst) {
                 if carried.len() >= 4 {
-                    let old = carried.pop_front().unwrap();
+                    let (old, acknowledged) = carried.pop_front().unwrap();
                     match client::call(&sock, T, finish(old)) {
-                        Ok(Response::Finished) => finished.push(old),
+                        Ok(Response::Finished) if acknowledged => finished.push(old),
+                        Ok(Response::Finished) => {}
                         _ => {
-                            carried.push_front(old);
+                            carried.push_front((old, acknowledged));
                             break;
                         }
                     }
@@ -418,16 +423,27 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
                 match client::call(&sock, T, place(job, &format!("app{job}"))) {
                     Ok(Response::Placed(_)) => {
                         placed.push(job);
-                        carried.push_back(job);
+                        carried.push_back((job, true));
+                        counter.fetch_add(1, Ordering::SeqCst);
                     }
                     Ok(_) => {}
-                    Err(_) => break,
+                    // Killed mid-request: the daemon may have placed the job without saying so.
+                    // slurmstepd ends every step it started, so its end comes later all the same
+                    // (without it, such jobs would hold the node's slots in this test for good).
+                    Err(_) => {
+                        carried.push_back((job, false));
+                        break;
+                    }
                 }
                 job += 1;
             }
             (placed, finished, job, carried)
         });
-        std::thread::sleep(Duration::from_millis(100 + 37 * round));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while placed_now.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(37 * round));
         daemon.kill().unwrap(); // SIGKILL, mid-stream
         daemon.wait().unwrap();
         stop.store(true, Ordering::SeqCst);
@@ -438,8 +454,8 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
         next = j + 1;
     }
     assert!(
-        placed.len() >= 40,
-        "load ran in every round: {} placements",
+        placed.len() >= 30,
+        "load ran in every round (at least 3 placements each): {} placements",
         placed.len()
     );
     let mut last = serve(&config, &socket);
