@@ -21,6 +21,12 @@ fn job(t: &Table, id: &str, submit_s: f64, app: &str, solo_runtime_s: f64) -> Tr
     }
 }
 
+/// The emulated runs' cluster: 2 nodes x 2 GPUs x 2 jobs per GPU.
+const TWO_BY_TWO: Shape = Shape {
+    nodes: 2,
+    gpus_per_node: 2,
+    jobs_per_gpu: 2,
+};
 const ONE_GPU: Shape = Shape {
     nodes: 1,
     gpus_per_node: 1,
@@ -105,38 +111,28 @@ fn a_burst_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
     // each); on each node the daemon puts them on different GPUs, and Slurm's first fit pairs
     // them on the first.
     let t = small_table();
-    let shape = Shape {
-        nodes: 2,
-        gpus_per_node: 2,
-        jobs_per_gpu: 2,
-    };
     let trace: Vec<TraceJob> = (0..4)
         .map(|i| job(&t, &i.to_string(), 0.0, if i % 2 == 0 { "a" } else { "b" }, 100.0))
         .collect();
-    let ff = simulate(&t, &trace, shape, "first-fit");
+    let ff = simulate(&t, &trace, TWO_BY_TWO, "first-fit");
     assert!(
         ff.jct.iter().all(|&j| j > 101.0),
         "first fit pairs every job: {:?}",
         ff.jct
     );
     for p in ["learned", "oracle"] {
-        let r = simulate(&t, &trace, shape, p);
+        let r = simulate(&t, &trace, TWO_BY_TWO, p);
         assert!(r.jct.iter().all(|&j| close(j, 100.0)), "{p}: {:?}", r.jct);
     }
 }
 
 fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
     let table = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let shape = Shape {
-        nodes: 2,
-        gpus_per_node: 2,
-        jobs_per_gpu: 2,
-    };
-    let trace = generated_trace(&table, 150, 1.0, &shape, seed).unwrap();
+    let trace = generated_trace(&table, 150, 1.0, &TWO_BY_TWO, seed).unwrap();
     Setup {
         table,
         trace,
-        shape,
+        shape: TWO_BY_TWO,
         policies: policies.iter().map(|p| p.to_string()).collect(),
         seed,
         progress: Progress {
@@ -200,12 +196,7 @@ fn bad_setups_are_refused_clearly() {
 #[test]
 fn a_written_trace_reads_back_as_the_same_trace() {
     let t = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let shape = Shape {
-        nodes: 2,
-        gpus_per_node: 2,
-        jobs_per_gpu: 2,
-    };
-    let trace = generated_trace(&t, 25, 1.0, &shape, 7).unwrap();
+    let trace = generated_trace(&t, 25, 1.0, &TWO_BY_TWO, 7).unwrap();
     let back = input::parse_trace(&input::trace_csv(&trace, &t), "written", &t).unwrap();
     assert_eq!(back.len(), trace.len());
     for (a, b) in trace.iter().zip(&back) {
@@ -219,12 +210,7 @@ fn the_demo_trace_is_the_generators_seed_1() {
     // tests/demo says its trace is `--seed 1 --jobs 20 --load 1.0 --nodes 2 --gpus-per-node 2`
     // of this generator: a changed generator or an edited file must not make that untrue.
     let table = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let shape = Shape {
-        nodes: 2,
-        gpus_per_node: 2,
-        jobs_per_gpu: 2,
-    };
-    let trace = generated_trace(&table, 20, 1.0, &shape, 1).unwrap();
+    let trace = generated_trace(&table, 20, 1.0, &TWO_BY_TWO, 1).unwrap();
     let file = include_str!("../../tests/emulate/gavel-20.csv");
     assert_eq!(input::trace_csv(&trace, &table), file);
 }
