@@ -4,7 +4,7 @@
 use crate::config::{Config, GpuSpec, Mode};
 use crate::history::{ActiveJob, History, HistoryError, NewJob};
 use crate::lessons::{Learner, Lesson, Teacher};
-use crate::placement::{self, Decision, GpuState, Knobs, Newcomer, Wanted};
+use crate::placement::{self, Bypasses, Decision, GpuState, Knobs, Newcomer, Wanted};
 use multiplex_protocol::{
     step_label, FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response,
     TaskStatus,
@@ -50,6 +50,15 @@ pub struct Placed {
     pub admin_comment: Option<String>,
 }
 
+/// A job waiting in Slurm's queue, as queue-level choice ([`Node::steer`]) weighs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PendingJob<'a> {
+    pub job_id: u32,
+    pub app: &'a str,
+    /// The job's memory hint (`mem=`); without one, what its application's runs measured.
+    pub mem_mb: Option<u64>,
+}
+
 /// Told every job placed, on the request's thread: it must only hand the news on.
 pub type PlacedListener = Box<dyn Fn(Placed) + Send>;
 
@@ -72,6 +81,8 @@ pub struct Node {
     /// writes again (tried before every request). A restart before that loses only the exit
     /// status: reconcile frees such a job as one whose end was never heard of.
     unrecorded: Vec<UnrecordedEnd>,
+    /// Queue-level choice's starvation bound.
+    bypasses: Bypasses,
 }
 
 /// A job's end the history has not recorded yet.
@@ -98,6 +109,7 @@ impl Node {
             refusing: false,
             learner: None,
             unrecorded: Vec::new(),
+            bypasses: Bypasses::default(),
         };
         node.teacher.compact(&mut node.history);
         for job in node.history.active_jobs(&node.config.node)? {
@@ -302,23 +314,7 @@ impl Node {
         if self.config.policy.mode == Mode::Observe {
             return self.observe(req, &active, now);
         }
-        let mut states = Vec::with_capacity(self.gpus.len());
-        for g in &self.gpus {
-            let mut residents = Vec::new();
-            for j in active.iter().filter(|j| j.gpu == g.index) {
-                let mut r = j.resident();
-                if r.mem_mb.is_none() {
-                    r.mem_mb = self.history.app_mem_peak(&j.app)?;
-                }
-                residents.push(r);
-            }
-            states.push(GpuState {
-                index: g.index,
-                model: g.model.clone(),
-                memory_mb: g.memory_mb,
-                residents,
-            });
-        }
+        let states = self.gpu_states(&active)?;
         // Without a hint, the memory the application's earlier runs were measured to use.
         let learned_mem = match req.mem_mb {
             Some(_) => None,
@@ -393,6 +389,67 @@ impl Node {
                 Ok(Response::Declined { reason, retry_after_s })
             }
         }
+    }
+
+    /// The node's GPUs and their jobs as placement reads them (a job without a memory hint
+    /// counts what its application's earlier runs were measured to use).
+    fn gpu_states(&self, active: &[ActiveJob]) -> Result<Vec<GpuState>, HistoryError> {
+        let mut states = Vec::with_capacity(self.gpus.len());
+        for g in &self.gpus {
+            let mut residents = Vec::new();
+            for j in active.iter().filter(|j| j.gpu == g.index) {
+                let mut r = j.resident();
+                if r.mem_mb.is_none() {
+                    r.mem_mb = self.history.app_mem_peak(&j.app)?;
+                }
+                residents.push(r);
+            }
+            states.push(GpuState {
+                index: g.index,
+                model: g.model.clone(),
+                memory_mb: g.memory_mb,
+                residents,
+            });
+        }
+        Ok(states)
+    }
+
+    /// Which of the pending jobs (in Slurm's priority order) should take this node's next
+    /// free slot, if not the first ([`placement::steer`]), never passing over a job this node
+    /// passed over [`Bypasses::MAX`] times already. The history is only read. `None` in
+    /// observe mode, where the daemon decides nothing.
+    pub fn steer(&mut self, pending: &[PendingJob]) -> Result<Option<usize>, HistoryError> {
+        let ids: Vec<u32> = pending.iter().map(|j| j.job_id).collect();
+        let reach = self.bypasses.reach(&ids);
+        if self.config.policy.mode == Mode::Observe || reach < 2 {
+            return Ok(None);
+        }
+        let states = self.gpu_states(&self.active()?)?;
+        let policy = &self.config.policy;
+        let knobs = Knobs {
+            slots: self.config.jobs_per_gpu,
+            unknown_pair_speed: policy.unknown_pair_speed,
+            min_gain: policy.min_gain,
+        };
+        let mut newcomers = Vec::with_capacity(reach);
+        let mut wanted = Wanted::default();
+        for p in &pending[..reach] {
+            let job = Newcomer {
+                app: p.app,
+                mem_mb: match p.mem_mb {
+                    Some(m) => Some(m),
+                    None => self.history.app_mem_peak(p.app)?,
+                },
+            };
+            wanted.extend(placement::wanted(&states, &job, knobs.slots));
+            newcomers.push(job);
+        }
+        let estimates = self.history.estimates(&wanted)?;
+        let chosen = placement::steer(&states, &newcomers, &estimates, knobs);
+        if let Some(i) = chosen {
+            self.bypasses.record(&ids, i);
+        }
+        Ok(chosen)
     }
 
     /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.

@@ -108,6 +108,12 @@ pub struct Wanted {
 }
 
 impl Wanted {
+    /// Asks for everything `other` asks for too.
+    pub fn extend(&mut self, other: Wanted) {
+        self.pairs.extend(other.pairs);
+        self.apps.extend(other.apps);
+    }
+
     /// Asks for both sides of the pair `a`, `b` on `model`, and for both applications.
     pub fn pair(&mut self, model: &str, a: &str, b: &str) {
         for (x, y) in [(a, b), (b, a)] {
@@ -318,6 +324,73 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
             may_retry: true,
         },
     }
+}
+
+/// How much more a pending job behind the first must gain (jobs' worth of throughput) for
+/// the steering to put it first: Slurm's own order stands between near equals.
+pub const STEER_MARGIN: f64 = 0.05;
+
+/// The starvation bound of queue-level choice: how often each pending job was passed over.
+/// A job passed over [`Bypasses::MAX`] times is never passed again: the choice looks no
+/// further down Slurm's order than it.
+#[derive(Debug, Default)]
+pub struct Bypasses {
+    passed: std::collections::HashMap<u32, u32>,
+}
+
+impl Bypasses {
+    /// How often one job may be passed over (by one node's choices).
+    pub const MAX: u32 = 4;
+    /// Jobs remembered at most; past it the counts start again (a bound on memory, not on
+    /// any job's wait: it takes thousands of choices).
+    const KEPT: usize = 10_000;
+
+    /// How many of `pending` (job ids in Slurm's order) the choice may look at: all, or up
+    /// to the first that was passed over too often, which may still be chosen.
+    pub fn reach(&self, pending: &[u32]) -> usize {
+        pending
+            .iter()
+            .position(|id| self.passed.get(id).is_some_and(|&n| n >= Self::MAX))
+            .map_or(pending.len(), |i| i + 1)
+    }
+
+    /// `pending[chosen]` goes first: each job before it was passed over once more.
+    pub fn record(&mut self, pending: &[u32], chosen: usize) {
+        if self.passed.len() >= Self::KEPT {
+            self.passed.clear();
+        }
+        for id in &pending[..chosen.min(pending.len())] {
+            *self.passed.entry(*id).or_default() += 1;
+        }
+        if let Some(id) = pending.get(chosen) {
+            self.passed.remove(id);
+        }
+    }
+}
+
+/// Which of `pending` (in Slurm's priority order) should take a slot of this node next: the
+/// one [`place`] would put here with the highest gain, when it gains more than the first by
+/// [`STEER_MARGIN`] (a first that would be declined gains nothing). `None`: Slurm's order
+/// stands (the first is as good, or none would be placed). `history` must hold what
+/// [`wanted`] asks for each of them.
+pub fn steer(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knobs: Knobs) -> Option<usize> {
+    let gains: Vec<Option<f64>> = pending
+        .iter()
+        .map(|job| match place(gpus, job, history, knobs) {
+            Decision::Place { gain, .. } => Some(gain),
+            Decision::Decline { .. } => None,
+        })
+        .collect();
+    let first = gains.first().copied().flatten().unwrap_or(0.0);
+    let mut best: Option<(usize, f64)> = None;
+    for (i, gain) in gains.iter().enumerate().skip(1) {
+        if let Some(g) = *gain {
+            if g > first + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
+                best = Some((i, g));
+            }
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
@@ -876,5 +949,53 @@ mod tests {
         assert_eq!(mps_share(0.95, &[0.1]), 25);
         assert_eq!(mps_share(0.1, &[0.95]), 80);
         assert_eq!(mps_share(0.5, &[0.5, 0.5]), 33);
+    }
+
+    fn newcomers<'a>(apps: &[&'a str]) -> Vec<Newcomer<'a>> {
+        apps.iter().map(|app| Newcomer { app, mem_mb: None }).collect()
+    }
+
+    #[test]
+    fn steering_puts_the_best_partner_first_and_otherwise_keeps_slurms_order() {
+        // A free slot beside `a`: `b` pairs badly with it, `c` well, `d` nearly as well.
+        let h = Table::default()
+            .with("a", "b", 0.5, 0.5, false)
+            .with("a", "c", 0.9, 0.9, false)
+            .with("a", "d", 0.88, 0.88, false)
+            .with("a", "e", 0.9, 0.9, true);
+        let gpus = [gpu(0, &[(1, "a")]), gpu(1, &[(2, "x"), (3, "y")])];
+        assert_eq!(steer(&gpus, &newcomers(&["b", "c", "d"]), &h, KNOBS), Some(1));
+        // The first is as good within the margin: Slurm's order stands.
+        assert_eq!(steer(&gpus, &newcomers(&["d", "c", "b"]), &h, KNOBS), None);
+        // A first that would be declined (out of memory beside `a`) gains nothing.
+        assert_eq!(steer(&gpus, &newcomers(&["e", "c"]), &h, KNOBS), Some(1));
+        // No one would be placed here: nothing to steer.
+        assert_eq!(steer(&gpus, &newcomers(&["e", "e"]), &h, KNOBS), None);
+        // A free GPU takes anyone alike.
+        let free = [gpu(0, &[]), gpu(1, &[(1, "a")])];
+        assert_eq!(steer(&free, &newcomers(&["b", "c"]), &h, KNOBS), None);
+        // Below `min_gain` a pair counts as declined, and a better one is still chosen.
+        let picky = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        assert_eq!(steer(&gpus, &newcomers(&["b", "c"]), &h, picky), Some(1));
+        assert_eq!(steer(&gpus, &newcomers(&["b", "b"]), &h, picky), None);
+    }
+
+    #[test]
+    fn a_job_passed_over_too_often_is_never_passed_again() {
+        let mut b = Bypasses::default();
+        let pending = [10, 11, 12, 13];
+        assert_eq!(b.reach(&pending), 4);
+        for _ in 0..Bypasses::MAX {
+            b.record(&pending, 2);
+        }
+        // 10 and 11 were passed over MAX times: the choice stops at 10, which it may take.
+        assert_eq!(b.reach(&pending), 1);
+        assert_eq!(b.reach(&[12, 11, 13]), 2);
+        // Chosen at last: its count is forgotten.
+        b.record(&[11, 13], 0);
+        assert_eq!(b.reach(&[11, 13]), 2);
     }
 }

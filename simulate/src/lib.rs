@@ -20,10 +20,8 @@ pub struct Setup {
     pub policies: Vec<String>,
     pub seed: u64,
     pub progress: Progress,
-    /// Seconds between merges of the learned policy's node histories (0: never).
-    pub share_every_s: f64,
-    /// The daemon's `policy.min_gain`, for the learned policy and the oracle.
-    pub min_gain: f64,
+    /// The daemon's settings for the learned policy and the oracle.
+    pub options: policy::Options,
 }
 
 /// One policy's results. The field names are the JSON and CSV keys scripts rely on.
@@ -46,6 +44,8 @@ pub struct Summary {
     pub most_declines: u32,
     /// The 99th percentile of the wait from submission to the run that completed.
     pub p99_wait_s: f64,
+    /// How many times the policy had Slurm start another pending job first.
+    pub steered: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -107,8 +107,9 @@ pub fn generated_trace(
 /// order the policies were asked for, the same for a seed whatever the thread count.
 pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
     check(&setup.shape, &setup.policies)?;
-    multiplexd::config::check_min_gain(setup.min_gain, multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED)
-        .map_err(|e| format!("--min-gain {}: {e}", setup.min_gain))?;
+    let min_gain = setup.options.min_gain;
+    multiplexd::config::check_min_gain(min_gain, multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED)
+        .map_err(|e| format!("--min-gain {min_gain}: {e}"))?;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(setup.policies.len());
@@ -134,14 +135,7 @@ pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
 }
 
 fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
-    let mut p = policy::make_with(
-        name,
-        &setup.table,
-        setup.shape,
-        setup.seed,
-        setup.share_every_s,
-        setup.min_gain,
-    )?;
+    let mut p = policy::make_with(name, &setup.table, setup.shape, setup.seed, setup.options)?;
     let outcome = world::run(
         &setup.table,
         &setup.trace,
@@ -187,6 +181,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             last_fifth_avg_jct_s: tail.iter().sum::<f64>() / tail.len().max(1) as f64,
             most_declines: o.declines_per_job.iter().copied().max().unwrap_or(0),
             p99_wait_s: percentile(&waits, 0.99),
+            steered: o.steered,
         },
         jct,
         grade: None,
@@ -264,12 +259,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -282,7 +277,8 @@ pub fn csv(runs: &[Run]) -> String {
             s.throughput_per_gpu,
             s.last_fifth_avg_jct_s,
             s.most_declines,
-            s.p99_wait_s
+            s.p99_wait_s,
+            s.steered
         ));
     }
     out

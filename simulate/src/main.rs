@@ -56,6 +56,10 @@ struct Args {
     /// whose best GPU would add less throughput than this (0: never decline for a poor pair).
     #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
     min_gain: f64,
+    /// Queue-level choice for the learned policy and the oracle: when a slot frees, the daemon
+    /// has Slurm start the best partner among this many of the first pending jobs (0: none).
+    #[arg(long, default_value_t = 0)]
+    steer: usize,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -157,8 +161,11 @@ fn simulate(a: Args) -> Result<(), String> {
             every_s: a.progress_every,
             noise: a.progress_noise,
         },
-        share_every_s: a.share_history_every,
-        min_gain: a.min_gain,
+        options: multiplex_simulate::policy::Options {
+            share_every_s: a.share_history_every,
+            min_gain: a.min_gain,
+            steer: a.steer,
+        },
     };
     let started = std::time::Instant::now();
     let runs = multiplex_simulate::run(&setup)?;

@@ -8,8 +8,10 @@ use super::world::{Choice, JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
 use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::ActiveJob;
-use multiplexd::node::{Node, NodeLoad};
-use multiplexd::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted};
+use multiplexd::node::{Node, NodeLoad, PendingJob};
+use multiplexd::placement::{
+    self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted,
+};
 use multiplexd::weight::weight_for;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -18,22 +20,42 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 /// The policies by name, in the order they are reported.
 pub const ALL: [&str; 6] = ["exclusive", "first-fit", "least-loaded", "random", "learned", "oracle"];
 
-/// Makes the named policy for a cluster.
-pub fn make<'a>(name: &str, table: &'a Table, shape: Shape, seed: u64) -> Result<Box<dyn Policy + 'a>, String> {
-    make_with(name, table, shape, seed, 0.0, DEFAULT_MIN_GAIN)
+/// The daemon's settings the learned policy and the oracle run with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// The learned policy's nodes merge their histories every this many simulated seconds
+    /// (`multiplexd export` into `multiplexd import`, as a site's cron job would; 0: never,
+    /// each node learns alone).
+    pub share_every_s: f64,
+    /// The daemon's `policy.min_gain`.
+    pub min_gain: f64,
+    /// Queue-level choice among this many of the first pending jobs ([`Policy::steer`]);
+    /// 0: none.
+    pub steer: usize,
 }
 
-/// [`make`], with the learned policy's nodes merging their histories every `share_every_s`
-/// simulated seconds (`multiplexd export` into `multiplexd import`, as a site's cron job
-/// would; 0: never, each node learns alone), and the daemon's `policy.min_gain` for the
-/// learned policy and the oracle.
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            share_every_s: 0.0,
+            min_gain: DEFAULT_MIN_GAIN,
+            steer: 0,
+        }
+    }
+}
+
+/// Makes the named policy for a cluster.
+pub fn make<'a>(name: &str, table: &'a Table, shape: Shape, seed: u64) -> Result<Box<dyn Policy + 'a>, String> {
+    make_with(name, table, shape, seed, Options::default())
+}
+
+/// [`make`], with the daemon's settings `options` for the learned policy and the oracle.
 pub fn make_with<'a>(
     name: &str,
     table: &'a Table,
     shape: Shape,
     seed: u64,
-    share_every_s: f64,
-    min_gain: f64,
+    options: Options,
 ) -> Result<Box<dyn Policy + 'a>, String> {
     let k = shape.jobs_per_gpu as usize;
     Ok(match name {
@@ -41,8 +63,8 @@ pub fn make_with<'a>(
         "first-fit" => Box::new(FirstFit(k)),
         "least-loaded" => Box::new(LeastLoaded(k)),
         "random" => Box::new(Random(Rng::new(seed ^ 0x7a4d), k)),
-        "oracle" => Box::new(Oracle::new(table, shape, min_gain)),
-        "learned" => Box::new(Learned::new(table, shape, share_every_s, min_gain)?),
+        "oracle" => Box::new(Oracle::new(table, shape, options)),
+        "learned" => Box::new(Learned::new(table, shape, options)?),
         other => return Err(format!("unknown policy {other:?}: choose from {}", ALL.join(", "))),
     })
 }
@@ -137,27 +159,30 @@ struct Oracle<'a> {
     policy: PolicyConfig,
     /// Per node: it declined the latest newcomer, and nothing ran or ended there since.
     refusing: Vec<bool>,
+    steer: usize,
+    /// Per node, the starvation bound of its queue-level choice.
+    bypasses: Vec<Bypasses>,
 }
 
 impl<'a> Oracle<'a> {
-    fn new(table: &'a Table, shape: Shape, min_gain: f64) -> Self {
+    fn new(table: &'a Table, shape: Shape, options: Options) -> Self {
         Oracle {
             table,
             truth: truth(table),
             shape,
             policy: PolicyConfig {
-                min_gain,
+                min_gain: options.min_gain,
                 ..Config::parse("node = \"oracle\"").expect("the default config").policy
             },
             refusing: vec![false; shape.nodes],
+            steer: options.steer,
+            bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
         }
     }
-}
 
-impl Policy for Oracle<'_> {
-    fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
-        let states: Vec<GpuState> = gpus
-            .iter()
+    /// The node's GPUs as placement reads them.
+    fn states(&self, gpus: &[Vec<JobRef>]) -> Vec<GpuState> {
+        gpus.iter()
             .enumerate()
             .map(|(i, g)| GpuState {
                 index: i as u32,
@@ -172,7 +197,43 @@ impl Policy for Oracle<'_> {
                     })
                     .collect(),
             })
+            .collect()
+    }
+}
+
+impl Policy for Oracle<'_> {
+    fn lookahead(&self) -> usize {
+        self.steer
+    }
+    fn steer(
+        &mut self,
+        _: f64,
+        node: usize,
+        gpus: &[Vec<JobRef>],
+        pending: &[JobRef],
+    ) -> Result<Option<usize>, String> {
+        let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
+        let pending = &pending[..self.bypasses[node].reach(&ids)];
+        let knobs = Knobs {
+            slots: self.shape.jobs_per_gpu,
+            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
+            min_gain: self.policy.min_gain,
+        };
+        let pending: Vec<Newcomer> = pending
+            .iter()
+            .map(|j| Newcomer {
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
             .collect();
+        let chosen = placement::steer(&self.states(gpus), &pending, &self.truth, knobs);
+        if let Some(i) = chosen {
+            self.bypasses[node].record(&ids, i);
+        }
+        Ok(chosen)
+    }
+    fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+        let states = self.states(gpus);
         // The daemon's own bound and back-off, with its defaults.
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
@@ -223,6 +284,7 @@ impl Policy for Oracle<'_> {
 struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
+    steer: usize,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -300,7 +362,12 @@ fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
 }
 
 impl<'a> Learned<'a> {
-    fn new(table: &'a Table, shape: Shape, share_every_s: f64, min_gain: f64) -> Result<Self, String> {
+    fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
+        let Options {
+            share_every_s,
+            min_gain,
+            steer,
+        } = options;
         let clocks = Arc::new(
             (0..shape.nodes)
                 .map(|_| AtomicU64::new(0f64.to_bits()))
@@ -358,6 +425,7 @@ impl<'a> Learned<'a> {
         Ok(Learned {
             table,
             share_every_s,
+            steer,
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
@@ -469,6 +537,21 @@ impl Policy for Learned<'_> {
     }
     fn weight(&self, node: usize, _: &[Vec<JobRef>]) -> u32 {
         self.weights[node].load(Ordering::Relaxed)
+    }
+    fn lookahead(&self) -> usize {
+        self.steer
+    }
+    fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Option<usize>, String> {
+        self.at(now)?;
+        let pending: Vec<PendingJob> = pending
+            .iter()
+            .map(|j| PendingJob {
+                job_id: j.id,
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
+            .collect();
+        self.node_at(node, now)?.steer(&pending).map_err(|e| e.to_string())
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

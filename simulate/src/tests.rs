@@ -139,8 +139,7 @@ fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
             every_s: 600.0,
             noise: 0.05,
         },
-        share_every_s: 0.0,
-        min_gain: multiplexd::config::DEFAULT_MIN_GAIN,
+        options: policy::Options::default(),
     }
 }
 
@@ -213,4 +212,34 @@ fn the_demo_trace_is_the_generators_seed_1() {
     let trace = generated_trace(&table, 20, 1.0, &TWO_BY_TWO, 1).unwrap();
     let file = include_str!("../../tests/emulate/gavel-20.csv");
     assert_eq!(input::trace_csv(&trace, &table), file);
+}
+
+#[test]
+fn steering_hands_a_freed_slot_to_the_pending_job_that_pairs_best() {
+    // Two c jobs share the GPU; a (cannot share with c) and then b (0.9 beside c) wait. When
+    // the short c ends, Slurm's order offers the slot to a first, which the daemon declines;
+    // steering hands it to b at once, and a is not declined for it.
+    let t = small_table();
+    let trace = [
+        job(&t, "1", 0.0, "c", 1000.0),
+        job(&t, "2", 0.0, "c", 100.0),
+        job(&t, "3", 1.0, "a", 100.0),
+        job(&t, "4", 2.0, "b", 2000.0),
+    ];
+    let run = |steer| {
+        let options = policy::Options {
+            steer,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
+        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (plain, steered) = (run(0), run(8));
+    assert_eq!((plain.steered, steered.steered), (0, 1));
+    assert!(plain.declines_per_job[2] >= 1, "{:?}", plain.declines_per_job);
+    assert_eq!(steered.declines, plain.declines - 1, "{plain:?}\n{steered:?}");
+    // b started when the short c ended, both ways: only a's decline is saved.
+    let start = |o: &world::Outcome| o.jobs[3].1;
+    assert!(close(start(&plain), start(&steered)), "{plain:?}\n{steered:?}");
+    assert!(steered.jobs.iter().all(|j| j.2.is_finite()));
 }

@@ -1,9 +1,10 @@
-//! The simulated world: Slurm's part (a FIFO queue; node choice by the published `Weight`,
-//! then, as the shared partition's `LLN=YES` does, the node with the fewest jobs, then index;
-//! requeue after a decline or a failure) and reality's part (each job runs at the table's
-//! speed beside its current partners; a newcomer beside a job it cannot share with fails with
-//! out-of-memory unless that job leaves first). The policy only chooses a GPU on the node
-//! Slurm picked, or declines. A watchdog stops a run that would never end.
+//! The simulated world: Slurm's part (a FIFO queue, before which a policy may raise a
+//! pending job; node choice by the published `Weight`, then, as the shared partition's
+//! `LLN=YES` does, the node with the fewest jobs, then index; requeue after a decline or a
+//! failure) and reality's part (each job runs at the table's speed beside its current
+//! partners; a newcomer beside a job it cannot share with fails with out-of-memory unless that
+//! job leaves first). The policy only chooses a GPU on the node Slurm picked, declines, or
+//! raises a pending job. A watchdog stops a run that would never end.
 
 use super::input::{Rng, Table, TraceJob};
 use std::cmp::Ordering;
@@ -16,6 +17,11 @@ pub const DECLINE_RETRY_S: f64 = 60.0;
 /// job when its step starts on the node and publishes the weight through scontrol after that.
 /// Until then Slurm places by the old one: a burst started in one pass sees none of them.
 pub const WEIGHT_LAG_S: f64 = 2.0;
+/// How long after a slot freed (or a job was declined) on a node the daemon's choice of the
+/// pending job to take it reaches Slurm: 0, before Slurm's next pass. The daemon hears of a
+/// job's end from slurmstepd before slurmctld does, and of a decline before the job's
+/// requeue frees the slot.
+pub const STEER_LAG_S: f64 = 0.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -70,6 +76,25 @@ pub trait Policy {
     }
     /// Chooses a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), or declines.
     fn place(&mut self, now: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String>;
+    /// How many of the first pending jobs in Slurm's priority order the policy chooses among
+    /// when a slot of a node frees ([`Policy::steer`]); 0: it does not steer.
+    fn lookahead(&self) -> usize {
+        0
+    }
+    /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority: a
+    /// slot of `node` (`gpus` as in `place`) freed or stayed free after a decline, and
+    /// `pending` are the first jobs Slurm would start next, in its order. The index of the
+    /// one to start first, or `None`: Slurm's order stands. It reaches Slurm
+    /// [`STEER_LAG_S`] later, and that job goes to whichever node Slurm picks.
+    fn steer(
+        &mut self,
+        _now: f64,
+        _node: usize,
+        _gpus: &[Vec<JobRef>],
+        _pending: &[JobRef],
+    ) -> Result<Option<usize>, String> {
+        Ok(None)
+    }
     /// The node's Slurm `Weight` (lower is preferred; `gpus` as in `place`), read
     /// [`WEIGHT_LAG_S`] after each change; equal unless the policy publishes it.
     fn weight(&self, _node: usize, _gpus: &[Vec<JobRef>]) -> u32 {
@@ -104,6 +129,8 @@ pub struct Outcome {
     pub declines: u64,
     /// Per job in trace order: how many times it was declined.
     pub declines_per_job: Vec<u32>,
+    /// How many times a policy had Slurm start another pending job first.
+    pub steered: u64,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -118,6 +145,8 @@ enum Kind {
     Report(u32),
     /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
     Weight(usize),
+    /// A policy's choice of the event's job, to start first, reaches Slurm.
+    Steer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -163,6 +192,8 @@ struct Job {
     /// Requeues so far, and how many of them were declines.
     restarts: u32,
     declines: u32,
+    /// A policy raised its priority: Slurm starts it before the FIFO queue.
+    bumped: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -190,6 +221,10 @@ struct World<'a> {
     filed_used: Vec<u32>,
     /// Waiting jobs in FIFO order (trace order).
     queue: BTreeSet<usize>,
+    /// Waiting jobs whose priority a policy raised, in the order it did: the latest first.
+    bumped: Vec<usize>,
+    lookahead: usize,
+    steered: u64,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -239,6 +274,7 @@ pub fn run(
                 finished: None,
                 restarts: 0,
                 declines: 0,
+                bumped: false,
             })
             .collect(),
         gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
@@ -248,6 +284,9 @@ pub fn run(
         weight_due: vec![false; shape.nodes],
         filed_used: vec![0; shape.nodes],
         queue: BTreeSet::new(),
+        bumped: Vec::new(),
+        lookahead: policy.lookahead(),
+        steered: 0,
         events: BinaryHeap::new(),
         seq: 0,
         oom_failures: 0,
@@ -282,6 +321,7 @@ pub fn run(
                 w.jobs[e.job].finished = Some(now);
                 policy.finished(now, node, w.job_ref(e.job), true)?;
                 w.reweigh(now, node, e.job);
+                w.steer(now, node, policy)?;
             }
             Kind::OutOfMemory(run) => {
                 let job = &w.jobs[e.job];
@@ -298,6 +338,7 @@ pub fn run(
                 w.jobs[e.job].eligible = now + OOM_REQUEUE_S;
                 w.queue.insert(e.job);
                 w.push(now + OOM_REQUEUE_S, e.job, Kind::Eligible);
+                w.steer(now, node, policy)?;
             }
             Kind::Report(run) => {
                 let job = &w.jobs[e.job];
@@ -316,6 +357,7 @@ pub fn run(
                 let weight = policy.weight(node, &w.view(node));
                 w.refile(node, weight);
             }
+            Kind::Steer => w.bump(e.job),
         }
         w.schedule(now, policy)?;
     }
@@ -335,6 +377,7 @@ pub fn run(
         oom_failures: w.oom_failures,
         declines: w.declines,
         declines_per_job: w.jobs.iter().map(|j| j.declines).collect(),
+        steered: w.steered,
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
@@ -469,23 +512,20 @@ impl World<'_> {
         self.shape.gpus_per_node as u32 * self.slots
     }
 
-    /// Slurm's part: start waiting, eligible jobs in FIFO order on the first node with a free
-    /// slot in Slurm's order, until no node has one. Every job started at one instant is one
-    /// scheduling pass: the weights are those published before it.
+    /// Slurm's part: start waiting, eligible jobs in priority order (those a policy raised,
+    /// then FIFO) on the first node with a free slot in Slurm's order, until no node has one.
+    /// Every job started at one instant is one scheduling pass: the weights are those
+    /// published before it.
     fn schedule(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
-        let mut cursor = 0;
-        while let Some(&j) = self.queue.range(cursor..).next() {
-            cursor = j + 1;
-            if self.jobs[j].eligible > now {
-                continue;
-            }
-            let Some(&(_, _, node)) = self.free.iter().next() else {
+        while let Some(&(_, _, node)) = self.free.iter().next() {
+            let Some(&j) = self.pending(now, 1).first() else {
                 break;
             };
             let view = self.view(node);
             match policy.place(now, node, self.job_ref(j), &view)? {
                 Choice::Gpu(g) if g < self.shape.gpus_per_node && (view[g].len() as u32) < self.slots => {
                     self.queue.remove(&j);
+                    self.unbump(j);
                     self.start(now, j, node, g);
                     self.reweigh(now, node, j);
                 }
@@ -495,6 +535,9 @@ impl World<'_> {
                     ))
                 }
                 Choice::Decline { retry_after_s } => {
+                    // The declining daemon takes back a raised priority: it was meant for
+                    // one slot, and the job is requeued with its place in the queue.
+                    self.unbump(j);
                     let job = &mut self.jobs[j];
                     let wait = retry_after_s.unwrap_or(DECLINE_RETRY_S).max(1.0);
                     job.restarts += 1;
@@ -504,10 +547,68 @@ impl World<'_> {
                     self.push(now + wait, j, Kind::Eligible);
                     // A decline may change what the node publishes.
                     self.reweigh(now, node, j);
+                    self.steer(now, node, policy)?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// The first `k` jobs Slurm would start now, in its order: those a policy raised (the
+    /// latest first), then the FIFO queue; only jobs eligible now.
+    fn pending(&self, now: f64, k: usize) -> Vec<usize> {
+        let eligible = |j: &usize| self.jobs[*j].eligible <= now;
+        let raised = self.bumped.iter().rev().copied().filter(eligible);
+        let fifo = self
+            .queue
+            .iter()
+            .copied()
+            .filter(|j| !self.jobs[*j].bumped && eligible(j));
+        raised.chain(fifo).take(k).collect()
+    }
+
+    /// Queue-level choice: a slot of `node` freed or stayed free; the policy may have Slurm
+    /// start another of the first pending jobs first.
+    fn steer(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
+        if self.lookahead < 2 || self.used[node] >= self.capacity() {
+            return Ok(());
+        }
+        let pending = self.pending(now, self.lookahead);
+        if pending.len() < 2 {
+            return Ok(());
+        }
+        let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
+        match policy.steer(now, node, &self.view(node), &refs)? {
+            None | Some(0) => {}
+            Some(i) if i < pending.len() => {
+                self.steered += 1;
+                if STEER_LAG_S > 0.0 {
+                    self.push(now + STEER_LAG_S, pending[i], Kind::Steer);
+                } else {
+                    self.bump(pending[i]);
+                }
+            }
+            Some(i) => return Err(format!("the policy steered pending job {i} of {}", pending.len())),
+        }
+        Ok(())
+    }
+
+    /// A job's priority is Slurm's own again.
+    fn unbump(&mut self, j: usize) {
+        if self.jobs[j].bumped {
+            self.jobs[j].bumped = false;
+            self.bumped.retain(|&b| b != j);
+        }
+    }
+
+    /// A job's raised priority reaches Slurm: it goes before every other waiting job.
+    fn bump(&mut self, j: usize) {
+        if !self.queue.contains(&j) {
+            return; // started, or finished, since
+        }
+        self.bumped.retain(|&b| b != j);
+        self.bumped.push(j);
+        self.jobs[j].bumped = true;
     }
 
     /// After the node's state changed: its weight, as the policy then says, reaches Slurm

@@ -356,6 +356,8 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         declines,
         // One count per job's output file (the order is not the trace's; only the most is used).
         declines_per_job,
+        // Not counted from the jobs' side: the daemons log each time they steer.
+        steered: 0,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -446,6 +448,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             last_fifth_avg_jct_s: get("last_fifth_avg_jct_s"),
             most_declines: get("most_declines") as u32,
             p99_wait_s: get("p99_wait_s"),
+            steered: get("steered") as u64,
         },
         v,
     ))
