@@ -1461,3 +1461,125 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
         sacct()
     );
 }
+
+/// Teaches both daemons a history through `multiplexd import`: `pairs` are (app, other,
+/// speed of app, speed of other), each seen 5 times.
+fn import_pairs(c: &Cluster, pairs: &[(&str, &str, f64, f64)]) {
+    let rows: Vec<String> = pairs
+        .iter()
+        .flat_map(|&(a, b, sa, sb)| [(a, b, sa, sb), (b, a, sb, sa)])
+        .map(|(a, b, sa, sb)| {
+            format!(
+                r#"{{"gpu_model":"v100","app":"{a}","other":"{b}","speed":{sa},"other_speed":{sb},"observations":5,"variance":0.001,"oom":false}}"#
+            )
+        })
+        .collect();
+    let file = c.path("steer-history.json");
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"format":"multiplexd-history","version":1,"solo":[],"pairs":[{}]}}"#,
+            rows.join(",")
+        ),
+    )
+    .unwrap();
+    for node in ["n1", "n2"] {
+        let out = std::process::Command::new(c.path("plugins/multiplexd"))
+            .arg("import")
+            .arg("--config")
+            .arg(c.path(&format!("multiplexd/{node}/multiplexd.toml")))
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
+    let c = Cluster::from_env();
+    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
+    assert!(
+        config.contains("[steer]"),
+        "the daemons do not steer: start the cluster with tests/cluster/up --steer 8 (as tests/run does)"
+    );
+    // Beside x, a loses (0.3 each: the daemon declines it) and b gains (0.9 each).
+    let (x, a, b) = ("itest-steer-x", "itest-steer-a", "itest-steer-b");
+    import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
+    // Every slot of both nodes runs an x; one on n1 ends when the test says so.
+    let release = c.path("steer-release");
+    let _ = std::fs::remove_file(&release);
+    let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
+    let mut jobs = Vec::new();
+    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
+        let script = if jobs.len() == 7 {
+            wait_for_release.clone()
+        } else {
+            "sleep 120".to_string()
+        };
+        jobs.push(c.submit(&[
+            &format!("--multiplex=app={x}"),
+            "--gres=gpu:1",
+            "-w",
+            node,
+            &out_arg(&c, "steer"),
+            "--wrap",
+            &script,
+        ]));
+    }
+    let mut cancel = multiplex_tests::Cancel(jobs.clone());
+    assert!(
+        wait_until(WAIT, || jobs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
+        "every slot runs an x: {:?}",
+        jobs.iter()
+            .map(|&j| c.show_job(j)["JobState"].clone())
+            .collect::<Vec<_>>()
+    );
+    // a first in Slurm's order, then b; neither may start before the short x ends.
+    let pending: Vec<u32> = [a, b]
+        .iter()
+        .map(|app| {
+            c.submit(&[
+                &format!("--multiplex=app={app}"),
+                "--gres=gpu:1",
+                &out_arg(&c, "steer"),
+                "--wrap",
+                "sleep 30",
+            ])
+        })
+        .collect();
+    cancel.0.extend(&pending);
+    let (ja, jb) = (pending[0], pending[1]);
+    assert!(
+        wait_until(WAIT, || c.show_job(ja)["Reason"] == "Resources"
+            && c.show_job(jb)["Reason"] == "Priority"),
+        "a and b wait for a slot, a first: {:?} {:?}",
+        c.show_job(ja),
+        c.show_job(jb)
+    );
+    std::fs::write(&release, "").unwrap();
+    assert!(
+        wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
+        "b takes the freed slot: {:?}",
+        c.show_job(jb)
+    );
+    let (ra, rb) = (c.show_job(ja), c.show_job(jb));
+    assert_eq!(rb["NodeList"], "n1", "{rb:?}");
+    assert_eq!(ra["JobState"], "PENDING", "{ra:?}");
+    assert_eq!(ra["Restarts"], "0", "a was never started to be declined: {ra:?}");
+    // b's raised priority was given back once it started.
+    assert!(
+        wait_until(Duration::from_secs(10), || c.show_job(jb)["Nice"] == "0"),
+        "{:?}",
+        c.show_job(jb)
+    );
+    assert_eq!(c.show_job(ja)["Nice"], "0");
+    let steered: Vec<String> = std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("steered") && l.contains(&format!("job={jb}")))
+        .map(String::from)
+        .collect();
+    assert_eq!(steered.len(), 1, "n1's daemon says it steered b once: {steered:?}");
+}

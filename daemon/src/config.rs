@@ -68,6 +68,16 @@ struct RawConfig {
     share: RawShare,
     #[serde(default)]
     metrics: RawMetrics,
+    #[serde(default)]
+    steer: RawSteer,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSteer {
+    lookahead: Option<usize>,
+    partition: Option<String>,
+    hold_s: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -221,6 +231,7 @@ pub struct Config {
     pub share: ShareConfig,
     /// Where Prometheus scrapes the daemon (`GET /metrics`); `None`: no endpoint.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    pub steer: SteerConfig,
 }
 
 /// A configuration that cannot be used; the text names the file and the problem.
@@ -359,7 +370,32 @@ impl Config {
                 format!("metrics.listen = {a:?}: must be an address and port, such as \"127.0.0.1:9822\"")
             })?),
         };
+        let dst = SteerConfig::default();
+        let steer = SteerConfig {
+            lookahead: raw.steer.lookahead.unwrap_or(dst.lookahead),
+            partition: raw.steer.partition.unwrap_or(dst.partition),
+            hold_s: raw.steer.hold_s.unwrap_or(dst.hold_s),
+        };
+        if steer.lookahead == 1 || steer.lookahead > MAX_LOOKAHEAD {
+            return Err(format!(
+                "steer.lookahead = {}: must be 0 (off) or between 2 and {MAX_LOOKAHEAD}",
+                steer.lookahead
+            ));
+        }
+        if steer.partition.is_empty() || steer.partition.contains([',', ' ']) {
+            return Err(format!(
+                "steer.partition = {:?}: must name one partition",
+                steer.partition
+            ));
+        }
+        if !(1..=3600).contains(&steer.hold_s) {
+            return Err(format!(
+                "steer.hold_s = {}: must be between 1 and 3600 seconds",
+                steer.hold_s
+            ));
+        }
         Ok(Config {
+            steer,
             weight,
             reconcile,
             share,
@@ -420,6 +456,7 @@ impl Config {
             reconcile,
             share,
             metrics_listen,
+            steer,
         } = new;
         let mut needs_restart = Vec::new();
         let mut restart_if = |changed: bool, key: &'static str| {
@@ -443,6 +480,7 @@ impl Config {
         restart_if(*reconcile != self.reconcile, "reconcile");
         restart_if(*share != self.share, "share");
         restart_if(*metrics_listen != self.metrics_listen, "metrics");
+        restart_if(*steer != self.steer, "steer");
         // The prior is what the learned model was fitted with; observe/decide decides which
         // threads run.
         let PolicyConfig {
@@ -560,6 +598,31 @@ impl Default for ReconcileConfig {
     }
 }
 
+/// The most pending jobs queue-level choice weighs at once.
+pub const MAX_LOOKAHEAD: usize = 64;
+
+/// Queue-level choice ([`crate::steer`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SteerConfig {
+    /// How many of the first pending multiplexed jobs in Slurm's order the daemon chooses
+    /// among when a slot of its node frees (0: it does not steer).
+    pub lookahead: usize,
+    /// The partition where multiplexed jobs wait (job_submit's first shared partition).
+    pub partition: String,
+    /// The longest a job keeps the priority steering gave it before it is taken back.
+    pub hold_s: u64,
+}
+
+impl Default for SteerConfig {
+    fn default() -> Self {
+        SteerConfig {
+            lookahead: 0,
+            partition: "shared".into(),
+            hold_s: 60,
+        }
+    }
+}
+
 /// Where and how often the daemon shares.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShareConfig {
@@ -607,6 +670,47 @@ impl Default for WeightConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn steering_is_off_unless_asked_and_its_bounds_are_checked() {
+        let base = "node = \"n1\"\n";
+        assert_eq!(Config::parse(base).unwrap().steer, SteerConfig::default());
+        assert_eq!(SteerConfig::default().lookahead, 0);
+        let c = Config::parse(&format!(
+            "{base}[steer]\nlookahead = 8\npartition = \"gpu-shared\"\nhold_s = 30\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.steer,
+            SteerConfig {
+                lookahead: 8,
+                partition: "gpu-shared".into(),
+                hold_s: 30
+            }
+        );
+        for (bad, says) in [
+            ("lookahead = 1", "steer.lookahead = 1"),
+            ("lookahead = 65", "between 2 and 64"),
+            ("partition = \"a,b\"", "one partition"),
+            ("partition = \"\"", "one partition"),
+            ("hold_s = 0", "steer.hold_s = 0"),
+            ("jobs = 3", "unknown field"),
+        ] {
+            let e = Config::parse(&format!("{base}[steer]\n{bad}\n")).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // The example's commented-out lines, as an admin would uncomment them.
+        let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
+        let example = example
+            .replace("# lookahead = 8", "lookahead = 8")
+            .replace("# partition = \"shared\"", "partition = \"shared\"")
+            .replace("# hold_s = 60", "hold_s = 60");
+        let e = Config::parse(&example).unwrap().steer;
+        assert_eq!((e.lookahead, e.partition.as_str(), e.hold_s), (8, "shared", 60));
+        // Read at start only: a reload says it needs a restart.
+        let r = Config::parse(base).unwrap().reload(&c).unwrap();
+        assert_eq!(r.needs_restart, ["steer"]);
+    }
 
     #[test]
     fn example_config_parses() {

@@ -19,6 +19,7 @@ pub mod reconcile;
 pub mod serve;
 pub mod server;
 pub mod share;
+pub mod steer;
 pub mod telemetry;
 pub mod tools;
 pub mod weight;

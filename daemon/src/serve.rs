@@ -5,6 +5,7 @@
 
 use crate::node::{wall_clock, Node};
 use crate::server::{self, Access};
+use crate::steer::{Steerer, Steering};
 use crate::weight::{weight_for, Publisher};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +38,8 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let share = config.share.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
     let annotate = config.annotate;
+    let steer = config.steer.clone();
+    let steer_squeue = config.reconcile.squeue.clone();
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
         Some(addr) => {
@@ -53,14 +56,31 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let signals = daemon_signals();
     if config_mode_observes {
         tracing::info!("observe mode: jobs run where Slurm binds them; no weight is published");
+    }
+    let publisher = if config_mode_observes {
+        None
     } else if weight.publish {
         let base = weight.base;
         let publisher = Publisher::start(node_name.clone(), weight)
             .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
-        node.on_load(Box::new(move |load| publisher.set(weight_for(load, base))))
-            .map_err(|e| e.to_string())?;
+        Some((publisher, base))
     } else {
         tracing::info!("not publishing the node's weight (weight.publish = false)");
+        None
+    };
+    // Queue-level choice: woken whenever the node has a free slot after a change.
+    let steer_poke = (!config_mode_observes && steer.lookahead > 0).then(Steerer::poke);
+    if publisher.is_some() || steer_poke.is_some() {
+        let poke = steer_poke.clone();
+        node.on_load(Box::new(move |load| {
+            if let Some((publisher, base)) = &publisher {
+                publisher.set(weight_for(load, *base));
+            }
+            if let Some(poke) = poke.as_ref().filter(|_| load.used < load.total) {
+                poke.slot_free();
+            }
+        }))
+        .map_err(|e| e.to_string())?;
     }
     if annotate {
         let annotator = crate::annotate::Annotator::start(weight_scontrol.clone(), Arc::clone(&access.private_jobs))
@@ -95,6 +115,21 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             break;
         });
     }
+    let steerer = match steer_poke {
+        Some(poke) => {
+            tracing::info!(lookahead = steer.lookahead, partition = %steer.partition, "steering Slurm's queue: a freed slot goes to the pending job that pairs best");
+            let steering = Steering {
+                config: steer,
+                squeue: steer_squeue,
+                scontrol: weight_scontrol.clone(),
+            };
+            Some(
+                Steerer::start(Arc::clone(&node), steering, &poke)
+                    .map_err(|e| format!("cannot start the steering thread: {e}"))?,
+            )
+        }
+        None => None,
+    };
     crate::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
     crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
     match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
@@ -128,6 +163,8 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     server::run(listener, Arc::clone(&node), access, shutdown);
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket);
+    // Every job steering raised gets its own nice back.
+    drop(steerer);
     // What ended jobs still have to teach is learned before the daemon exits.
     node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
     tracing::info!("stopped");
