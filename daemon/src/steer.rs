@@ -167,14 +167,14 @@ fn set_nice(scontrol: &Path, job_id: u32, nice: i64) -> Result<(), String> {
     crate::command::run(scontrol, &args, CALL_TIMEOUT).map(|_| ())
 }
 
-/// Where the jobs this node raised stand: id to (state, reason, nice). Jobs Slurm no longer
-/// knows are absent.
-fn raised_now(squeue: &Path, ids: &[u32]) -> Result<HashMap<u32, (String, String, i64)>, String> {
+/// squeue's `fields` (`|`-separated) for the jobs `ids`: one row of trimmed fields per job
+/// Slurm still knows.
+fn listed(squeue: &Path, ids: &[u32], fields: &str) -> Result<Vec<Vec<String>>, String> {
     let list: Vec<String> = ids.iter().map(u32::to_string).collect();
     let args = [
         "--noheader".to_string(),
         format!("--jobs={}", list.join(",")),
-        "--Format=JobID:0|,State:0|,Reason:0|,Nice:0".to_string(),
+        format!("--Format={fields}"),
     ];
     let out = match crate::command::run(squeue, &args, CALL_TIMEOUT) {
         Ok(out) => out,
@@ -182,12 +182,20 @@ fn raised_now(squeue: &Path, ids: &[u32]) -> Result<HashMap<u32, (String, String
         Err(e) if e.contains("Invalid job id") => String::new(),
         Err(e) => return Err(e),
     };
+    Ok(out
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.split('|').map(|f| f.trim().to_string()).collect())
+        .collect())
+}
+
+/// Where the jobs this node raised stand: id to (state, reason, nice).
+fn raised_now(squeue: &Path, ids: &[u32]) -> Result<HashMap<u32, (String, String, i64)>, String> {
     let mut now = HashMap::new();
-    for line in out.lines() {
-        let f: Vec<&str> = line.split('|').map(str::trim).collect();
-        if let [id, state, reason, nice] = f[..] {
+    for row in listed(squeue, ids, "JobID:0|,State:0|,Reason:0|,Nice:0")? {
+        if let [id, state, reason, nice] = &row[..] {
             if let (Ok(id), Ok(nice)) = (id.parse::<u32>(), nice.parse::<i64>()) {
-                now.insert(id, (state.to_string(), reason.to_string(), nice));
+                now.insert(id, (state.clone(), reason.clone(), nice));
             }
         }
     }
@@ -348,49 +356,52 @@ fn steer_once(node: &Mutex<Node>, s: &Steering) -> Result<Option<Raise>, String>
     };
     // Slurm keeps a priority at 1 or more (priority/multifactor with no weights gives every
     // job 1), so the first nice may not be enough: checked, and lowered further if need be.
-    for _ in 0..RAISE_TRIES {
-        set_nice(&s.scontrol, r.job_id, r.nice)?;
-        let now = priorities(&s.squeue, &[r.before, r.job_id])?;
+    // Once a nice is set, the raise is kept (and given back later) whatever fails after.
+    set_nice(&s.scontrol, r.job_id, r.nice)?;
+    for tried in 1..=RAISE_TRIES {
+        let now = match priorities(&s.squeue, &[r.before, r.job_id]) {
+            Ok(now) => now,
+            Err(e) => {
+                tracing::warn!(job = r.job_id, error = %e, "raised a pending job but cannot read its priority back");
+                return Ok(Some(r));
+            }
+        };
         match (now.get(&r.before), now.get(&r.job_id)) {
             (Some(top), Some(mine)) if mine <= top => {
-                let lift = (r.own_nice - r.nice).saturating_mul(4);
-                if r.own_nice.saturating_sub(lift) < -MAX_NICE {
+                let lower = r.own_nice.saturating_sub((r.own_nice - r.nice).saturating_mul(4));
+                if tried == RAISE_TRIES || lower < -MAX_NICE {
                     break;
                 }
-                r.nice = r.own_nice - lift;
+                if let Err(e) = set_nice(&s.scontrol, r.job_id, lower) {
+                    tracing::warn!(job = r.job_id, error = %e, "cannot lower a raised job's nice further");
+                    return Ok(Some(r));
+                }
+                r.nice = lower;
             }
             // First now, or one of the two started or left meanwhile.
             _ => return Ok(Some(r)),
         }
     }
-    set_nice(&s.scontrol, r.job_id, r.own_nice)?;
+    if let Err(e) = set_nice(&s.scontrol, r.job_id, r.own_nice) {
+        tracing::warn!(job = r.job_id, error = %e, "cannot give back a job's own nice; trying again later");
+        return Ok(Some(r));
+    }
     Err(format!(
         "job {}'s priority stayed below job {}'s down to nice {}: Slurm's priority does not follow the nice here",
         r.job_id, r.before, r.nice
     ))
 }
 
-/// How many times a raise is tried with a lower nice (each 4 times the lift before).
+/// How many nices a raise tries, each lifting 4 times as much as the one before.
 const RAISE_TRIES: usize = 4;
 
-/// The priorities of `ids` as Slurm has them now (jobs it no longer knows are absent).
+/// The priorities of `ids` as Slurm has them now.
 fn priorities(squeue: &Path, ids: &[u32]) -> Result<HashMap<u32, u64>, String> {
-    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-    let args = [
-        "--noheader".to_string(),
-        format!("--jobs={}", list.join(",")),
-        "--Format=JobID:0|,PriorityLong:0".to_string(),
-    ];
-    let out = match crate::command::run(squeue, &args, CALL_TIMEOUT) {
-        Ok(out) => out,
-        Err(e) if e.contains("Invalid job id") => String::new(),
-        Err(e) => return Err(e),
-    };
-    Ok(out
-        .lines()
-        .filter_map(|l| {
-            let (id, p) = l.split_once('|')?;
-            Some((id.trim().parse().ok()?, p.trim().parse().ok()?))
+    Ok(listed(squeue, ids, "JobID:0|,PriorityLong:0")?
+        .into_iter()
+        .filter_map(|row| match &row[..] {
+            [id, p] => Some((id.parse().ok()?, p.parse().ok()?)),
+            _ => None,
         })
         .collect())
 }
@@ -591,5 +602,122 @@ mod tests {
         assert!(r.is_empty());
         let calls = std::fs::read_to_string(dir.path().join("calls")).unwrap();
         assert!(calls.ends_with("scontrol update JobId=12 Nice=0\n"), "{calls}");
+    }
+
+    /// A node of one GPU running x, whose history says b pairs well with x and a badly.
+    fn node_beside_x() -> Node {
+        let config = crate::config::Config::parse("node = \"n1\"\ndatabase = \":memory:\"\n").unwrap();
+        let gpus = vec![crate::config::GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+            uuid: None,
+        }];
+        let mut node = Node::open(config, gpus, crate::node::wall_clock()).unwrap();
+        let pair = |app: &str, other: &str, speed: f64| crate::history::PairRow {
+            gpu_model: "v100".into(),
+            app: app.into(),
+            other: other.into(),
+            speed,
+            other_speed: speed,
+            observations: 5,
+            variance: Some(0.001),
+            oom: false,
+        };
+        let export = crate::history::Export {
+            format: crate::history::EXPORT_FORMAT.into(),
+            version: crate::history::EXPORT_VERSION,
+            solo: vec![],
+            pairs: vec![
+                pair("x", "a", 0.3),
+                pair("a", "x", 0.3),
+                pair("x", "b", 0.9),
+                pair("b", "x", 0.9),
+            ],
+        };
+        node.import(&export).unwrap();
+        let placed = node
+            .place(&multiplex_protocol::PlaceRequest {
+                job_id: 7,
+                step_id: 0,
+                uid: 0,
+                app: "x".into(),
+                mem_mb: None,
+                node: "n1".into(),
+                slurm_cuda_visible_devices: None,
+                slurm_job_gpus: None,
+                slurm_shards_on_node: None,
+                restarts: 0,
+                cannot_wait: false,
+                admin_comment: None,
+            })
+            .unwrap();
+        assert!(matches!(placed, multiplex_protocol::Response::Placed(_)), "{placed:?}");
+        node
+    }
+
+    #[test]
+    fn a_raise_is_read_back_and_lowered_until_slurm_puts_the_job_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        // Pending: a (first) and b, both at Slurm's floor of 1. Read back, b stays at 1 until
+        // its nice is -8 or lower (priority/multifactor whose factors are all below 0).
+        let squeue = dir.path().join("squeue");
+        std::fs::write(
+            &squeue,
+            format!(
+                "#!/bin/sh\necho \"squeue $*\" >>{d}/calls\n\
+                 case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n\
+                 *) n=$(sed -n 's/.*Nice=//p' {d}/nice | tail -1); p=1; [ \"$n\" -le -8 ] && p=2; printf '20|1\\n21|%s\\n' $p ;; esac\n"
+            ),
+        )
+        .unwrap();
+        let scontrol = dir.path().join("scontrol");
+        std::fs::write(
+            &scontrol,
+            format!("#!/bin/sh\necho \"$*\" >>{d}/nice\necho \"scontrol $*\" >>{d}/calls\n"),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        for f in [&squeue, &scontrol] {
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let s = Steering {
+            config: SteerConfig {
+                lookahead: 8,
+                ..SteerConfig::default()
+            },
+            squeue,
+            scontrol,
+        };
+        let node = Mutex::new(node_beside_x());
+        let r = steer_once(&node, &s).unwrap().expect("b is raised");
+        assert_eq!((r.job_id, r.before, r.own_nice, r.nice), (21, 20, 0, -8));
+        let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
+        assert_eq!(nices, "update JobId=21 Nice=-2\nupdate JobId=21 Nice=-8\n");
+        // Where Slurm's priority never follows the nice, the job's own comes back.
+        std::fs::write(dir.path().join("nice"), "").unwrap();
+        let stuck = dir.path().join("squeue-stuck");
+        std::fs::write(
+            &stuck,
+            "#!/bin/sh\ncase \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&stuck, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let s = Steering { squeue: stuck, ..s };
+        let e = steer_once(&node, &s).unwrap_err();
+        assert!(e.contains("does not follow the nice"), "{e}");
+        let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
+        assert!(nices.ends_with("update JobId=21 Nice=0\n"), "{nices}");
+        // b is not taken when the first in Slurm's order pairs as well: nothing is raised.
+        assert_eq!(
+            decide(
+                &[queued(1, 0, 5, Some("b"), true), queued(2, 0, 4, Some("b"), true)],
+                8,
+                |p| { node.lock().unwrap().steer(p).map_err(|e| e.to_string()) }
+            )
+            .unwrap(),
+            None
+        );
     }
 }
