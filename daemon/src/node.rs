@@ -419,11 +419,18 @@ impl Node {
     /// passed over [`Bypasses::MAX`] times already. The history is only read. `None` in
     /// observe mode, where the daemon decides nothing.
     pub fn steer(&mut self, pending: &[PendingJob]) -> Result<Option<usize>, HistoryError> {
-        let ids: Vec<u32> = pending.iter().map(|j| j.job_id).collect();
-        let reach = self.bypasses.reach(&ids);
-        if self.config.policy.mode == Mode::Observe || reach < 2 {
+        if self.config.policy.mode == Mode::Observe {
             return Ok(None);
         }
+        let ids: Vec<u32> = pending.iter().map(|j| j.job_id).collect();
+        let mut bypasses = std::mem::take(&mut self.bypasses);
+        let chosen = bypasses.choose(&ids, |reach| self.steer_among(&pending[..reach]));
+        self.bypasses = bypasses;
+        chosen
+    }
+
+    /// [`placement::steer`] over the history, for `pending`.
+    fn steer_among(&self, pending: &[PendingJob]) -> Result<Option<usize>, HistoryError> {
         let states = self.gpu_states(&self.active()?)?;
         let policy = &self.config.policy;
         let knobs = Knobs {
@@ -431,9 +438,9 @@ impl Node {
             unknown_pair_speed: policy.unknown_pair_speed,
             min_gain: policy.min_gain,
         };
-        let mut newcomers = Vec::with_capacity(reach);
+        let mut newcomers = Vec::with_capacity(pending.len());
         let mut wanted = Wanted::default();
-        for p in &pending[..reach] {
+        for p in pending {
             let job = Newcomer {
                 app: p.app,
                 mem_mb: match p.mem_mb {
@@ -445,11 +452,7 @@ impl Node {
             newcomers.push(job);
         }
         let estimates = self.history.estimates(&wanted)?;
-        let chosen = placement::steer(&states, &newcomers, &estimates, knobs);
-        if let Some(i) = chosen {
-            self.bypasses.record(&ids, i);
-        }
-        Ok(chosen)
+        Ok(placement::steer(&states, &newcomers, &estimates, knobs))
     }
 
     /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.

@@ -345,9 +345,28 @@ impl Bypasses {
     /// any job's wait: it takes thousands of choices).
     const KEPT: usize = 10_000;
 
+    /// Lets `choose` pick among as many of `pending` (job ids in Slurm's order) as the bound
+    /// allows (it is given how many), and counts the jobs its choice passes over. Nothing to
+    /// choose from (fewer than two): `None`, without asking.
+    pub fn choose<E>(
+        &mut self,
+        pending: &[u32],
+        choose: impl FnOnce(usize) -> Result<Option<usize>, E>,
+    ) -> Result<Option<usize>, E> {
+        let reach = self.reach(pending);
+        if reach < 2 {
+            return Ok(None);
+        }
+        let chosen = choose(reach)?.filter(|&i| i < reach);
+        if let Some(i) = chosen {
+            self.record(pending, i);
+        }
+        Ok(chosen)
+    }
+
     /// How many of `pending` (job ids in Slurm's order) the choice may look at: all, or up
     /// to the first that was passed over too often, which may still be chosen.
-    pub fn reach(&self, pending: &[u32]) -> usize {
+    fn reach(&self, pending: &[u32]) -> usize {
         pending
             .iter()
             .position(|id| self.passed.get(id).is_some_and(|&n| n >= Self::MAX))
@@ -355,7 +374,7 @@ impl Bypasses {
     }
 
     /// `pending[chosen]` goes first: each job before it was passed over once more.
-    pub fn record(&mut self, pending: &[u32], chosen: usize) {
+    fn record(&mut self, pending: &[u32], chosen: usize) {
         if self.passed.len() >= Self::KEPT {
             self.passed.clear();
         }
@@ -987,15 +1006,28 @@ mod tests {
     fn a_job_passed_over_too_often_is_never_passed_again() {
         let mut b = Bypasses::default();
         let pending = [10, 11, 12, 13];
-        assert_eq!(b.reach(&pending), 4);
+        let offered = |b: &mut Bypasses, pending: &[u32], pick: Option<usize>| {
+            let mut seen = 0;
+            let chosen = b.choose(pending, |reach| {
+                seen = reach;
+                Ok::<_, ()>(pick)
+            });
+            assert_eq!(chosen, Ok(pick.filter(|&i| i < seen)));
+            seen
+        };
+        assert_eq!(offered(&mut b, &pending, None), 4);
         for _ in 0..Bypasses::MAX {
-            b.record(&pending, 2);
+            offered(&mut b, &pending, Some(2));
         }
         // 10 and 11 were passed over MAX times: the choice stops at 10, which it may take.
         assert_eq!(b.reach(&pending), 1);
-        assert_eq!(b.reach(&[12, 11, 13]), 2);
+        assert_eq!(
+            b.choose(&pending, |_| -> Result<_, ()> { panic!("nothing to choose from") }),
+            Ok(None)
+        );
+        assert_eq!(offered(&mut b, &[12, 11, 13], None), 2);
         // Chosen at last: its count is forgotten.
-        b.record(&[11, 13], 0);
+        assert_eq!(offered(&mut b, &[13, 11], Some(1)), 2);
         assert_eq!(b.reach(&[11, 13]), 2);
     }
 }

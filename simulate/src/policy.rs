@@ -213,24 +213,22 @@ impl Policy for Oracle<'_> {
         pending: &[JobRef],
     ) -> Result<Option<usize>, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
-        let pending = &pending[..self.bypasses[node].reach(&ids)];
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
             min_gain: self.policy.min_gain,
         };
-        let pending: Vec<Newcomer> = pending
-            .iter()
-            .map(|j| Newcomer {
-                app: &self.table.apps[j.app],
-                mem_mb: None,
-            })
-            .collect();
-        let chosen = placement::steer(&self.states(gpus), &pending, &self.truth, knobs);
-        if let Some(i) = chosen {
-            self.bypasses[node].record(&ids, i);
-        }
-        Ok(chosen)
+        let (table, truth, states) = (self.table, &self.truth, self.states(gpus));
+        self.bypasses[node].choose(&ids, |reach| {
+            let newcomers: Vec<Newcomer> = pending[..reach]
+                .iter()
+                .map(|j| Newcomer {
+                    app: &table.apps[j.app],
+                    mem_mb: None,
+                })
+                .collect();
+            Ok(placement::steer(&states, &newcomers, truth, knobs))
+        })
     }
     fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         let states = self.states(gpus);

@@ -17,11 +17,6 @@ pub const DECLINE_RETRY_S: f64 = 60.0;
 /// job when its step starts on the node and publishes the weight through scontrol after that.
 /// Until then Slurm places by the old one: a burst started in one pass sees none of them.
 pub const WEIGHT_LAG_S: f64 = 2.0;
-/// How long after a slot freed (or a job was declined) on a node the daemon's choice of the
-/// pending job to take it reaches Slurm: 0, before Slurm's next pass. The daemon hears of a
-/// job's end from slurmstepd before slurmctld does, and of a decline before the job's
-/// requeue frees the slot.
-pub const STEER_LAG_S: f64 = 0.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -84,8 +79,10 @@ pub trait Policy {
     /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority: a
     /// slot of `node` (`gpus` as in `place`) freed or stayed free after a decline, and
     /// `pending` are the first jobs Slurm would start next, in its order. The index of the
-    /// one to start first, or `None`: Slurm's order stands. It reaches Slurm
-    /// [`STEER_LAG_S`] later, and that job goes to whichever node Slurm picks.
+    /// one to start first, or `None`: Slurm's order stands. It reaches Slurm before its next
+    /// pass (the daemon hears of a job's end from slurmstepd before slurmctld does, and of a
+    /// decline before the job's requeue frees the slot), and that job goes to whichever node
+    /// Slurm picks.
     fn steer(
         &mut self,
         _now: f64,
@@ -145,8 +142,6 @@ enum Kind {
     Report(u32),
     /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
     Weight(usize),
-    /// A policy's choice of the event's job, to start first, reaches Slurm.
-    Steer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -357,7 +352,6 @@ pub fn run(
                 let weight = policy.weight(node, &w.view(node));
                 w.refile(node, weight);
             }
-            Kind::Steer => w.bump(e.job),
         }
         w.schedule(now, policy)?;
     }
@@ -582,11 +576,7 @@ impl World<'_> {
             None | Some(0) => {}
             Some(i) if i < pending.len() => {
                 self.steered += 1;
-                if STEER_LAG_S > 0.0 {
-                    self.push(now + STEER_LAG_S, pending[i], Kind::Steer);
-                } else {
-                    self.bump(pending[i]);
-                }
+                self.bump(pending[i]);
             }
             Some(i) => return Err(format!("the policy steered pending job {i} of {}", pending.len())),
         }
@@ -601,11 +591,8 @@ impl World<'_> {
         }
     }
 
-    /// A job's raised priority reaches Slurm: it goes before every other waiting job.
+    /// A waiting job's priority is raised: it goes before every other waiting job.
     fn bump(&mut self, j: usize) {
-        if !self.queue.contains(&j) {
-            return; // started, or finished, since
-        }
         self.bumped.retain(|&b| b != j);
         self.bumped.push(j);
         self.jobs[j].bumped = true;
