@@ -11,16 +11,29 @@ use std::time::{Duration, Instant};
 /// stderr, its exit status, or that it was killed after `timeout`).
 pub fn run(program: &Path, args: &[String], timeout: Duration) -> Result<String, String> {
     let name = program.display();
-    let mut child = Command::new(program)
-        .args(args)
-        // Its own process group, so that a timeout kills whatever it started too (which
-        // would otherwise keep the pipes open).
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {name}: {e}"))?;
+    let spawn = || {
+        Command::new(program)
+            .args(args)
+            // Its own process group, so that a timeout kills whatever it started too (which
+            // would otherwise keep the pipes open).
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+    };
+    // ETXTBSY: the program was just written (a wrapper replaced in place, a test's stand-in)
+    // and another thread's child still held it open for writing between its fork and exec.
+    let mut tries = 0;
+    let mut child = loop {
+        match spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 10 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => break other.map_err(|e| format!("cannot run {name}: {e}"))?,
+        }
+    };
     // Read both pipes while waiting, so that a chatty child never blocks on a full pipe.
     let readers: Vec<std::thread::JoinHandle<String>> = [
         child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
