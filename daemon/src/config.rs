@@ -78,6 +78,7 @@ struct RawSteer {
     lookahead: Option<usize>,
     partition: Option<String>,
     hold_s: Option<u64>,
+    defer: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -375,6 +376,7 @@ impl Config {
             lookahead: raw.steer.lookahead.unwrap_or(dst.lookahead),
             partition: raw.steer.partition.unwrap_or(dst.partition),
             hold_s: raw.steer.hold_s.unwrap_or(dst.hold_s),
+            defer: raw.steer.defer.unwrap_or(dst.defer),
         };
         if steer.lookahead == 1 || steer.lookahead > MAX_LOOKAHEAD {
             return Err(format!(
@@ -609,8 +611,13 @@ pub struct SteerConfig {
     pub lookahead: usize,
     /// The partition where multiplexed jobs wait (job_submit's first shared partition).
     pub partition: String,
-    /// The longest a job keeps the priority steering gave it before it is taken back.
+    /// The longest a job keeps the priority steering gave it before it is taken back, and
+    /// the longest one deferral lasts.
     pub hold_s: u64,
+    /// Whether the pending jobs this node would decline are deferred (their `StartTime` set
+    /// `hold_s` ahead, renewed while this node would still decline them) instead of being
+    /// started here to be declined and requeued.
+    pub defer: bool,
 }
 
 impl Default for SteerConfig {
@@ -619,6 +626,7 @@ impl Default for SteerConfig {
             lookahead: 0,
             partition: "shared".into(),
             hold_s: 60,
+            defer: true,
         }
     }
 }
@@ -677,7 +685,7 @@ mod tests {
         assert_eq!(Config::parse(base).unwrap().steer, SteerConfig::default());
         assert_eq!(SteerConfig::default().lookahead, 0);
         let c = Config::parse(&format!(
-            "{base}[steer]\nlookahead = 8\npartition = \"gpu-shared\"\nhold_s = 30\n"
+            "{base}[steer]\nlookahead = 8\npartition = \"gpu-shared\"\nhold_s = 30\ndefer = false\n"
         ))
         .unwrap();
         assert_eq!(
@@ -685,7 +693,8 @@ mod tests {
             SteerConfig {
                 lookahead: 8,
                 partition: "gpu-shared".into(),
-                hold_s: 30
+                hold_s: 30,
+                defer: false
             }
         );
         for (bad, says) in [
@@ -704,9 +713,13 @@ mod tests {
         let example = example
             .replace("# lookahead = 8", "lookahead = 8")
             .replace("# partition = \"shared\"", "partition = \"shared\"")
-            .replace("# hold_s = 60", "hold_s = 60");
+            .replace("# hold_s = 60", "hold_s = 60")
+            .replace("# defer = true", "defer = true");
         let e = Config::parse(&example).unwrap().steer;
-        assert_eq!((e.lookahead, e.partition.as_str(), e.hold_s), (8, "shared", 60));
+        assert_eq!(
+            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer),
+            (8, "shared", 60, true)
+        );
         // Read at start only: a reload says it needs a restart.
         let r = Config::parse(base).unwrap().reload(&c).unwrap();
         assert_eq!(r.needs_restart, ["steer"]);

@@ -4,7 +4,7 @@
 use crate::config::{Config, GpuSpec, Mode};
 use crate::history::{ActiveJob, History, HistoryError, NewJob};
 use crate::lessons::{Learner, Lesson, Teacher};
-use crate::placement::{self, Bypasses, Decision, GpuState, Knobs, Newcomer, Wanted};
+use crate::placement::{self, Bypasses, Decision, GpuState, Knobs, Newcomer, Offer, Steering, Wanted};
 use multiplex_protocol::{
     step_label, FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response,
     TaskStatus,
@@ -61,6 +61,8 @@ pub struct PendingJob<'a> {
 
 /// Told every job placed, on the request's thread: it must only hand the news on.
 pub type PlacedListener = Box<dyn Fn(Placed) + Send>;
+/// Told of each job declined for now: its id and how long it waits, seconds.
+pub type DeclinedListener = Box<dyn Fn(u32, u32) + Send>;
 
 /// The daemon's state for its node.
 pub struct Node {
@@ -70,6 +72,7 @@ pub struct Node {
     clock: Clock,
     on_load: Option<LoadListener>,
     on_placed: Option<PlacedListener>,
+    on_declined: Option<DeclinedListener>,
     /// See [`NodeLoad::refusing`].
     refusing: bool,
     /// Learning inline, through `history`; unused while `learner` runs.
@@ -106,6 +109,7 @@ impl Node {
             clock,
             on_load: None,
             on_placed: None,
+            on_declined: None,
             refusing: false,
             learner: None,
             unrecorded: Vec::new(),
@@ -126,6 +130,12 @@ impl Node {
     /// Tells `listener` of every job placed from now on ([`Placed`]).
     pub fn on_placed(&mut self, listener: PlacedListener) {
         self.on_placed = Some(listener);
+    }
+
+    /// Tells `listener` of every job declined for now from now on (not of one that no GPU here
+    /// could ever take).
+    pub fn on_declined(&mut self, listener: DeclinedListener) {
+        self.on_declined = Some(listener);
     }
 
     /// How many job rows the history holds.
@@ -386,6 +396,9 @@ impl Node {
                     .record_decline(req.job_id, &self.config.node, now, &reason, retry_after_s)?;
                 // A job too large for every GPU here says nothing of the next newcomer.
                 self.refusing |= may_retry;
+                if let Some(tell) = self.on_declined.as_ref().filter(|_| retry_after_s > 0) {
+                    tell(req.job_id, retry_after_s);
+                }
                 Ok(Response::Declined { reason, retry_after_s })
             }
         }
@@ -414,23 +427,29 @@ impl Node {
         Ok(states)
     }
 
-    /// Which of the pending jobs (in Slurm's priority order) should take this node's next
-    /// free slot, if not the first ([`placement::steer`]), never passing over a job this node
-    /// passed over [`Bypasses::MAX`] times already. The history is only read. `None` in
-    /// observe mode, where the daemon decides nothing.
-    pub fn steer(&mut self, pending: &[PendingJob]) -> Result<Option<usize>, HistoryError> {
-        if self.config.policy.mode == Mode::Observe {
-            return Ok(None);
+    /// Queue-level choice for this node's next free slot, among the pending jobs (in Slurm's
+    /// priority order): which to start first, if not the first ([`placement::steer`]), never
+    /// passing over a job this node passed over [`Bypasses::MAX`] times already; and which of
+    /// them this node would decline for now ([`placement::Offer::Wait`]). The history is only
+    /// read. Nothing in observe mode, where the daemon decides nothing.
+    pub fn steer(&mut self, pending: &[PendingJob]) -> Result<Steering, HistoryError> {
+        if self.config.policy.mode == Mode::Observe || pending.is_empty() {
+            return Ok(Steering::default());
         }
+        let offers = self.offers(pending)?;
         let ids: Vec<u32> = pending.iter().map(|j| j.job_id).collect();
-        let mut bypasses = std::mem::take(&mut self.bypasses);
-        let chosen = bypasses.choose(&ids, |reach| self.steer_among(&pending[..reach]));
-        self.bypasses = bypasses;
-        chosen
+        let raise = self
+            .bypasses
+            .choose(&ids, |reach| Ok::<_, HistoryError>(placement::steer(&offers[..reach])))?;
+        let defer = (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect();
+        let take = (0..offers.len())
+            .filter(|&i| matches!(offers[i], Offer::Gain(_)))
+            .collect();
+        Ok(Steering { raise, defer, take })
     }
 
-    /// [`placement::steer`] over the history, for `pending`.
-    fn steer_among(&self, pending: &[PendingJob]) -> Result<Option<usize>, HistoryError> {
+    /// [`placement::offers`] over the history, for `pending`.
+    fn offers(&self, pending: &[PendingJob]) -> Result<Vec<Offer>, HistoryError> {
         let states = self.gpu_states(&self.active()?)?;
         let policy = &self.config.policy;
         let knobs = Knobs {
@@ -452,7 +471,7 @@ impl Node {
             newcomers.push(job);
         }
         let estimates = self.history.estimates(&wanted)?;
-        Ok(placement::steer(&states, &newcomers, &estimates, knobs))
+        Ok(placement::offers(&states, &newcomers, &estimates, knobs))
     }
 
     /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.

@@ -387,29 +387,61 @@ impl Bypasses {
     }
 }
 
-/// Which of `pending` (in Slurm's priority order) should take a slot of this node next: the
-/// one [`place`] would put here with the highest gain, when it gains more than the first by
-/// [`STEER_MARGIN`] (a first that would be declined gains nothing). `None`: Slurm's order
-/// stands (the first is as good, or none would be placed). `history` must hold what
+/// What [`place`] would do with a pending job on this node now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Offer {
+    /// Place it, with this gain.
+    Gain(f64),
+    /// Decline it for now (a poor partner, or memory): a better slot may come.
+    Wait,
+    /// Decline it for good: no GPU here could ever take it.
+    Never,
+}
+
+/// [`place`]'s answer for each of `pending` on this node now. `history` must hold what
 /// [`wanted`] asks for each of them.
-pub fn steer(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knobs: Knobs) -> Option<usize> {
-    let gains: Vec<Option<f64>> = pending
+pub fn offers(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knobs: Knobs) -> Vec<Offer> {
+    pending
         .iter()
         .map(|job| match place(gpus, job, history, knobs) {
-            Decision::Place { gain, .. } => Some(gain),
-            Decision::Decline { .. } => None,
+            Decision::Place { gain, .. } => Offer::Gain(gain),
+            Decision::Decline { may_retry: true, .. } => Offer::Wait,
+            Decision::Decline { may_retry: false, .. } => Offer::Never,
         })
-        .collect();
-    let first = gains.first().copied().flatten().unwrap_or(0.0);
+        .collect()
+}
+
+/// Which of the pending jobs (in Slurm's priority order, with [`offers`]) should take a slot
+/// of this node next: the one [`place`] would put here with the highest gain, when it gains
+/// more than the first by [`STEER_MARGIN`] (a first that would be declined gains nothing).
+/// `None`: Slurm's order stands (the first is as good, or none would be placed).
+pub fn steer(offers: &[Offer]) -> Option<usize> {
+    let gain = |o: &Offer| match *o {
+        Offer::Gain(g) => Some(g),
+        Offer::Wait | Offer::Never => None,
+    };
+    let first = offers.first().and_then(gain).unwrap_or(0.0);
     let mut best: Option<(usize, f64)> = None;
-    for (i, gain) in gains.iter().enumerate().skip(1) {
-        if let Some(g) = *gain {
+    for (i, offer) in offers.iter().enumerate().skip(1) {
+        if let Some(g) = gain(offer) {
             if g > first + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
                 best = Some((i, g));
             }
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// Queue-level choice for a free slot of a node.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Steering {
+    /// The pending job to start first, if not Slurm's first ([`steer`]).
+    pub raise: Option<usize>,
+    /// The pending jobs this node would decline for now ([`Offer::Wait`]): deferred while
+    /// still pending, they cost no launch and no requeue.
+    pub defer: Vec<usize>,
+    /// The pending jobs this node would place now ([`Offer::Gain`]).
+    pub take: Vec<usize>,
 }
 
 fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
@@ -983,23 +1015,48 @@ mod tests {
             .with("a", "d", 0.88, 0.88, false)
             .with("a", "e", 0.9, 0.9, true);
         let gpus = [gpu(0, &[(1, "a")]), gpu(1, &[(2, "x"), (3, "y")])];
-        assert_eq!(steer(&gpus, &newcomers(&["b", "c", "d"]), &h, KNOBS), Some(1));
+        let steer_by = |gpus: &[GpuState], apps: &[&str], knobs| steer(&offers(gpus, &newcomers(apps), &h, knobs));
+        assert_eq!(steer_by(&gpus, &["b", "c", "d"], KNOBS), Some(1));
         // The first is as good within the margin: Slurm's order stands.
-        assert_eq!(steer(&gpus, &newcomers(&["d", "c", "b"]), &h, KNOBS), None);
+        assert_eq!(steer_by(&gpus, &["d", "c", "b"], KNOBS), None);
         // A first that would be declined (out of memory beside `a`) gains nothing.
-        assert_eq!(steer(&gpus, &newcomers(&["e", "c"]), &h, KNOBS), Some(1));
+        assert_eq!(steer_by(&gpus, &["e", "c"], KNOBS), Some(1));
         // No one would be placed here: nothing to steer.
-        assert_eq!(steer(&gpus, &newcomers(&["e", "e"]), &h, KNOBS), None);
+        assert_eq!(steer_by(&gpus, &["e", "e"], KNOBS), None);
         // A free GPU takes anyone alike.
         let free = [gpu(0, &[]), gpu(1, &[(1, "a")])];
-        assert_eq!(steer(&free, &newcomers(&["b", "c"]), &h, KNOBS), None);
+        assert_eq!(steer_by(&free, &["b", "c"], KNOBS), None);
         // Below `min_gain` a pair counts as declined, and a better one is still chosen.
         let picky = Knobs {
             min_gain: 0.25,
             ..KNOBS
         };
-        assert_eq!(steer(&gpus, &newcomers(&["b", "c"]), &h, picky), Some(1));
-        assert_eq!(steer(&gpus, &newcomers(&["b", "b"]), &h, picky), None);
+        assert_eq!(steer_by(&gpus, &["b", "c"], picky), Some(1));
+        assert_eq!(steer_by(&gpus, &["b", "b"], picky), None);
+    }
+
+    #[test]
+    fn offers_tell_a_job_to_wait_from_one_that_can_never_run_here() {
+        let h = Table::default()
+            .with("a", "b", 0.5, 0.5, false)
+            .with("a", "c", 0.9, 0.9, false)
+            .with("a", "e", 0.9, 0.9, true);
+        let gpus = [gpu(0, &[(1, "a")])];
+        let picky = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        let mut jobs = newcomers(&["b", "c", "e", "c"]);
+        jobs[3].mem_mb = Some(1 << 40);
+        let got = offers(&gpus, &jobs, &h, picky);
+        assert_eq!(got[0], Offer::Wait, "a poor partner waits");
+        assert!(
+            matches!(got[1], Offer::Gain(g) if (g - 0.8).abs() < 1e-9),
+            "{:?}",
+            got[1]
+        );
+        assert_eq!(got[2], Offer::Wait, "out of memory beside `a` waits");
+        assert_eq!(got[3], Offer::Never, "more memory than any GPU here");
     }
 
     #[test]

@@ -82,6 +82,10 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         }))
         .map_err(|e| e.to_string())?;
     }
+    if let Some(poke) = steer_poke.as_ref().filter(|_| steer.defer) {
+        let poke = poke.clone();
+        node.on_declined(Box::new(move |job_id, wait_s| poke.declined(job_id, wait_s)));
+    }
     if annotate {
         let annotator = crate::annotate::Annotator::start(weight_scontrol.clone(), Arc::clone(&access.private_jobs))
             .map_err(|e| format!("cannot start the admin comment writer: {e}"))?;
@@ -120,6 +124,8 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             tracing::info!(lookahead = steer.lookahead, partition = %steer.partition, "steering Slurm's queue: a freed slot goes to the pending job that pairs best");
             let steering = Steering {
                 config: steer,
+                node: node_name.clone(),
+                sinfo: crate::steer::sinfo_beside(&steer_squeue),
                 squeue: steer_squeue,
                 scontrol: weight_scontrol.clone(),
             };

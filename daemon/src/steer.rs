@@ -6,7 +6,10 @@
 //! of the shared partition with `squeue` (in priority order, with slurmctld's tag that names
 //! each job's application), asks [`Node::steer`] which one to start first, and lowers that
 //! job's `Nice` with `scontrol update` just enough to put it first. Slurm's next pass starts
-//! it; with every other node busy, on the slot that freed here.
+//! it; with every other node busy, on the slot that freed here. Those of the first jobs this
+//! node would decline now it defers (`[steer] defer`): their `StartTime` is set `hold_s` ahead,
+//! renewed while this node would still decline them, and set to now once it would take them.
+//! A decline that costs no launch, no prolog and no requeue.
 //!
 //! Bounds (fail-open):
 //! - only among the first `lookahead` jobs of Slurm's order, so fair-share, QOS and limits keep
@@ -15,13 +18,15 @@
 //! - the raised priority is taken back (the job's own `Nice` restored) as soon as the job has
 //!   started, was requeued, or after `hold_s`, whichever comes first, and when the daemon
 //!   stops; a daemon killed outright leaves at most the jobs it raised at the front of the
-//!   queue, which start at the next free slot;
+//!   queue, which start at the next free slot; a deferral lapses by itself after `hold_s`
+//!   unless renewed, and the daemon takes back its deferrals when it stops;
 //! - everything runs on a thread of its own: a slow or absent slurmctld delays steering, never
 //!   a request, and with the daemon down Slurm's order is simply its own.
 
 use crate::background::Trouble;
 pub use crate::config::SteerConfig;
 use crate::node::{Node, PendingJob};
+use crate::placement;
 use multiplex_protocol::spec::Spec;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -33,6 +38,8 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_NICE: i64 = 2_147_483_645;
 /// How often raised jobs are looked at while some are outstanding.
 const HOUSEKEEPING: Duration = Duration::from_secs(2);
+/// How often the queue is looked at while a deferral is due for renewal.
+const DUE_EVERY: Duration = Duration::from_millis(250);
 
 /// A pending job of the shared partition, as squeue lists it.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +50,8 @@ pub struct Queued {
     /// Slurm would start it now if a slot were free (it waits for `Priority` or `Resources`,
     /// not for its begin time, a hold, a dependency or a limit).
     pub startable: bool,
+    /// It waits for its begin time (`StartTime`), which a deferral sets.
+    pub begin_time: bool,
     /// The application and memory slurmctld's tag names; `None`: not a multiplexed job.
     pub spec: Option<Spec>,
 }
@@ -71,6 +80,7 @@ pub fn parse_queued(out: &str) -> Result<Vec<Queued>, String> {
             .parse::<u64>()
             .map_err(|_| format!("squeue printed {:?} where job {job_id}'s priority belongs", f[2]))?;
         let startable = matches!(f[3].trim(), "Priority" | "Resources" | "None");
+        let begin_time = f[3].trim() == "BeginTime";
         let comment = f[4].trim();
         let spec = match Spec::from_tag((comment != "(null)").then_some(comment)) {
             Some(Ok(spec)) if spec.app.is_some() => Some(spec),
@@ -81,6 +91,7 @@ pub fn parse_queued(out: &str) -> Result<Vec<Queued>, String> {
             nice,
             priority,
             startable,
+            begin_time,
             spec,
         });
     }
@@ -109,20 +120,34 @@ pub struct Raise {
     pub before: u32,
 }
 
-/// Which job to raise, if any: the first `lookahead` startable multiplexed jobs of `queued`
-/// (in Slurm's order) go to `choose`, which answers with an index as [`Node::steer`] does.
+/// What one look at the queue decided.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Decided {
+    /// The job to start first, if not Slurm's first.
+    pub raise: Option<Raise>,
+    /// Jobs to defer (or to keep deferred): this node would decline them now.
+    pub defer: Vec<u32>,
+    /// Jobs this node deferred that it would take now: their deferral is taken back.
+    pub lift: Vec<u32>,
+}
+
+/// What to do with the queue. The candidates are the first `lookahead` multiplexed jobs of
+/// `queued` (in Slurm's order) that Slurm could start now, or that wait only for a deferral
+/// of this node's (`ours`); they go to `choose`, which answers as [`Node::steer`] does. Only a
+/// job Slurm could start now is raised, and only above the first such job not deferred.
 pub fn decide(
     queued: &[Queued],
     lookahead: usize,
-    choose: impl FnOnce(&[PendingJob]) -> Result<Option<usize>, String>,
-) -> Result<Option<Raise>, String> {
+    ours: &HashMap<u32, Instant>,
+    choose: impl FnOnce(&[PendingJob]) -> Result<placement::Steering, String>,
+) -> Result<Decided, String> {
     let first: Vec<&Queued> = queued
         .iter()
-        .filter(|q| q.startable && q.spec.is_some())
+        .filter(|q| q.spec.is_some() && (q.startable || (q.begin_time && ours.contains_key(&q.job_id))))
         .take(lookahead)
         .collect();
-    if first.len() < 2 {
-        return Ok(None);
+    if first.is_empty() {
+        return Ok(Decided::default());
     }
     let pending: Vec<PendingJob> = first
         .iter()
@@ -135,10 +160,28 @@ pub fn decide(
             }
         })
         .collect();
-    let Some(i) = choose(&pending)?.filter(|&i| i > 0 && i < first.len()) else {
-        return Ok(None);
+    let steering = choose(&pending)?;
+    let defer: Vec<u32> = steering
+        .defer
+        .iter()
+        .filter_map(|&i| first.get(i).map(|q| q.job_id))
+        .collect();
+    let lift = steering
+        .take
+        .iter()
+        .filter_map(|&i| first.get(i).filter(|q| q.begin_time).map(|q| q.job_id))
+        .collect();
+    // Slurm's first of those it could start now that are not deferred.
+    let top = first.iter().position(|q| q.startable && !defer.contains(&q.job_id));
+    let raise = match (top, steering.raise) {
+        (Some(t), Some(i)) if i > t && i < first.len() && first[i].startable => raise(first[t], first[i]),
+        _ => None,
     };
-    let (top, job) = (first[0], first[i]);
+    Ok(Decided { raise, defer, lift })
+}
+
+/// The nice that puts `job` before `top`, Slurm's first, if Slurm allows one.
+fn raise(top: &Queued, job: &Queued) -> Option<Raise> {
     // One more than the first's priority. Slurm's priority is the job's factors (0 or more)
     // less its nice, but never below 1: a job at 1 may be anywhere below, and a nice of
     // -(top + 1) lifts it above the first whatever its factors and own nice.
@@ -152,14 +195,24 @@ pub fn decide(
         job.nice.saturating_sub(lift)
     };
     if nice < -MAX_NICE {
-        return Ok(None);
+        return None;
     }
-    Ok(Some(Raise {
+    Some(Raise {
         job_id: job.job_id,
         nice,
         own_nice: job.nice,
         before: top.job_id,
-    }))
+    })
+}
+
+/// Sets a pending job's begin time: `at` is Slurm's time spec (`now`, `now+60`).
+fn set_start(scontrol: &Path, job_id: u32, at: &str) -> Result<(), String> {
+    let args = [
+        "update".to_string(),
+        format!("JobId={job_id}"),
+        format!("StartTime={at}"),
+    ];
+    crate::command::run(scontrol, &args, CALL_TIMEOUT).map(|_| ())
 }
 
 fn set_nice(scontrol: &Path, job_id: u32, nice: i64) -> Result<(), String> {
@@ -213,6 +266,8 @@ struct Raised {
 struct Signal {
     /// A slot of the node is free (it freed, or stayed free after a decline).
     free: bool,
+    /// Jobs this node declined, and when their wait ends.
+    declined: Vec<(u32, Instant)>,
     stop: bool,
 }
 
@@ -227,6 +282,19 @@ impl Poke {
         lock.lock().unwrap_or_else(|p| p.into_inner()).free = true;
         cv.notify_one();
     }
+
+    /// The node declined `job_id`, which Slurm holds back for `wait_s`: watched from then on
+    /// like a deferral of this node's, renewed or taken back before it lapses. Cheap: call it
+    /// from the node's decline listener, inside requests.
+    pub fn declined(&self, job_id: u32, wait_s: u32) {
+        let (lock, cv) = &*self.0;
+        let until = Instant::now() + Duration::from_secs(u64::from(wait_s));
+        lock.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .declined
+            .push((job_id, until));
+        cv.notify_one();
+    }
 }
 
 /// The steering thread; dropping it stops the thread, which gives every job it raised its own
@@ -239,8 +307,112 @@ pub struct Steerer {
 /// What the thread runs: the commands and the choice.
 pub struct Steering {
     pub config: SteerConfig,
+    /// This node's name in Slurm.
+    pub node: String,
     pub squeue: PathBuf,
     pub scontrol: PathBuf,
+    /// sinfo, to see which nodes Slurm offers pending jobs first ([`offered_first`]).
+    pub sinfo: PathBuf,
+}
+
+/// The sinfo beside `squeue` (the same installation), or the one on PATH.
+pub fn sinfo_beside(squeue: &Path) -> PathBuf {
+    match squeue.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => dir.join("sinfo"),
+        None => PathBuf::from("sinfo"),
+    }
+}
+
+/// The fields asked of sinfo, one line per node.
+const NODES: &str = "NodeList:|,Weight:|,Gres:";
+/// The fields asked of squeue for the jobs holding shards.
+const HOLDING: &str = "NodeList:|,tres-per-node:";
+
+/// Whether `node` (which has a free slot) is among the nodes of `partition` that Slurm offers
+/// pending jobs first: of those with a free shard, the ones of the lightest weight (LLN picks
+/// among them). Only such a node defers a job: a deferral holds the job back from every
+/// node, and a lighter node with a free slot would have been offered it first. The shards in
+/// use are counted from the jobs that hold them (sinfo's GresUsed undercounts shards on
+/// Slurm 22.05).
+pub fn offered_first(sinfo: &Path, squeue: &Path, partition: &str, node: &str) -> Result<bool, String> {
+    let nodes = [
+        "--noheader".to_string(),
+        "--Node".to_string(),
+        format!("--partition={partition}"),
+        format!("--Format={NODES}"),
+    ];
+    let jobs = [
+        "--noheader".to_string(),
+        "--states=RUNNING,CONFIGURING,COMPLETING".to_string(),
+        format!("--partition={partition}"),
+        format!("--Format={HOLDING}"),
+    ];
+    parse_offered_first(
+        &crate::command::run(sinfo, &nodes, CALL_TIMEOUT)?,
+        &crate::command::run(squeue, &jobs, CALL_TIMEOUT)?,
+        node,
+    )
+}
+
+/// [`offered_first`] from sinfo's lines of [`NODES`] and squeue's of [`HOLDING`].
+pub fn parse_offered_first(nodes: &str, jobs: &str, node: &str) -> Result<bool, String> {
+    let mut used: HashMap<&str, u64> = HashMap::new();
+    for line in jobs.lines().filter(|l| !l.trim().is_empty()) {
+        let Some((name, tres)) = line.split_once('|') else {
+            return Err(format!("squeue printed {line:?}, not 2 fields"));
+        };
+        // `gres:shard:1` (22.05) or `gres/shard:1` (24.11).
+        let tres = tres.trim().replace("gres/", "").replace("gres:", "").replace('=', ":");
+        *used.entry(name.trim()).or_default() += gres_count(&tres, "shard");
+    }
+    let mut free: Vec<(&str, u64)> = Vec::new();
+    for line in nodes.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split('|').map(str::trim).collect();
+        let [name, weight, gres, ..] = f[..] else {
+            return Err(format!("sinfo printed {line:?}, not 3 fields"));
+        };
+        let weight = weight
+            .parse::<u64>()
+            .map_err(|_| format!("sinfo printed {weight:?} where node {name}'s weight belongs"))?;
+        // This node has a free slot (steering defers only then), even while Slurm still
+        // counts the shard of a job that is just leaving it.
+        if name == node || gres_count(gres, "shard") > used.get(name).copied().unwrap_or(0) {
+            free.push((name, weight));
+        }
+    }
+    let lightest = free.iter().map(|(_, w)| *w).min();
+    Ok(free.iter().any(|(n, w)| *n == node && Some(*w) == lightest))
+}
+
+/// How many of gres `name` a sinfo Gres or GresUsed field counts: `gpu:2,shard:4`,
+/// `gpu:0,shard:(null):3(IDX:0,2)`, `shard:v100:4(S:0)`.
+fn gres_count(field: &str, name: &str) -> u64 {
+    let mut items = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in field.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&field[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&field[start..]);
+    items
+        .iter()
+        .filter_map(|item| {
+            // Drop a trailing `(...)`: the indexes or sockets.
+            let item = match item.strip_suffix(')').and_then(|_| item.rfind('(')) {
+                Some(open) if open > 0 => &item[..open],
+                _ => item,
+            };
+            let mut parts = item.split(':');
+            (parts.next() == Some(name)).then(|| parts.next_back().and_then(|n| n.parse::<u64>().ok()))?
+        })
+        .sum()
 }
 
 impl Steerer {
@@ -279,16 +451,36 @@ impl Drop for Steerer {
 fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     let (lock, cv) = signal;
     let mut raised: Vec<Raised> = Vec::new();
+    // The jobs this node deferred, to when their deferral lapses.
+    let mut deferred: HashMap<u32, Instant> = HashMap::new();
     let mut trouble = Trouble::default();
     let hold = Duration::from_secs(s.config.hold_s);
+    // A deferral is renewed this long before it lapses (if this node would still decline the
+    // job), so that Slurm never sees it lapse in between.
+    let renew_before = (hold / 4).max(HOUSEKEEPING);
     loop {
         let (free, stop) = {
             let mut sig = lock.lock().unwrap_or_else(|p| p.into_inner());
-            while !sig.free && !sig.stop {
-                if raised.is_empty() {
+            loop {
+                for (id, until) in std::mem::take(&mut sig.declined) {
+                    if deferred.len() < s.config.lookahead || deferred.contains_key(&id) {
+                        deferred.insert(id, until);
+                    }
+                }
+                if sig.free || sig.stop {
+                    break;
+                }
+                if raised.is_empty() && deferred.is_empty() {
                     sig = cv.wait(sig).unwrap_or_else(|p| p.into_inner());
                 } else {
-                    let (g, t) = cv.wait_timeout(sig, HOUSEKEEPING).unwrap_or_else(|p| p.into_inner());
+                    // A deferral due for renewal is looked at often: a job this node declined
+                    // may wait only seconds once it is back in the queue.
+                    let now = Instant::now();
+                    let due = deferred
+                        .values()
+                        .any(|u| u.saturating_duration_since(now) <= renew_before);
+                    let every = if due { DUE_EVERY } else { HOUSEKEEPING };
+                    let (g, t) = cv.wait_timeout(sig, every).unwrap_or_else(|p| p.into_inner());
                     sig = g;
                     if t.timed_out() {
                         break;
@@ -301,10 +493,16 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         };
         if stop {
             give_back(s, &mut raised, None);
+            lift_all(s, &mut deferred);
             return;
         }
-        if free {
-            match steer_once(node, s) {
+        let now = Instant::now();
+        deferred.retain(|_, until| *until > now);
+        let renew = deferred
+            .values()
+            .any(|until| until.saturating_duration_since(now) <= renew_before);
+        if free || renew {
+            match steer_once(node, s, &mut deferred, renew_before) {
                 Ok(Some(r)) => {
                     tracing::info!(
                         job = r.job_id,
@@ -339,19 +537,98 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     }
 }
 
-/// One look at the queue: raises the job to start next here, if not Slurm's first.
-fn steer_once(node: &Mutex<Node>, s: &Steering) -> Result<Option<Raise>, String> {
+/// One look at the queue: defers the jobs this node would decline now (or renews their
+/// deferral when it lapses within `renew_before`), takes back the deferrals of those it would
+/// take now, and raises the job to start next here, if not Slurm's first.
+fn steer_once(
+    node: &Mutex<Node>,
+    s: &Steering,
+    deferred: &mut HashMap<u32, Instant>,
+    renew_before: Duration,
+) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
-    let raise = decide(&queued, s.config.lookahead, |pending| {
+    let decided = decide(&queued, s.config.lookahead, deferred, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-        // The slot may have been taken since the poke.
+        // The slot may have been taken since the poke: with no slot free, nothing is
+        // steered and no job needs deferring.
         let load = node.load().map_err(|e| e.to_string())?;
         if load.used >= load.total {
-            return Ok(None);
+            return Ok(placement::Steering::default());
         }
-        node.steer(pending).map_err(|e| e.to_string())
+        let mut steering = node.steer(pending).map_err(|e| e.to_string())?;
+        if !s.config.defer {
+            steering.defer.clear();
+        }
+        Ok(steering)
     })?;
-    let Some(mut r) = raise else {
+    let mut decided = decided;
+    if !decided.defer.is_empty() {
+        match offered_first(&s.sinfo, &s.squeue, &s.config.partition, &s.node) {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::debug!(jobs = ?decided.defer, "another node is offered pending jobs first: deferring none");
+                decided.defer.clear();
+            }
+            // Another node is offered them first (above): held back from it too, they would
+            // wait for nothing. None is deferred anew or renewed; those deferred lapse.
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell which nodes Slurm offers jobs first; deferring none");
+                decided.defer.clear();
+            }
+        }
+    }
+    let now = Instant::now();
+    for &id in &decided.defer {
+        if deferred
+            .get(&id)
+            .is_some_and(|until| until.saturating_duration_since(now) > renew_before)
+        {
+            continue;
+        }
+        // At most `lookahead` deferred at a time: a node that would decline most of the
+        // queue does not walk through it deferring every job.
+        if !deferred.contains_key(&id) && deferred.len() >= s.config.lookahead {
+            continue;
+        }
+        match set_start(&s.scontrol, id, &format!("now+{}", s.config.hold_s)) {
+            Ok(()) => {
+                let hold_s = s.config.hold_s;
+                if deferred.insert(id, now + Duration::from_secs(hold_s)).is_some() {
+                    tracing::debug!(
+                        job = id,
+                        hold_s,
+                        "deferral renewed: this node would still decline the job"
+                    );
+                } else {
+                    tracing::info!(job = id, hold_s, "deferred: this node would decline the job now");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(job = id, error = %e, "cannot defer a pending job; Slurm may start it here to be declined")
+            }
+        }
+    }
+    for &id in &decided.lift {
+        match set_start(&s.scontrol, id, "now") {
+            Ok(()) => {
+                tracing::info!(job = id, "deferral taken back: this node would take the job now");
+                deferred.remove(&id);
+            }
+            // It started or ended meanwhile, most likely; a deferral lapses by itself anyway.
+            Err(e) => {
+                tracing::debug!(job = id, error = %e, "did not take back a deferral; it lapses by itself");
+                deferred.remove(&id);
+            }
+        }
+    }
+    // Those due for renewal that Slurm lists as pending but that were not renewed (behind the
+    // first `lookahead`) lapse by themselves; those it does not list yet (a declined job on
+    // its way back to the queue) are looked at again soon.
+    let listed: std::collections::HashSet<u32> = queued.iter().map(|q| q.job_id).collect();
+    deferred.retain(|id, until| {
+        decided.defer.contains(id) || !listed.contains(id) || until.saturating_duration_since(now) > renew_before
+    });
+    let Some(mut r) = decided.raise else {
         return Ok(None);
     };
     // Slurm keeps a priority at 1 or more (priority/multifactor with no weights gives every
@@ -448,6 +725,20 @@ fn give_back(s: &Steering, raised: &mut Vec<Raised>, hold: Option<Duration>) {
     });
 }
 
+/// The daemon stops: every deferral it set that has not lapsed is taken back, so no job
+/// waits for a daemon that no longer looks. A job that started or left meanwhile is refused
+/// by scontrol, which is fine.
+fn lift_all(s: &Steering, deferred: &mut HashMap<u32, Instant>) {
+    let now = Instant::now();
+    for (id, until) in deferred.drain() {
+        if until > now {
+            if let Err(e) = set_start(&s.scontrol, id, "now") {
+                tracing::debug!(job = id, error = %e, "did not take back a deferral");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -477,6 +768,7 @@ mod tests {
             nice,
             priority,
             startable,
+            begin_time: false,
             spec: app.map(|a| Spec {
                 app: Some(a.into()),
                 mem_mb: None,
@@ -494,11 +786,22 @@ mod tests {
             queued(5, 0, 989, Some("d"), true),
         ];
         let mut seen = Vec::new();
-        let r = decide(&q, 3, |p| {
+        let none = HashMap::new();
+        let pick = |i: Option<usize>| {
+            move |_: &[PendingJob]| {
+                Ok(placement::Steering {
+                    raise: i,
+                    defer: vec![],
+                    take: vec![],
+                })
+            }
+        };
+        let r = decide(&q, 3, &none, |p| {
             seen = p.iter().map(|j| (j.job_id, j.app.to_string())).collect();
-            Ok(Some(1))
+            pick(Some(1))(p)
         })
-        .unwrap();
+        .unwrap()
+        .raise;
         // Only startable multiplexed jobs are candidates, the first 3 of them.
         assert_eq!(seen, [(1, "a".into()), (4, "c".into()), (5, "d".into())]);
         // 990 + 10 - nice = 1001: nice -1.
@@ -511,27 +814,64 @@ mod tests {
                 before: 1
             })
         );
-        assert_eq!(decide(&q, 3, |_| Ok(None)).unwrap(), None);
-        assert_eq!(
-            decide(&q, 3, |_| Ok(Some(0))).unwrap(),
-            None,
-            "the first is first already"
-        );
-        assert_eq!(decide(&q, 3, |_| Ok(Some(7))).unwrap(), None, "out of range");
-        assert_eq!(
-            decide(&q[..2], 3, |_| panic!("one candidate: nothing to choose")).unwrap(),
-            None
-        );
-        assert!(decide(&q, 3, |_| Err("history".into())).is_err());
+        let raised = |q: &[Queued], k, i| decide(q, k, &none, pick(i)).unwrap().raise;
+        assert_eq!(raised(&q, 3, None), None);
+        assert_eq!(raised(&q, 3, Some(0)), None, "the first is first already");
+        assert_eq!(raised(&q, 3, Some(7)), None, "out of range");
+        assert_eq!(raised(&q[..2], 3, Some(1)), None, "one candidate: nothing to choose");
+        assert!(decide(&q, 3, &none, |_| Err("history".into())).is_err());
         // Priorities at Slurm's floor of 1 (priority/multifactor with no weights): the nice
         // goes below the first's priority whatever the job's own.
         let floor = [queued(1, 0, 1, Some("a"), true), queued(2, 30, 1, Some("b"), true)];
-        assert_eq!(decide(&floor, 2, |_| Ok(Some(1))).unwrap().map(|r| r.nice), Some(-2));
+        assert_eq!(raised(&floor, 2, Some(1)).map(|r| r.nice), Some(-2));
         let far = [
             queued(1, 0, u64::MAX, Some("a"), true),
             queued(2, 0, 5, Some("b"), true),
         ];
-        assert_eq!(decide(&far, 2, |_| Ok(Some(1))).unwrap(), None, "beyond Slurm's nice");
+        assert_eq!(raised(&far, 2, Some(1)), None, "beyond Slurm's nice");
+    }
+
+    #[test]
+    fn jobs_this_node_would_decline_are_deferred_and_its_own_deferrals_taken_back_when_it_would_take_them() {
+        let mut q = [
+            queued(1, 0, 100, Some("a"), true),
+            queued(2, 0, 99, Some("b"), false),
+            queued(3, 0, 98, Some("c"), false),
+            queued(4, 0, 97, Some("d"), true),
+        ];
+        // 2 and 3 wait for a begin time: 2 for this node's deferral, 3 for someone else's.
+        q[1].begin_time = true;
+        q[2].begin_time = true;
+        let ours = HashMap::from([(2, Instant::now())]);
+        let mut seen = Vec::new();
+        let d = decide(&q, 8, &ours, |p| {
+            seen = p.iter().map(|j| j.job_id).collect();
+            // This node would decline 1 (Slurm's first) and 4, and take 2 now.
+            Ok(placement::Steering {
+                raise: Some(1),
+                defer: vec![0, 2],
+                take: vec![1],
+            })
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            [1, 2, 4],
+            "its own deferred job is weighed again; another node's is not"
+        );
+        assert_eq!(d.defer, [1, 4]);
+        assert_eq!(d.lift, [2]);
+        assert_eq!(d.raise, None, "a job waiting for its begin time is not raised");
+        // Still declined: kept deferred, not taken back.
+        let d = decide(&q, 8, &ours, |_| {
+            Ok(placement::Steering {
+                raise: None,
+                defer: vec![1],
+                take: vec![],
+            })
+        })
+        .unwrap();
+        assert_eq!((d.defer, d.lift), (vec![2], vec![]));
     }
 
     /// A stand-in command that prints `out` and appends its arguments to `dir/calls`.
@@ -574,8 +914,10 @@ mod tests {
         );
         let s = Steering {
             config: SteerConfig::default(),
+            node: "n1".into(),
             squeue,
             scontrol: fake(dir.path(), "scontrol", ""),
+            sinfo: PathBuf::from("/nonexistent/sinfo"),
         };
         let mut r = vec![
             raised(10, -3, 0, Duration::ZERO),
@@ -657,6 +999,139 @@ mod tests {
     }
 
     #[test]
+    fn a_job_this_node_would_decline_is_deferred_renewed_while_still_declined_and_freed_at_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        // a pairs badly with x (it would be declined), b well. The first look lists both as
+        // startable; later looks list a as waiting for the begin time the deferral set.
+        let squeue = dir.path().join("squeue");
+        std::fs::write(
+            &squeue,
+            format!(
+                "#!/bin/sh\necho \"squeue $*\" >>{d}/calls\nr=Resources; [ -e {d}/deferred ] && r=BeginTime\n\
+                 case \"$*\" in *PENDING*) printf '20|0|9|%s|multiplex:app=a\\n21|0|8|Priority|multiplex:app=b\\n' $r ;;\n\
+                 *) printf '20|9\\n21|10\\n' ;; esac\n"
+            ),
+        )
+        .unwrap();
+        let scontrol = dir.path().join("scontrol");
+        std::fs::write(
+            &scontrol,
+            format!("#!/bin/sh\necho \"scontrol $*\" >>{d}/calls\ncase \"$*\" in *StartTime=now+*) touch {d}/deferred ;; esac\n"),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        for f in [&squeue, &scontrol] {
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // n1 (this node) and n2 each have a free shard at the same weight; n3 has none.
+        let sinfo = fake(
+            dir.path(),
+            "sinfo",
+            "n1|201|gpu:1,shard:2\\nn2|201|gpu:1,shard:2\\nn3|1|gpu:1\\n",
+        );
+        let s = Steering {
+            config: SteerConfig {
+                lookahead: 8,
+                ..SteerConfig::default()
+            },
+            node: "n1".into(),
+            squeue,
+            scontrol,
+            sinfo,
+        };
+        let updates = || -> Vec<String> {
+            let calls = std::fs::read_to_string(dir.path().join("calls")).unwrap_or_default();
+            let out = calls
+                .lines()
+                .filter(|l| l.starts_with("scontrol"))
+                .map(String::from)
+                .collect();
+            std::fs::write(dir.path().join("calls"), "").unwrap();
+            out
+        };
+        let node = Mutex::new(node_beside_x());
+        let mut deferred = HashMap::new();
+        let renew = Duration::from_secs(15);
+        // With a deferred, b is Slurm's first already: nothing to raise.
+        assert_eq!(steer_once(&node, &s, &mut deferred, renew).unwrap(), None);
+        assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
+        assert!(deferred.contains_key(&20));
+        // Looked at again well before it lapses: nothing to renew yet.
+        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        assert!(!updates().iter().any(|u| u.contains("JobId=20")));
+        // About to lapse, and this node would still decline it: renewed.
+        deferred.insert(20, Instant::now() + Duration::from_secs(5));
+        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        assert!(updates().contains(&"scontrol update JobId=20 StartTime=now+60".to_string()));
+        assert!(deferred[&20] > Instant::now() + Duration::from_secs(50));
+        // Another node with a free slot is lighter now: Slurm would offer a to it first, so n1
+        // does not renew its deferral (which lapses) rather than hold a back from it.
+        let lighter = fake(
+            dir.path(),
+            "sinfo-lighter",
+            "n1|201|gpu:1,shard:2\\nn2|101|gpu:1,shard:2\\n",
+        );
+        let s2 = Steering { sinfo: lighter, ..s };
+        deferred.insert(20, Instant::now() + Duration::from_secs(5));
+        steer_once(&node, &s2, &mut deferred, renew).unwrap();
+        assert!(updates().is_empty());
+        assert!(deferred.is_empty());
+        // n1 is among the first again, and a waits for a slot again: deferred anew.
+        std::fs::remove_file(dir.path().join("deferred")).unwrap();
+        let s = Steering {
+            sinfo: s2.sinfo.with_file_name("sinfo"),
+            ..s2
+        };
+        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
+        // The daemon stops: its deferral is taken back at once.
+        lift_all(&s, &mut deferred);
+        assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now"]);
+        assert!(deferred.is_empty());
+    }
+
+    #[test]
+    fn the_nodes_slurm_offers_jobs_first_are_the_lightest_with_a_free_shard() {
+        assert_eq!(gres_count("gpu:2,shard:4", "shard"), 4);
+        assert_eq!(gres_count("gpu:0,shard:(null):3(IDX:0,2)", "shard"), 3);
+        assert_eq!(gres_count("gpu:v100:2(S:0),shard:v100:4(S:0-1)", "shard"), 4);
+        assert_eq!(gres_count("gpu:2", "shard"), 0);
+        assert_eq!(gres_count("(null)", "shard"), 0);
+        let nodes = "n1|101|gpu:2,shard:4\nn2|1|gpu:2,shard:4\nn3|101|gpu:2,shard:4\nn4|201|gpu:2,shard:4\n";
+        let mut jobs = String::new();
+        for (node, n) in [("n1", 3), ("n2", 4), ("n3", 2)] {
+            for _ in 0..n {
+                jobs.push_str(&format!("{node}|gres:shard:1\n"));
+            }
+        }
+        // n2 is lightest but full: n1 and n3 are offered jobs first, not n4.
+        let first = |n| parse_offered_first(nodes, &jobs, n).unwrap();
+        assert!(first("n1") && first("n3"));
+        assert!(!first("n4") && !first("n5"));
+        // Asked by n2 itself, which has a free slot Slurm does not count yet: n2 is lightest.
+        assert!(first("n2"));
+        // Slurm 24.11 writes the jobs' shards as `gres/shard:N`.
+        let newer = jobs.replace("gres:shard:1", "gres/shard:1");
+        assert!(parse_offered_first(nodes, &newer, "n3").unwrap());
+        // Two more shards taken on n3: it is full, and n1 alone is offered jobs first.
+        let full = format!("{newer}n3|gres/shard:2\n");
+        assert!(parse_offered_first(nodes, &full, "n1").unwrap());
+        assert!(!parse_offered_first(nodes, &full, "n4").unwrap());
+        assert!(parse_offered_first("n1|x|gpu:1\n", "", "n1")
+            .unwrap_err()
+            .contains("weight"));
+        assert!(parse_offered_first("n1|1\n", "", "n1")
+            .unwrap_err()
+            .contains("not 3 fields"));
+        assert!(parse_offered_first("", "n1\n", "n1")
+            .unwrap_err()
+            .contains("not 2 fields"));
+        assert_eq!(sinfo_beside(Path::new("/usr/bin/squeue")), Path::new("/usr/bin/sinfo"));
+        assert_eq!(sinfo_beside(Path::new("squeue")), Path::new("sinfo"));
+    }
+
+    #[test]
     fn a_raise_is_read_back_and_lowered_until_slurm_puts_the_job_first() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display();
@@ -685,13 +1160,19 @@ mod tests {
         let s = Steering {
             config: SteerConfig {
                 lookahead: 8,
+                defer: false,
                 ..SteerConfig::default()
             },
+            node: "n1".into(),
+            sinfo: PathBuf::from("/nonexistent/sinfo"),
             squeue,
             scontrol,
         };
         let node = Mutex::new(node_beside_x());
-        let r = steer_once(&node, &s).unwrap().expect("b is raised");
+        let mut deferred = HashMap::new();
+        let r = steer_once(&node, &s, &mut deferred, HOUSEKEEPING)
+            .unwrap()
+            .expect("b is raised");
         assert_eq!((r.job_id, r.before, r.own_nice, r.nice), (21, 20, 0, -8));
         let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
         assert_eq!(nices, "update JobId=21 Nice=-2\nupdate JobId=21 Nice=-8\n");
@@ -705,7 +1186,7 @@ mod tests {
         .unwrap();
         std::fs::set_permissions(&stuck, std::fs::Permissions::from_mode(0o755)).unwrap();
         let s = Steering { squeue: stuck, ..s };
-        let e = steer_once(&node, &s).unwrap_err();
+        let e = steer_once(&node, &s, &mut deferred, HOUSEKEEPING).unwrap_err();
         assert!(e.contains("does not follow the nice"), "{e}");
         let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
         assert!(nices.ends_with("update JobId=21 Nice=0\n"), "{nices}");
@@ -714,9 +1195,11 @@ mod tests {
             decide(
                 &[queued(1, 0, 5, Some("b"), true), queued(2, 0, 4, Some("b"), true)],
                 8,
+                &deferred,
                 |p| { node.lock().unwrap().steer(p).map_err(|e| e.to_string()) }
             )
-            .unwrap(),
+            .unwrap()
+            .raise,
             None
         );
     }

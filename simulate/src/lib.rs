@@ -46,6 +46,8 @@ pub struct Summary {
     pub p99_wait_s: f64,
     /// How many times the policy had Slurm start another pending job first.
     pub steered: u64,
+    /// How many times the policy deferred a pending job it would have declined.
+    pub deferred: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -182,6 +184,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             most_declines: o.declines_per_job.iter().copied().max().unwrap_or(0),
             p99_wait_s: percentile(&waits, 0.99),
             steered: o.steered,
+            deferred: o.deferred,
         },
         jct,
         grade: None,
@@ -259,12 +262,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -278,7 +281,8 @@ pub fn csv(runs: &[Run]) -> String {
             s.last_fifth_avg_jct_s,
             s.most_declines,
             s.p99_wait_s,
-            s.steered
+            s.steered,
+            s.deferred
         ));
     }
     out

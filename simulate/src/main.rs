@@ -60,6 +60,10 @@ struct Args {
     /// has Slurm start the best partner among this many of the first pending jobs (0: none).
     #[arg(long, default_value_t = 0)]
     steer: usize,
+    /// With --steer, the daemon also defers the pending jobs it would decline (sets their
+    /// StartTime) instead of letting Slurm start them to be declined and requeued.
+    #[arg(long)]
+    defer: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -165,6 +169,7 @@ fn simulate(a: Args) -> Result<(), String> {
             share_every_s: a.share_history_every,
             min_gain: a.min_gain,
             steer: a.steer,
+            defer: a.defer,
         },
     };
     let started = std::time::Instant::now();

@@ -4,13 +4,13 @@
 //! placement code handed the true table instead of a history.
 
 use super::input::{Rng, Table};
-use super::world::{Choice, JobRef, Policy, Shape};
+use super::world::{Choice, JobRef, Policy, Shape, Steer};
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
 use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::ActiveJob;
 use multiplexd::node::{Node, NodeLoad, PendingJob};
 use multiplexd::placement::{
-    self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted,
+    self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, Offer, PairEstimate, Resident, Wanted,
 };
 use multiplexd::weight::weight_for;
 use std::collections::VecDeque;
@@ -32,6 +32,8 @@ pub struct Options {
     /// Queue-level choice among this many of the first pending jobs ([`Policy::steer`]);
     /// 0: none.
     pub steer: usize,
+    /// With steering, also defer the pending jobs a node would decline ([`Steer`]).
+    pub defer: bool,
 }
 
 impl Default for Options {
@@ -40,6 +42,7 @@ impl Default for Options {
             share_every_s: 0.0,
             min_gain: DEFAULT_MIN_GAIN,
             steer: 0,
+            defer: false,
         }
     }
 }
@@ -160,6 +163,7 @@ struct Oracle<'a> {
     /// Per node: it declined the latest newcomer, and nothing ran or ended there since.
     refusing: Vec<bool>,
     steer: usize,
+    defer: bool,
     /// Per node, the starvation bound of its queue-level choice.
     bypasses: Vec<Bypasses>,
 }
@@ -176,6 +180,7 @@ impl<'a> Oracle<'a> {
             },
             refusing: vec![false; shape.nodes],
             steer: options.steer,
+            defer: options.defer,
             bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
         }
     }
@@ -205,30 +210,31 @@ impl Policy for Oracle<'_> {
     fn lookahead(&self) -> usize {
         self.steer
     }
-    fn steer(
-        &mut self,
-        _: f64,
-        node: usize,
-        gpus: &[Vec<JobRef>],
-        pending: &[JobRef],
-    ) -> Result<Option<usize>, String> {
+    fn defers(&self) -> bool {
+        self.defer
+    }
+    fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
             min_gain: self.policy.min_gain,
         };
-        let (table, truth, states) = (self.table, &self.truth, self.states(gpus));
-        self.bypasses[node].choose(&ids, |reach| {
-            let newcomers: Vec<Newcomer> = pending[..reach]
-                .iter()
-                .map(|j| Newcomer {
-                    app: &table.apps[j.app],
-                    mem_mb: None,
-                })
-                .collect();
-            Ok(placement::steer(&states, &newcomers, truth, knobs))
-        })
+        let newcomers: Vec<Newcomer> = pending
+            .iter()
+            .map(|j| Newcomer {
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
+            .collect();
+        let offers = placement::offers(&self.states(gpus), &newcomers, &self.truth, knobs);
+        let raise = self.bypasses[node].choose(&ids, |reach| Ok::<_, String>(placement::steer(&offers[..reach])))?;
+        let defer = if self.defer {
+            (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Steer { raise, defer })
     }
     fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         let states = self.states(gpus);
@@ -283,6 +289,7 @@ struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
     steer: usize,
+    defer: bool,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -365,6 +372,7 @@ impl<'a> Learned<'a> {
             share_every_s,
             min_gain,
             steer,
+            defer,
         } = options;
         let clocks = Arc::new(
             (0..shape.nodes)
@@ -424,6 +432,7 @@ impl<'a> Learned<'a> {
             table,
             share_every_s,
             steer,
+            defer,
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
@@ -539,7 +548,10 @@ impl Policy for Learned<'_> {
     fn lookahead(&self) -> usize {
         self.steer
     }
-    fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Option<usize>, String> {
+    fn defers(&self) -> bool {
+        self.defer
+    }
+    fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         self.at(now)?;
         let pending: Vec<PendingJob> = pending
             .iter()
@@ -549,7 +561,11 @@ impl Policy for Learned<'_> {
                 mem_mb: None,
             })
             .collect();
-        self.node_at(node, now)?.steer(&pending).map_err(|e| e.to_string())
+        let s = self.node_at(node, now)?.steer(&pending).map_err(|e| e.to_string())?;
+        Ok(Steer {
+            raise: s.raise,
+            defer: if self.defer { s.defer } else { Vec::new() },
+        })
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

@@ -243,3 +243,37 @@ fn steering_hands_a_freed_slot_to_the_pending_job_that_pairs_best() {
     assert!(close(start(&plain), start(&steered)), "{plain:?}\n{steered:?}");
     assert!(steered.jobs.iter().all(|j| j.2.is_finite()));
 }
+
+#[test]
+fn deferring_saves_the_declines_of_a_job_the_node_would_keep_declining() {
+    // As above, but with a long c beside the free slot: a cannot share with c, so the daemon
+    // would decline it every time Slurm offers it the slot (every 60 s, until c ends). With
+    // deferral the daemon holds a back while it waits instead, and a starts no later.
+    let t = small_table();
+    let trace = [
+        job(&t, "1", 0.0, "c", 3000.0),
+        job(&t, "2", 0.0, "c", 100.0),
+        job(&t, "3", 1.0, "a", 100.0),
+    ];
+    let run = |defer| {
+        let options = policy::Options {
+            steer: 8,
+            defer,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
+        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (declining, deferring) = (run(false), run(true));
+    assert!(declining.declines_per_job[2] >= 10, "{declining:?}");
+    assert_eq!(declining.deferred, 0);
+    assert!(deferring.declines_per_job[2] <= 1, "{deferring:?}");
+    assert!(deferring.deferred >= 1, "{deferring:?}");
+    // a runs once the long c ends, both ways (within the 60 s a deferral or a decline lasts).
+    let start = |o: &world::Outcome| o.jobs[2].1;
+    assert!(
+        (start(&deferring) - start(&declining)).abs() <= 60.0,
+        "{declining:?}\n{deferring:?}"
+    );
+    assert!(deferring.jobs.iter().all(|j| j.2.is_finite()));
+}

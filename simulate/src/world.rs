@@ -63,6 +63,17 @@ impl From<Option<usize>> for Choice {
     }
 }
 
+/// A policy's queue-level choice for a free slot of a node ([`Policy::steer`]): indices into
+/// the pending jobs it was shown.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Steer {
+    /// The job Slurm should start first, if not its own first.
+    pub raise: Option<usize>,
+    /// Jobs the node would decline now, deferred while still pending: not eligible again for
+    /// [`DECLINE_RETRY_S`] (the daemon sets their `StartTime`), with no launch and no requeue.
+    pub defer: Vec<usize>,
+}
+
 /// A policy: the node daemon's part.
 pub trait Policy {
     /// Jobs per GPU Slurm may put on one GPU under this policy.
@@ -76,21 +87,19 @@ pub trait Policy {
     fn lookahead(&self) -> usize {
         0
     }
-    /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority: a
-    /// slot of `node` (`gpus` as in `place`) freed or stayed free after a decline, and
-    /// `pending` are the first jobs Slurm would start next, in its order. The index of the
-    /// one to start first, or `None`: Slurm's order stands. It reaches Slurm before its next
-    /// pass (the daemon hears of a job's end from slurmstepd before slurmctld does, and of a
-    /// decline before the job's requeue frees the slot), and that job goes to whichever node
-    /// Slurm picks.
-    fn steer(
-        &mut self,
-        _now: f64,
-        _node: usize,
-        _gpus: &[Vec<JobRef>],
-        _pending: &[JobRef],
-    ) -> Result<Option<usize>, String> {
-        Ok(None)
+    /// Whether the policy defers pending jobs it would decline ([`Steer::defer`]): then the
+    /// steering sees, besides the jobs Slurm could start, those the node deferred.
+    fn defers(&self) -> bool {
+        false
+    }
+    /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority and
+    /// deferring those it would decline: a slot of `node` (`gpus` as in `place`) freed or
+    /// stayed free after a decline, and `pending` are the first jobs Slurm would start next,
+    /// in its order. It reaches Slurm before its next pass (the daemon hears of a job's end
+    /// from slurmstepd before slurmctld does, and of a decline before the job's requeue frees
+    /// the slot); a raised job goes to whichever node Slurm picks.
+    fn steer(&mut self, _now: f64, _node: usize, _gpus: &[Vec<JobRef>], _pending: &[JobRef]) -> Result<Steer, String> {
+        Ok(Steer::default())
     }
     /// The node's Slurm `Weight` (lower is preferred; `gpus` as in `place`), read
     /// [`WEIGHT_LAG_S`] after each change; equal unless the policy publishes it.
@@ -128,6 +137,8 @@ pub struct Outcome {
     pub declines_per_job: Vec<u32>,
     /// How many times a policy had Slurm start another pending job first.
     pub steered: u64,
+    /// How many times a policy deferred a pending job (a decline without a launch).
+    pub deferred: u64,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -137,6 +148,10 @@ pub struct Outcome {
 enum Kind {
     Arrive,
     Eligible,
+    /// A deferral lapses: the node that set it looks again first (the daemon renews a
+    /// deferral shortly before it lapses, if it still has a free slot and would still
+    /// decline the job).
+    Deferred,
     Complete(u32),
     OutOfMemory(u32),
     Report(u32),
@@ -189,6 +204,8 @@ struct Job {
     declines: u32,
     /// A policy raised its priority: Slurm starts it before the FIFO queue.
     bumped: bool,
+    /// The node whose policy deferred it, while the deferral lasts.
+    deferred_by: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -219,7 +236,11 @@ struct World<'a> {
     /// Waiting jobs whose priority a policy raised, in the order it did: the latest first.
     bumped: Vec<usize>,
     lookahead: usize,
+    defers: bool,
+    /// Per node, the jobs its policy deferred (some may have lapsed or started since).
+    deferrals: Vec<Vec<usize>>,
     steered: u64,
+    deferred: u64,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -270,6 +291,7 @@ pub fn run(
                 restarts: 0,
                 declines: 0,
                 bumped: false,
+                deferred_by: None,
             })
             .collect(),
         gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
@@ -281,7 +303,10 @@ pub fn run(
         queue: BTreeSet::new(),
         bumped: Vec::new(),
         lookahead: policy.lookahead(),
+        defers: policy.lookahead() >= 2 && policy.defers(),
+        deferrals: vec![Vec::new(); shape.nodes],
         steered: 0,
+        deferred: 0,
         events: BinaryHeap::new(),
         seq: 0,
         oom_failures: 0,
@@ -307,6 +332,13 @@ pub fn run(
                 w.queue.insert(e.job);
             }
             Kind::Eligible => {}
+            Kind::Deferred => {
+                // Stale: started, taken back or renewed since.
+                let job = &w.jobs[e.job];
+                if let Some(node) = job.deferred_by.filter(|_| job.at.is_none() && job.eligible <= now) {
+                    w.steer(now, node, policy)?;
+                }
+            }
             Kind::Complete(epoch) => {
                 let job = &w.jobs[e.job];
                 if job.epoch != epoch || job.at.is_none() {
@@ -372,6 +404,7 @@ pub fn run(
         declines: w.declines,
         declines_per_job: w.jobs.iter().map(|j| j.declines).collect(),
         steered: w.steered,
+        deferred: w.deferred,
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
@@ -538,7 +571,13 @@ impl World<'_> {
                     job.declines += 1;
                     job.eligible = now + wait;
                     self.declines += 1;
-                    self.push(now + wait, j, Kind::Eligible);
+                    // The declining daemon watches the job's wait as its own deferral.
+                    let node_defers = self.defers && self.deferrals[node].len() < self.lookahead;
+                    if node_defers {
+                        self.deferrals[node].push(j);
+                        self.jobs[j].deferred_by = Some(node);
+                    }
+                    self.push(now + wait, j, if node_defers { Kind::Deferred } else { Kind::Eligible });
                     // A decline may change what the node publishes.
                     self.reweigh(now, node, j);
                     self.steer(now, node, policy)?;
@@ -551,7 +590,15 @@ impl World<'_> {
     /// The first `k` jobs Slurm would start now, in its order: those a policy raised (the
     /// latest first), then the FIFO queue; only jobs eligible now.
     fn pending(&self, now: f64, k: usize) -> Vec<usize> {
-        let eligible = |j: &usize| self.jobs[*j].eligible <= now;
+        self.pending_for(now, k, None)
+    }
+
+    /// [`World::pending`], as the policy of `node` sees it: with the jobs it deferred.
+    fn pending_for(&self, now: f64, k: usize, node: Option<usize>) -> Vec<usize> {
+        let eligible = |j: &usize| {
+            let job = &self.jobs[*j];
+            job.eligible <= now || (node.is_some() && job.deferred_by == node)
+        };
         let raised = self.bumped.iter().rev().copied().filter(eligible);
         let fifo = self
             .queue
@@ -562,23 +609,58 @@ impl World<'_> {
     }
 
     /// Queue-level choice: a slot of `node` freed or stayed free; the policy may have Slurm
-    /// start another of the first pending jobs first.
+    /// start another of the first pending jobs first, and defer those the node would decline.
     fn steer(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
         if self.lookahead < 2 || self.used[node] >= self.capacity() {
             return Ok(());
         }
-        let pending = self.pending(now, self.lookahead);
-        if pending.len() < 2 {
+        let pending = self.pending_for(now, self.lookahead, self.defers.then_some(node));
+        if pending.is_empty() {
             return Ok(());
         }
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
-        match policy.steer(now, node, &self.view(node), &refs)? {
-            None | Some(0) => {}
-            Some(i) if i < pending.len() => {
+        let steer = policy.steer(now, node, &self.view(node), &refs)?;
+        // Only a job Slurm could start now is raised.
+        if let Some(i) = steer.raise.filter(|&i| i > 0) {
+            let Some(&j) = pending.get(i) else {
+                return Err(format!("the policy steered pending job {i} of {}", pending.len()));
+            };
+            if self.jobs[j].eligible <= now {
                 self.steered += 1;
-                self.bump(pending[i]);
+                self.bump(j);
             }
-            Some(i) => return Err(format!("the policy steered pending job {i} of {}", pending.len())),
+        }
+        // A deferral holds the job back from every node: only a node among those Slurm offers
+        // jobs to first (the lightest weight among those with a free slot) defers one, or
+        // renews its deferral; and at most `lookahead` at a time.
+        let first = self.free.iter().next().map(|&(w, _, _)| w) == Some(self.weight[node]);
+        let jobs = &self.jobs;
+        self.deferrals[node].retain(|&j| jobs[j].deferred_by == Some(node) && jobs[j].eligible > now);
+        for &i in steer.defer.iter().filter(|_| first) {
+            let Some(&j) = pending.get(i).filter(|_| steer.raise != Some(i)) else {
+                return Err(format!("the policy deferred pending job {i} of {}", pending.len()));
+            };
+            if self.jobs[j].deferred_by == Some(node) && self.jobs[j].eligible > now {
+                continue; // deferred already; renewed when it lapses
+            }
+            if !self.deferrals[node].contains(&j) {
+                if self.deferrals[node].len() >= self.lookahead {
+                    continue;
+                }
+                self.deferrals[node].push(j);
+            }
+            self.deferred += 1;
+            self.unbump(j);
+            self.jobs[j].deferred_by = Some(node);
+            self.jobs[j].eligible = now + DECLINE_RETRY_S;
+            self.push(now + DECLINE_RETRY_S, j, Kind::Deferred);
+        }
+        // Its own deferrals of jobs it would take now are taken back.
+        for (i, &j) in pending.iter().enumerate() {
+            if self.jobs[j].deferred_by == Some(node) && !steer.defer.contains(&i) {
+                self.jobs[j].deferred_by = None;
+                self.jobs[j].eligible = self.jobs[j].eligible.min(now);
+            }
         }
         Ok(())
     }
@@ -633,6 +715,7 @@ impl World<'_> {
         let doomed = self.clashes(j, gi);
         self.settle(now, gi);
         let job = &mut self.jobs[j];
+        job.deferred_by = None;
         job.at = Some((node, g));
         job.start = now;
         job.done = 0.0;

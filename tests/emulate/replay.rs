@@ -356,8 +356,9 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         declines,
         // One count per job's output file (the order is not the trace's; only the most is used).
         declines_per_job,
-        // Not counted from the jobs' side: the daemons log each time they steer.
+        // Not counted from the jobs' side: the daemons log each time they steer or defer.
         steered: 0,
+        deferred: 0,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -449,6 +450,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             most_declines: get("most_declines") as u32,
             p99_wait_s: get("p99_wait_s"),
             steered: get("steered") as u64,
+            deferred: get("deferred") as u64,
         },
         v,
     ))
