@@ -874,20 +874,19 @@ mod tests {
         assert_eq!((d.defer, d.lift), (vec![2], vec![]));
     }
 
+    /// An executable shell script `dir/name` with `body` after its `#!/bin/sh` line.
+    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
     /// A stand-in command that prints `out` and appends its arguments to `dir/calls`.
     fn fake(dir: &Path, name: &str, out: &str) -> PathBuf {
-        let script = dir.join(name);
-        std::fs::write(
-            &script,
-            format!(
-                "#!/bin/sh\necho \"{name} $*\" >>{}/calls\nprintf '{out}'\n",
-                dir.display()
-            ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        script
+        let body = format!("echo \"{name} $*\" >>{}/calls\nprintf '{out}'\n", dir.display());
+        script(dir, name, &body)
     }
 
     fn raised(job_id: u32, nice: i64, own_nice: i64, ago: Duration) -> Raised {
@@ -1004,26 +1003,20 @@ mod tests {
         let d = dir.path().display();
         // a pairs badly with x (it would be declined), b well. The first look lists both as
         // startable; later looks list a as waiting for the begin time the deferral set.
-        let squeue = dir.path().join("squeue");
-        std::fs::write(
-            &squeue,
-            format!(
-                "#!/bin/sh\necho \"squeue $*\" >>{d}/calls\nr=Resources; [ -e {d}/deferred ] && r=BeginTime\n\
+        let squeue = script(
+            dir.path(),
+            "squeue",
+            &format!(
+                "echo \"squeue $*\" >>{d}/calls\nr=Resources; [ -e {d}/deferred ] && r=BeginTime\n\
                  case \"$*\" in *PENDING*) printf '20|0|9|%s|multiplex:app=a\\n21|0|8|Priority|multiplex:app=b\\n' $r ;;\n\
                  *) printf '20|9\\n21|10\\n' ;; esac\n"
             ),
-        )
-        .unwrap();
-        let scontrol = dir.path().join("scontrol");
-        std::fs::write(
-            &scontrol,
-            format!("#!/bin/sh\necho \"scontrol $*\" >>{d}/calls\ncase \"$*\" in *StartTime=now+*) touch {d}/deferred ;; esac\n"),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        for f in [&squeue, &scontrol] {
-            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        );
+        let scontrol = script(
+            dir.path(),
+            "scontrol",
+            &format!("echo \"scontrol $*\" >>{d}/calls\ncase \"$*\" in *StartTime=now+*) touch {d}/deferred ;; esac\n"),
+        );
         // n1 (this node) and n2 each have a free shard at the same weight; n3 has none.
         let sinfo = fake(
             dir.path(),
@@ -1137,26 +1130,20 @@ mod tests {
         let d = dir.path().display();
         // Pending: a (first) and b, both at Slurm's floor of 1. Read back, b stays at 1 until
         // its nice is -8 or lower (priority/multifactor whose factors are all below 0).
-        let squeue = dir.path().join("squeue");
-        std::fs::write(
-            &squeue,
-            format!(
-                "#!/bin/sh\necho \"squeue $*\" >>{d}/calls\n\
+        let squeue = script(
+            dir.path(),
+            "squeue",
+            &format!(
+                "echo \"squeue $*\" >>{d}/calls\n\
                  case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n\
                  *) n=$(sed -n 's/.*Nice=//p' {d}/nice | tail -1); p=1; [ \"$n\" -le -8 ] && p=2; printf '20|1\\n21|%s\\n' $p ;; esac\n"
             ),
-        )
-        .unwrap();
-        let scontrol = dir.path().join("scontrol");
-        std::fs::write(
-            &scontrol,
-            format!("#!/bin/sh\necho \"$*\" >>{d}/nice\necho \"scontrol $*\" >>{d}/calls\n"),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        for f in [&squeue, &scontrol] {
-            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        );
+        let scontrol = script(
+            dir.path(),
+            "scontrol",
+            &format!("echo \"$*\" >>{d}/nice\necho \"scontrol $*\" >>{d}/calls\n"),
+        );
         let s = Steering {
             config: SteerConfig {
                 lookahead: 8,
@@ -1178,13 +1165,11 @@ mod tests {
         assert_eq!(nices, "update JobId=21 Nice=-2\nupdate JobId=21 Nice=-8\n");
         // Where Slurm's priority never follows the nice, the job's own comes back.
         std::fs::write(dir.path().join("nice"), "").unwrap();
-        let stuck = dir.path().join("squeue-stuck");
-        std::fs::write(
-            &stuck,
-            "#!/bin/sh\ncase \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&stuck, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let stuck = script(
+            dir.path(),
+            "squeue-stuck",
+            "case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
+        );
         let s = Steering { squeue: stuck, ..s };
         let e = steer_once(&node, &s, &mut deferred, HOUSEKEEPING).unwrap_err();
         assert!(e.contains("does not follow the nice"), "{e}");
