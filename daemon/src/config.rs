@@ -626,7 +626,7 @@ impl Default for SteerConfig {
             lookahead: 0,
             partition: "shared".into(),
             hold_s: 60,
-            defer: true,
+            defer: false,
         }
     }
 }
@@ -714,7 +714,7 @@ mod tests {
             .replace("# lookahead = 8", "lookahead = 8")
             .replace("# partition = \"shared\"", "partition = \"shared\"")
             .replace("# hold_s = 60", "hold_s = 60")
-            .replace("# defer = true", "defer = true");
+            .replace("# defer = false", "defer = true");
         let e = Config::parse(&example).unwrap().steer;
         assert_eq!(
             (e.lookahead, e.partition.as_str(), e.hold_s, e.defer),
