@@ -1031,6 +1031,7 @@ mod tests {
         let s = Steering {
             config: SteerConfig {
                 lookahead: 8,
+                defer: true,
                 ..SteerConfig::default()
             },
             node: "n1".into(),
