@@ -547,7 +547,7 @@ fn steer_once(
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
-    let decided = decide(&queued, s.config.lookahead, deferred, |pending| {
+    let mut decided = decide(&queued, s.config.lookahead, deferred, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
         // The slot may have been taken since the poke: with no slot free, nothing is
         // steered and no job needs deferring.
@@ -561,22 +561,6 @@ fn steer_once(
         }
         Ok(steering)
     })?;
-    let mut decided = decided;
-    if !decided.defer.is_empty() {
-        match offered_first(&s.sinfo, &s.squeue, &s.config.partition, &s.node) {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::debug!(jobs = ?decided.defer, "another node is offered pending jobs first: deferring none");
-                decided.defer.clear();
-            }
-            // Another node is offered them first (above): held back from it too, they would
-            // wait for nothing. None is deferred anew or renewed; those deferred lapse.
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot tell which nodes Slurm offers jobs first; deferring none");
-                decided.defer.clear();
-            }
-        }
-    }
     let now = Instant::now();
     for &id in &decided.defer {
         if deferred
@@ -606,6 +590,36 @@ fn steer_once(
             Err(e) => {
                 tracing::warn!(job = id, error = %e, "cannot defer a pending job; Slurm may start it here to be declined")
             }
+        }
+    }
+    // Deferred first and checked after: slurmctld starts a job within moments of a slot
+    // freeing (Slurm 24.11 did, before a check ahead of the deferral was done). A deferral
+    // holds the job back from every node, so unless this node is among those Slurm offers
+    // jobs first, it is taken back at once: the job would wait for nothing.
+    let fresh: Vec<u32> = decided
+        .defer
+        .iter()
+        .copied()
+        .filter(|id| {
+            deferred
+                .get(id)
+                .is_some_and(|until| until.saturating_duration_since(now) > renew_before)
+        })
+        .collect();
+    if !fresh.is_empty() {
+        let first = offered_first(&s.sinfo, &s.squeue, &s.config.partition, &s.node);
+        if let Err(e) = &first {
+            tracing::warn!(error = %e, "cannot tell which nodes Slurm offers jobs first; deferring none");
+        }
+        if !matches!(first, Ok(true)) {
+            tracing::debug!(jobs = ?fresh, "another node is offered pending jobs first: taking the deferrals back");
+            for id in fresh {
+                if let Err(e) = set_start(&s.scontrol, id, "now") {
+                    tracing::debug!(job = id, error = %e, "did not take back a deferral; it lapses by itself");
+                }
+                deferred.remove(&id);
+            }
+            decided.defer.clear();
         }
     }
     for &id in &decided.lift {
@@ -1065,7 +1079,7 @@ mod tests {
         assert!(updates().contains(&"scontrol update JobId=20 StartTime=now+60".to_string()));
         assert!(deferred[&20] > Instant::now() + Duration::from_secs(50));
         // Another node with a free slot is lighter now: Slurm would offer a to it first, so n1
-        // does not renew its deferral (which lapses) rather than hold a back from it.
+        // takes its renewed deferral back at once rather than hold a back from it.
         let lighter = fake(
             dir.path(),
             "sinfo-lighter",
@@ -1074,7 +1088,13 @@ mod tests {
         let s2 = Steering { sinfo: lighter, ..s };
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
         steer_once(&node, &s2, &mut deferred, renew).unwrap();
-        assert!(updates().is_empty());
+        assert_eq!(
+            updates(),
+            [
+                "scontrol update JobId=20 StartTime=now+60",
+                "scontrol update JobId=20 StartTime=now"
+            ]
+        );
         assert!(deferred.is_empty());
         // n1 is among the first again, and a waits for a slot again: deferred anew.
         std::fs::remove_file(dir.path().join("deferred")).unwrap();
