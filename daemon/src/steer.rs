@@ -537,6 +537,39 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     }
 }
 
+/// Deferred first and checked after: slurmctld starts a job within moments of a slot freeing
+/// (Slurm 24.11 did, before a check ahead of the deferral was done). A deferral holds the job
+/// back from every node, so unless this node is among those Slurm offers jobs first, its
+/// deferrals among `defer` are taken back at once: the jobs would wait for nothing.
+fn keep_deferrals_if_first(s: &Steering, defer: &[u32], deferred: &mut HashMap<u32, Instant>, renew_before: Duration) {
+    let now = Instant::now();
+    let fresh: Vec<u32> = defer
+        .iter()
+        .copied()
+        .filter(|id| {
+            deferred
+                .get(id)
+                .is_some_and(|until| until.saturating_duration_since(now) > renew_before)
+        })
+        .collect();
+    if fresh.is_empty() {
+        return;
+    }
+    let first = offered_first(&s.sinfo, &s.squeue, &s.config.partition, &s.node);
+    if let Err(e) = &first {
+        tracing::warn!(error = %e, "cannot tell which nodes Slurm offers jobs first; deferring none");
+    }
+    if !matches!(first, Ok(true)) {
+        tracing::debug!(jobs = ?fresh, "another node is offered pending jobs first: taking the deferrals back");
+        for id in fresh {
+            if let Err(e) = set_start(&s.scontrol, id, "now") {
+                tracing::debug!(job = id, error = %e, "did not take back a deferral; it lapses by itself");
+            }
+            deferred.remove(&id);
+        }
+    }
+}
+
 /// One look at the queue: defers the jobs this node would decline now (or renews their
 /// deferral when it lapses within `renew_before`), takes back the deferrals of those it would
 /// take now, and raises the job to start next here, if not Slurm's first.
@@ -547,7 +580,7 @@ fn steer_once(
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
-    let mut decided = decide(&queued, s.config.lookahead, deferred, |pending| {
+    let decided = decide(&queued, s.config.lookahead, deferred, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
         // The slot may have been taken since the poke: with no slot free, nothing is
         // steered and no job needs deferring.
@@ -592,36 +625,6 @@ fn steer_once(
             }
         }
     }
-    // Deferred first and checked after: slurmctld starts a job within moments of a slot
-    // freeing (Slurm 24.11 did, before a check ahead of the deferral was done). A deferral
-    // holds the job back from every node, so unless this node is among those Slurm offers
-    // jobs first, it is taken back at once: the job would wait for nothing.
-    let fresh: Vec<u32> = decided
-        .defer
-        .iter()
-        .copied()
-        .filter(|id| {
-            deferred
-                .get(id)
-                .is_some_and(|until| until.saturating_duration_since(now) > renew_before)
-        })
-        .collect();
-    if !fresh.is_empty() {
-        let first = offered_first(&s.sinfo, &s.squeue, &s.config.partition, &s.node);
-        if let Err(e) = &first {
-            tracing::warn!(error = %e, "cannot tell which nodes Slurm offers jobs first; deferring none");
-        }
-        if !matches!(first, Ok(true)) {
-            tracing::debug!(jobs = ?fresh, "another node is offered pending jobs first: taking the deferrals back");
-            for id in fresh {
-                if let Err(e) = set_start(&s.scontrol, id, "now") {
-                    tracing::debug!(job = id, error = %e, "did not take back a deferral; it lapses by itself");
-                }
-                deferred.remove(&id);
-            }
-            decided.defer.clear();
-        }
-    }
     for &id in &decided.lift {
         match set_start(&s.scontrol, id, "now") {
             Ok(()) => {
@@ -642,7 +645,16 @@ fn steer_once(
     deferred.retain(|id, until| {
         decided.defer.contains(id) || !listed.contains(id) || until.saturating_duration_since(now) > renew_before
     });
-    let Some(mut r) = decided.raise else {
+    // The raise goes out before the check, which takes two more calls to Slurm.
+    let raised = raise_now(s, decided.raise);
+    keep_deferrals_if_first(s, &decided.defer, deferred, renew_before);
+    raised
+}
+
+/// Lowers the nice of the job to raise, checks that Slurm put it first, and lowers it further
+/// if need be.
+fn raise_now(s: &Steering, raise: Option<Raise>) -> Result<Option<Raise>, String> {
+    let Some(mut r) = raise else {
         return Ok(None);
     };
     // Slurm keeps a priority at 1 or more (priority/multifactor with no weights gives every
