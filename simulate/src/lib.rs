@@ -48,6 +48,8 @@ pub struct Summary {
     pub steered: u64,
     /// How many times the policy deferred a pending job it would have declined.
     pub deferred: u64,
+    /// How many times a node closed itself to Slurm, or renewed its closure.
+    pub closures: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -185,6 +187,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             p99_wait_s: percentile(&waits, 0.99),
             steered: o.steered,
             deferred: o.deferred,
+            closures: o.closures,
         },
         jct,
         grade: None,
@@ -262,12 +265,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred,closures\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -282,7 +285,8 @@ pub fn csv(runs: &[Run]) -> String {
             s.most_declines,
             s.p99_wait_s,
             s.steered,
-            s.deferred
+            s.deferred,
+            s.closures
         ));
     }
     out

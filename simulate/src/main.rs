@@ -64,6 +64,11 @@ struct Args {
     /// StartTime) instead of letting Slurm start them to be declined and requeued.
     #[arg(long)]
     defer: bool,
+    /// With --steer, a node whose daemon would decline every one of the first pending jobs
+    /// closes itself to Slurm while that lasts (the daemon reserves it for 60 s at a time)
+    /// instead of being offered them one by one.
+    #[arg(long)]
+    close: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -170,6 +175,7 @@ fn simulate(a: Args) -> Result<(), String> {
             min_gain: a.min_gain,
             steer: a.steer,
             defer: a.defer,
+            close: a.close,
         },
     };
     let started = std::time::Instant::now();

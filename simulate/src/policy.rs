@@ -34,6 +34,9 @@ pub struct Options {
     pub steer: usize,
     /// With steering, also defer the pending jobs a node would decline ([`Steer`]).
     pub defer: bool,
+    /// With steering, a node that would decline every one of the first pending jobs closes
+    /// itself to Slurm while that lasts ([`Steer::close`]).
+    pub close: bool,
 }
 
 impl Default for Options {
@@ -43,6 +46,7 @@ impl Default for Options {
             min_gain: DEFAULT_MIN_GAIN,
             steer: 0,
             defer: false,
+            close: false,
         }
     }
 }
@@ -164,6 +168,7 @@ struct Oracle<'a> {
     refusing: Vec<bool>,
     steer: usize,
     defer: bool,
+    close: bool,
     /// Per node, the starvation bound of its queue-level choice.
     bypasses: Vec<Bypasses>,
 }
@@ -181,6 +186,7 @@ impl<'a> Oracle<'a> {
             refusing: vec![false; shape.nodes],
             steer: options.steer,
             defer: options.defer,
+            close: options.close,
             bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
         }
     }
@@ -213,6 +219,9 @@ impl Policy for Oracle<'_> {
     fn defers(&self) -> bool {
         self.defer
     }
+    fn closes(&self) -> bool {
+        self.close
+    }
     fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
         let knobs = Knobs {
@@ -234,7 +243,10 @@ impl Policy for Oracle<'_> {
         } else {
             Vec::new()
         };
-        Ok(Steer { raise, defer })
+        let take = (0..offers.len())
+            .filter(|&i| matches!(offers[i], Offer::Gain(_)))
+            .collect();
+        Ok(Steer { raise, defer, take })
     }
     fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         let states = self.states(gpus);
@@ -290,6 +302,7 @@ struct Learned<'a> {
     share_every_s: f64,
     steer: usize,
     defer: bool,
+    close: bool,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -373,6 +386,7 @@ impl<'a> Learned<'a> {
             min_gain,
             steer,
             defer,
+            close,
         } = options;
         let clocks = Arc::new(
             (0..shape.nodes)
@@ -433,6 +447,7 @@ impl<'a> Learned<'a> {
             share_every_s,
             steer,
             defer,
+            close,
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
@@ -551,6 +566,9 @@ impl Policy for Learned<'_> {
     fn defers(&self) -> bool {
         self.defer
     }
+    fn closes(&self) -> bool {
+        self.close
+    }
     fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         self.at(now)?;
         let pending: Vec<PendingJob> = pending
@@ -565,6 +583,7 @@ impl Policy for Learned<'_> {
         Ok(Steer {
             raise: s.raise,
             defer: if self.defer { s.defer } else { Vec::new() },
+            take: s.take,
         })
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {

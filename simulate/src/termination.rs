@@ -109,13 +109,24 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                     every_s: if round == 0 { 0.0 } else { 900.0 },
                     noise: 0.05,
                 };
-                for name in policy::ALL {
+                // The daemon's policies also steer the queue and close their nodes (round 1).
+                let closing = policy::Options {
+                    steer: 8,
+                    close: true,
+                    ..Default::default()
+                };
+                let steering = ["learned", "oracle"].into_iter().filter(|_| round == 1);
+                for (name, options) in policy::ALL
+                    .iter()
+                    .map(|&n| (n, policy::Options::default()))
+                    .chain(steering.map(|n| (n, closing)))
+                {
                     let what = format!(
-                        "{name} on \"{table_name}\" ({} apps), \"{trace_name}\" ({} jobs), {shape:?}",
+                        "{name} on \"{table_name}\" ({} apps), \"{trace_name}\" ({} jobs), {shape:?}, {options:?}",
                         t.apps.len(),
                         jobs.len()
                     );
-                    let mut p = policy::make(name, &t, shape, 7).unwrap();
+                    let mut p = policy::make_with(name, &t, shape, 7, options).unwrap();
                     let o =
                         world::run(&t, &jobs, shape, progress, 7, p.as_mut()).unwrap_or_else(|e| panic!("{what}: {e}"));
                     p.settle().unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -125,7 +136,7 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
             }
         }
     }
-    assert_eq!(runs, TABLES.len() * TRACES.len() * 2 * policy::ALL.len());
+    assert_eq!(runs, TABLES.len() * TRACES.len() * (2 * policy::ALL.len() + 2));
 }
 
 #[test]

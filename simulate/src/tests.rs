@@ -277,3 +277,40 @@ fn deferring_saves_the_declines_of_a_job_the_node_would_keep_declining() {
     );
     assert!(deferring.jobs.iter().all(|j| j.2.is_finite()));
 }
+
+#[test]
+fn a_node_that_would_decline_every_pending_job_closes_instead_and_opens_for_one_it_would_take() {
+    // As above: a cannot share with the long c beside the free slot. With closure the node
+    // closes itself to Slurm while a is all there is (renewing the closure every 60 s), so a
+    // is never started to be declined; b, which pairs well with c, arrives later and opens it.
+    let t = small_table();
+    let trace = [
+        job(&t, "1", 0.0, "c", 3000.0),
+        job(&t, "2", 0.0, "c", 100.0),
+        job(&t, "3", 1.0, "a", 100.0),
+        job(&t, "4", 500.0, "b", 100.0),
+    ];
+    let run = |close| {
+        let options = policy::Options {
+            steer: 8,
+            close,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
+        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (declining, closing) = (run(false), run(true));
+    assert!(declining.declines_per_job[2] >= 5, "{declining:?}");
+    assert_eq!(declining.closures, 0);
+    assert_eq!(closing.declines, 0, "{closing:?}");
+    // Closed at 100 s, renewed every 60 s until b's arrival opens it; closed again after b.
+    assert!(closing.closures >= 6, "{closing:?}");
+    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
+    assert_eq!(start(&closing, 3), 500.0, "b starts as it arrives: {closing:?}");
+    // a runs once the long c ends, both ways (within the 60 s a decline lasts).
+    assert!(
+        (start(&closing, 2) - start(&declining, 2)).abs() <= 60.0,
+        "{declining:?}\n{closing:?}"
+    );
+    assert!(closing.jobs.iter().all(|j| j.2.is_finite()));
+}

@@ -72,6 +72,11 @@ pub struct Steer {
     /// Jobs the node would decline now, deferred while still pending: not eligible again for
     /// [`DECLINE_RETRY_S`] (the daemon sets their `StartTime`), with no launch and no requeue.
     pub defer: Vec<usize>,
+    /// The jobs the node would take now. When none of them is one Slurm could start now, a
+    /// policy that [`Policy::closes`] closes the node to Slurm (the daemon reserves the node
+    /// for [`DECLINE_RETRY_S`], renewed while that lasts) instead of having it offered the
+    /// pending jobs one by one to decline each.
+    pub take: Vec<usize>,
 }
 
 /// A policy: the node daemon's part.
@@ -90,6 +95,11 @@ pub trait Policy {
     /// Whether the policy defers pending jobs it would decline ([`Steer::defer`]): then the
     /// steering sees, besides the jobs Slurm could start, those the node deferred.
     fn defers(&self) -> bool {
+        false
+    }
+    /// Whether a node closes itself while it would decline every pending job ([`Steer::close`]):
+    /// then the steering also sees the jobs waiting out a decline, in Slurm's order.
+    fn closes(&self) -> bool {
         false
     }
     /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority and
@@ -139,6 +149,9 @@ pub struct Outcome {
     pub steered: u64,
     /// How many times a policy deferred a pending job (a decline without a launch).
     pub deferred: u64,
+    /// How many times a node closed itself to Slurm, or renewed a closure that lapsed (each is
+    /// one `scontrol` call of its daemon).
+    pub closures: u64,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -157,6 +170,8 @@ enum Kind {
     Report(u32),
     /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
     Weight(usize),
+    /// A node's closure lapses unless its daemon renews it (the node, and which closure).
+    Closure(usize, u32),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -239,8 +254,13 @@ struct World<'a> {
     defers: bool,
     /// Per node, the jobs its policy deferred (some may have lapsed or started since).
     deferrals: Vec<Vec<usize>>,
+    closes: bool,
+    /// Per node: closed to Slurm, and how many closures it had (stale lapses are skipped).
+    closed: Vec<bool>,
+    closure: Vec<u32>,
     steered: u64,
     deferred: u64,
+    closures: u64,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -305,8 +325,12 @@ pub fn run(
         lookahead: policy.lookahead(),
         defers: policy.lookahead() >= 2 && policy.defers(),
         deferrals: vec![Vec::new(); shape.nodes],
+        closes: policy.lookahead() >= 1 && policy.closes(),
+        closed: vec![false; shape.nodes],
+        closure: vec![0; shape.nodes],
         steered: 0,
         deferred: 0,
+        closures: 0,
         events: BinaryHeap::new(),
         seq: 0,
         oom_failures: 0,
@@ -327,11 +351,21 @@ pub fn run(
         if let Some(stuck) = watchdog.tick(now, e.job) {
             return Err(stuck.describe(trace));
         }
+        let mut review = false;
         match e.kind {
             Kind::Arrive => {
                 w.queue.insert(e.job);
+                review = true;
             }
-            Kind::Eligible => {}
+            Kind::Eligible => review = true,
+            Kind::Closure(node, closure) => {
+                if w.closure[node] != closure || !w.closed[node] {
+                    continue;
+                }
+                // It lapses; its daemon renews it if the node would still decline them all.
+                w.open(node);
+                w.steer(now, node, policy)?;
+            }
             Kind::Deferred => {
                 // Stale: started, taken back or renewed since.
                 let job = &w.jobs[e.job];
@@ -386,6 +420,17 @@ pub fn run(
             }
         }
         w.schedule(now, policy)?;
+        // Slurm tries a new or requeued job at once; the daemons of closed nodes see the queue
+        // as it is after that (jobs that arrived, came back or started elsewhere) and open if
+        // they would take one of its first.
+        if (review || w.closed.iter().any(|&c| c)) && w.closes {
+            for node in 0..w.shape.nodes {
+                if w.closed[node] {
+                    w.steer(now, node, policy)?;
+                }
+            }
+            w.schedule(now, policy)?;
+        }
     }
     if let Some(j) = w.jobs.iter().position(|j| j.finished.is_none()) {
         return Err(format!(
@@ -405,6 +450,7 @@ pub fn run(
         declines_per_job: w.jobs.iter().map(|j| j.declines).collect(),
         steered: w.steered,
         deferred: w.deferred,
+        closures: w.closures,
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
@@ -597,7 +643,7 @@ impl World<'_> {
     fn pending_for(&self, now: f64, k: usize, node: Option<usize>) -> Vec<usize> {
         let eligible = |j: &usize| {
             let job = &self.jobs[*j];
-            job.eligible <= now || (node.is_some() && job.deferred_by == node)
+            job.eligible <= now || (node.is_some() && (self.closes || job.deferred_by == node))
         };
         let raised = self.bumped.iter().rev().copied().filter(eligible);
         let fifo = self
@@ -611,15 +657,36 @@ impl World<'_> {
     /// Queue-level choice: a slot of `node` freed or stayed free; the policy may have Slurm
     /// start another of the first pending jobs first, and defer those the node would decline.
     fn steer(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
-        if self.lookahead < 2 || self.used[node] >= self.capacity() {
+        if self.lookahead < 1 || self.used[node] >= self.capacity() || (self.lookahead < 2 && !self.closes) {
             return Ok(());
         }
-        let pending = self.pending_for(now, self.lookahead, self.defers.then_some(node));
+        let pending = self.pending_for(now, self.lookahead, (self.defers || self.closes).then_some(node));
         if pending.is_empty() {
+            // Nothing to judge a newcomer by: the node is open.
+            self.open(node);
             return Ok(());
         }
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
         let steer = policy.steer(now, node, &self.view(node), &refs)?;
+        if self.closes {
+            let close = !steer
+                .take
+                .iter()
+                .any(|&i| pending.get(i).is_some_and(|&j| self.jobs[j].eligible <= now));
+            if close && !self.closed[node] {
+                self.closed[node] = true;
+                self.closure[node] += 1;
+                self.closures += 1;
+                self.refile(node, self.weight[node]);
+                self.push(
+                    now + DECLINE_RETRY_S,
+                    pending[0],
+                    Kind::Closure(node, self.closure[node]),
+                );
+            } else if !close {
+                self.open(node);
+            }
+        }
         // Only a job Slurm could start now is raised.
         if let Some(i) = steer.raise.filter(|&i| i > 0) {
             let Some(&j) = pending.get(i) else {
@@ -665,6 +732,15 @@ impl World<'_> {
         Ok(())
     }
 
+    /// The node is open to Slurm again (its daemon deleted the reservation, or it lapsed).
+    fn open(&mut self, node: usize) {
+        if self.closed[node] {
+            self.closed[node] = false;
+            self.closure[node] += 1;
+            self.refile(node, self.weight[node]);
+        }
+    }
+
     /// A job's priority is Slurm's own again.
     fn unbump(&mut self, j: usize) {
         if self.jobs[j].bumped {
@@ -695,7 +771,7 @@ impl World<'_> {
         self.free.remove(&(self.weight[node], self.filed_used[node], node));
         self.weight[node] = weight;
         self.filed_used[node] = self.used[node];
-        if self.used[node] < self.capacity() {
+        if self.used[node] < self.capacity() && !self.closed[node] {
             self.free.insert((weight, self.used[node], node));
         }
     }

@@ -359,6 +359,7 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         // Not counted from the jobs' side: the daemons log each time they steer or defer.
         steered: 0,
         deferred: 0,
+        closures: 0,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -451,6 +452,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             p99_wait_s: get("p99_wait_s"),
             steered: get("steered") as u64,
             deferred: get("deferred") as u64,
+            closures: get("closures") as u64,
         },
         v,
     ))
