@@ -79,6 +79,7 @@ struct RawSteer {
     partition: Option<String>,
     hold_s: Option<u64>,
     defer: Option<bool>,
+    close: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -377,7 +378,14 @@ impl Config {
             partition: raw.steer.partition.unwrap_or(dst.partition),
             hold_s: raw.steer.hold_s.unwrap_or(dst.hold_s),
             defer: raw.steer.defer.unwrap_or(dst.defer),
+            close: raw.steer.close.unwrap_or(dst.close),
         };
+        if steer.close && steer.lookahead == 0 {
+            return Err(
+                "steer.close = true needs steer.lookahead: the node closes when it would decline every one of the first `lookahead` pending jobs"
+                    .into(),
+            );
+        }
         if steer.lookahead == 1 || steer.lookahead > MAX_LOOKAHEAD {
             return Err(format!(
                 "steer.lookahead = {}: must be 0 (off) or between 2 and {MAX_LOOKAHEAD}",
@@ -618,6 +626,10 @@ pub struct SteerConfig {
     /// `hold_s` ahead, renewed while this node would still decline them) instead of being
     /// started here to be declined and requeued.
     pub defer: bool,
+    /// Whether this node closes itself to Slurm while it has a free slot and would decline
+    /// every one of the first `lookahead` pending multiplexed jobs (a reservation of the node
+    /// for `hold_s`, renewed while that lasts, deleted as soon as it would take one).
+    pub close: bool,
 }
 
 impl Default for SteerConfig {
@@ -627,6 +639,7 @@ impl Default for SteerConfig {
             partition: "shared".into(),
             hold_s: 60,
             defer: false,
+            close: false,
         }
     }
 }
@@ -694,7 +707,8 @@ mod tests {
                 lookahead: 8,
                 partition: "gpu-shared".into(),
                 hold_s: 30,
-                defer: false
+                defer: false,
+                close: false
             }
         );
         for (bad, says) in [
@@ -703,6 +717,7 @@ mod tests {
             ("partition = \"a,b\"", "one partition"),
             ("partition = \"\"", "one partition"),
             ("hold_s = 0", "steer.hold_s = 0"),
+            ("close = true", "needs steer.lookahead"),
             ("jobs = 3", "unknown field"),
         ] {
             let e = Config::parse(&format!("{base}[steer]\n{bad}\n")).unwrap_err();
@@ -714,11 +729,12 @@ mod tests {
             .replace("# lookahead = 8", "lookahead = 8")
             .replace("# partition = \"shared\"", "partition = \"shared\"")
             .replace("# hold_s = 60", "hold_s = 60")
-            .replace("# defer = false", "defer = true");
+            .replace("# defer = false", "defer = true")
+            .replace("# close = false", "close = true");
         let e = Config::parse(&example).unwrap().steer;
         assert_eq!(
-            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer),
-            (8, "shared", 60, true)
+            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer, e.close),
+            (8, "shared", 60, true, true)
         );
         // Read at start only: a reload says it needs a restart.
         let r = Config::parse(base).unwrap().reload(&c).unwrap();

@@ -9,7 +9,12 @@
 //! it; with every other node busy, on the slot that freed here. Those of the first jobs this
 //! node would decline now it defers (`[steer] defer`): their `StartTime` is set `hold_s` ahead,
 //! renewed while this node would still decline them, and set to now once it would take them.
-//! A decline that costs no launch, no prolog and no requeue.
+//! A decline that costs no launch, no prolog and no requeue. With `[steer] close`, a node that
+//! has a free slot and would take none of the first `lookahead` jobs Slurm could start now
+//! closes itself to Slurm instead (a reservation `multiplex-<node>` of itself, for root, with
+//! `IGNORE_JOBS`), renews that while it lasts, and deletes it as soon as it would take one
+//! (after raising that one) or has no free slot: a node that would refuse every newcomer is not
+//! offered them one by one to decline each.
 //!
 //! Bounds (fail-open):
 //! - only among the first `lookahead` jobs of Slurm's order, so fair-share, QOS and limits keep
@@ -18,8 +23,9 @@
 //! - the raised priority is taken back (the job's own `Nice` restored) as soon as the job has
 //!   started, was requeued, or after `hold_s`, whichever comes first, and when the daemon
 //!   stops; a daemon killed outright leaves at most the jobs it raised at the front of the
-//!   queue, which start at the next free slot; a deferral lapses by itself after `hold_s`
-//!   unless renewed, and the daemon takes back its deferrals when it stops;
+//!   queue, which start at the next free slot; a deferral or a closure lapses by itself after
+//!   `hold_s` unless renewed, and the daemon takes back its deferrals and its closure when it
+//!   stops (and deletes a closure left from before when it starts);
 //! - everything runs on a thread of its own: a slow or absent slurmctld delays steering, never
 //!   a request, and with the daemon down Slurm's order is simply its own.
 
@@ -40,6 +46,9 @@ const MAX_NICE: i64 = 2_147_483_645;
 const HOUSEKEEPING: Duration = Duration::from_secs(2);
 /// How often the queue is looked at while a deferral is due for renewal.
 const DUE_EVERY: Duration = Duration::from_millis(250);
+/// How often the queue is looked at while the node is closed (`[steer] close`): a job that
+/// arrived, or moved up the queue, and that this node would take opens it within this long.
+const CLOSED_LOOK_EVERY: Duration = Duration::from_secs(5);
 
 /// A pending job of the shared partition, as squeue lists it.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,21 +138,27 @@ pub struct Decided {
     pub defer: Vec<u32>,
     /// Jobs this node deferred that it would take now: their deferral is taken back.
     pub lift: Vec<u32>,
+    /// This node would take none of the candidates Slurm could start now (there is at least
+    /// one candidate): it closes itself to Slurm, or stays closed.
+    pub close: bool,
 }
 
 /// What to do with the queue. The candidates are the first `lookahead` multiplexed jobs of
-/// `queued` (in Slurm's order) that Slurm could start now, or that wait only for a deferral
-/// of this node's (`ours`); they go to `choose`, which answers as [`Node::steer`] does. Only a
-/// job Slurm could start now is raised, and only above the first such job not deferred.
+/// `queued` (in Slurm's order) that Slurm could start now, or that wait only for a begin time:
+/// a deferral of this node's (`ours`), or with `close`, any (a job waiting out a decline comes
+/// back to whichever node is open). They go to `choose`, which answers as [`Node::steer`]
+/// does. Only a job Slurm could start now is raised, and only above the first such job not
+/// deferred; only this node's own deferrals are taken back.
 pub fn decide(
     queued: &[Queued],
     lookahead: usize,
     ours: &HashMap<u32, Instant>,
+    close: bool,
     choose: impl FnOnce(&[PendingJob]) -> Result<placement::Steering, String>,
 ) -> Result<Decided, String> {
     let first: Vec<&Queued> = queued
         .iter()
-        .filter(|q| q.spec.is_some() && (q.startable || (q.begin_time && ours.contains_key(&q.job_id))))
+        .filter(|q| q.spec.is_some() && (q.startable || (q.begin_time && (close || ours.contains_key(&q.job_id)))))
         .take(lookahead)
         .collect();
     if first.is_empty() {
@@ -169,7 +184,12 @@ pub fn decide(
     let lift = steering
         .take
         .iter()
-        .filter_map(|&i| first.get(i).filter(|q| q.begin_time).map(|q| q.job_id))
+        .filter_map(|&i| {
+            first
+                .get(i)
+                .filter(|q| q.begin_time && ours.contains_key(&q.job_id))
+                .map(|q| q.job_id)
+        })
         .collect();
     // Slurm's first of those it could start now that are not deferred.
     let top = first.iter().position(|q| q.startable && !defer.contains(&q.job_id));
@@ -177,7 +197,12 @@ pub fn decide(
         (Some(t), Some(i)) if i > t && i < first.len() && first[i].startable => raise(first[t], first[i]),
         _ => None,
     };
-    Ok(Decided { raise, defer, lift })
+    Ok(Decided {
+        raise,
+        defer,
+        lift,
+        close: close && !steering.take.iter().any(|&i| first.get(i).is_some_and(|q| q.startable)),
+    })
 }
 
 /// The nice that puts `job` before `top`, Slurm's first, if Slurm allows one.
@@ -218,6 +243,58 @@ fn set_start(scontrol: &Path, job_id: u32, at: &str) -> Result<(), String> {
 fn set_nice(scontrol: &Path, job_id: u32, nice: i64) -> Result<(), String> {
     let args = ["update".to_string(), format!("JobId={job_id}"), format!("Nice={nice}")];
     crate::command::run(scontrol, &args, CALL_TIMEOUT).map(|_| ())
+}
+
+/// The name of the reservation that closes `node` to Slurm.
+pub fn closure_name(node: &str) -> String {
+    format!("multiplex-{node}")
+}
+
+/// Closes `node` to Slurm for `hold_s` seconds from now: a reservation of the node for root
+/// that no job asks for, so Slurm starts nothing new there until it lapses or is deleted;
+/// jobs running there run on (`IGNORE_JOBS`). An ended reservation of the same name that
+/// slurmctld still keeps is deleted first.
+fn close_node(scontrol: &Path, node: &str, hold_s: u64) -> Result<(), String> {
+    let name = closure_name(node);
+    let create = [
+        "create".to_string(),
+        "reservation".to_string(),
+        format!("ReservationName={name}"),
+        format!("Nodes={node}"),
+        "StartTime=now".to_string(),
+        format!("EndTime=now+{hold_s}"),
+        "Users=root".to_string(),
+        "Flags=IGNORE_JOBS".to_string(),
+    ];
+    match crate::command::run(scontrol, &create, CALL_TIMEOUT) {
+        Err(e) if e.contains("Duplicate reservation name") => {
+            open_node(scontrol, node)?;
+            crate::command::run(scontrol, &create, CALL_TIMEOUT).map(|_| ())
+        }
+        other => other.map(|_| ()),
+    }
+}
+
+/// Keeps `node` closed `hold_s` seconds from now; a closure that lapsed meanwhile is made anew.
+fn renew_closure(scontrol: &Path, node: &str, hold_s: u64) -> Result<(), String> {
+    let args = [
+        "update".to_string(),
+        format!("ReservationName={}", closure_name(node)),
+        format!("EndTime=now+{hold_s}"),
+    ];
+    match crate::command::run(scontrol, &args, CALL_TIMEOUT) {
+        Ok(_) => Ok(()),
+        Err(_) => close_node(scontrol, node, hold_s),
+    }
+}
+
+/// Opens `node` to Slurm again: deletes its closure. One that is gone already is fine.
+fn open_node(scontrol: &Path, node: &str) -> Result<(), String> {
+    let args = ["delete".to_string(), format!("ReservationName={}", closure_name(node))];
+    match crate::command::run(scontrol, &args, CALL_TIMEOUT) {
+        Err(e) if e.contains("reservation is invalid") => Ok(()),
+        other => other.map(|_| ()),
+    }
 }
 
 /// squeue's `fields` (`|`-separated) for the jobs `ids`: one row of trimmed fields per job
@@ -453,6 +530,14 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     let mut raised: Vec<Raised> = Vec::new();
     // The jobs this node deferred, to when their deferral lapses.
     let mut deferred: HashMap<u32, Instant> = HashMap::new();
+    // Until when this node is closed to Slurm, while it is.
+    let mut closed: Option<Instant> = None;
+    if s.config.close {
+        // A closure left by a daemon that died lapses by itself; this one starts open.
+        if let Err(e) = open_node(&s.scontrol, &s.node) {
+            tracing::warn!(error = %e, "cannot delete a closure of this node left from before; it lapses by itself");
+        }
+    }
     let mut trouble = Trouble::default();
     let hold = Duration::from_secs(s.config.hold_s);
     // A deferral is renewed this long before it lapses (if this node would still decline the
@@ -470,7 +555,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                 if sig.free || sig.stop {
                     break;
                 }
-                if raised.is_empty() && deferred.is_empty() {
+                if raised.is_empty() && deferred.is_empty() && closed.is_none() {
                     sig = cv.wait(sig).unwrap_or_else(|p| p.into_inner());
                 } else {
                     // A deferral due for renewal is looked at often: a job this node declined
@@ -479,7 +564,13 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     let due = deferred
                         .values()
                         .any(|u| u.saturating_duration_since(now) <= renew_before);
-                    let every = if due { DUE_EVERY } else { HOUSEKEEPING };
+                    let every = if due {
+                        DUE_EVERY
+                    } else if raised.is_empty() && deferred.is_empty() {
+                        CLOSED_LOOK_EVERY
+                    } else {
+                        HOUSEKEEPING
+                    };
                     let (g, t) = cv.wait_timeout(sig, every).unwrap_or_else(|p| p.into_inner());
                     sig = g;
                     if t.timed_out() {
@@ -494,15 +585,24 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         if stop {
             give_back(s, &mut raised, None);
             lift_all(s, &mut deferred);
+            if closed.take().is_some() {
+                match open_node(&s.scontrol, &s.node) {
+                    Ok(()) => tracing::info!("opened: the daemon stops"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot open this node as the daemon stops; its closure lapses by itself")
+                    }
+                }
+            }
             return;
         }
         let now = Instant::now();
         deferred.retain(|_, until| *until > now);
+        closed = closed.filter(|until| *until > now);
         let renew = deferred
             .values()
             .any(|until| until.saturating_duration_since(now) <= renew_before);
-        if free || renew {
-            match steer_once(node, s, &mut deferred, renew_before) {
+        if free || renew || closed.is_some() {
+            match steer_once(node, s, &mut deferred, &mut closed, renew_before) {
                 Ok(Some(r)) => {
                     tracing::info!(
                         job = r.job_id,
@@ -577,10 +677,11 @@ fn steer_once(
     node: &Mutex<Node>,
     s: &Steering,
     deferred: &mut HashMap<u32, Instant>,
+    closed: &mut Option<Instant>,
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
-    let decided = decide(&queued, s.config.lookahead, deferred, |pending| {
+    let decided = decide(&queued, s.config.lookahead, deferred, s.config.close, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
         // The slot may have been taken since the poke: with no slot free, nothing is
         // steered and no job needs deferring.
@@ -595,6 +696,11 @@ fn steer_once(
         Ok(steering)
     })?;
     let now = Instant::now();
+    // A node closes before anything else is done, so that Slurm does not start a job here
+    // meanwhile; it opens only after the raise below, so that Slurm starts the raised job.
+    if s.config.close && decided.close {
+        set_closure(s, closed, true, renew_before);
+    }
     for &id in &decided.defer {
         if deferred
             .get(&id)
@@ -647,8 +753,51 @@ fn steer_once(
     });
     // The raise goes out before the check, which takes two more calls to Slurm.
     let raised = raise_now(s, decided.raise);
+    if s.config.close && !decided.close {
+        set_closure(s, closed, false, renew_before);
+    }
     keep_deferrals_if_first(s, &decided.defer, deferred, renew_before);
     raised
+}
+
+/// Closes this node to Slurm (`close`: it would take none of the first pending jobs), keeps
+/// it closed (renewed when its closure lapses within `renew_before`), or opens it. A failure
+/// leaves the node as it was, and says so: a closure lapses by itself.
+fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_before: Duration) {
+    let now = Instant::now();
+    let hold_s = s.config.hold_s;
+    match (close, *closed) {
+        (true, Some(until)) if until.saturating_duration_since(now) > renew_before => {}
+        (true, Some(_)) => match renew_closure(&s.scontrol, &s.node, hold_s) {
+            Ok(()) => {
+                tracing::debug!(
+                    hold_s,
+                    "closure renewed: this node would still decline the first pending jobs"
+                );
+                *closed = Some(now + Duration::from_secs(hold_s));
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot renew this node's closure; it lapses by itself"),
+        },
+        (true, None) => match close_node(&s.scontrol, &s.node, hold_s) {
+            Ok(()) => {
+                tracing::info!(
+                    hold_s,
+                    reservation = %closure_name(&s.node),
+                    "closed: this node would decline every one of the first pending jobs"
+                );
+                *closed = Some(now + Duration::from_secs(hold_s));
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot close this node; Slurm may start jobs here to be declined"),
+        },
+        (false, Some(_)) => match open_node(&s.scontrol, &s.node) {
+            Ok(()) => {
+                tracing::info!("opened: this node would take a pending job now, or has no free slot");
+                *closed = None;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot open this node; its closure lapses by itself"),
+        },
+        (false, None) => {}
+    }
 }
 
 /// Lowers the nice of the job to raise, checks that Slurm put it first, and lowers it further
@@ -827,7 +976,7 @@ mod tests {
                 })
             }
         };
-        let r = decide(&q, 3, &none, |p| {
+        let r = decide(&q, 3, &none, false, |p| {
             seen = p.iter().map(|j| (j.job_id, j.app.to_string())).collect();
             pick(Some(1))(p)
         })
@@ -845,12 +994,12 @@ mod tests {
                 before: 1
             })
         );
-        let raised = |q: &[Queued], k, i| decide(q, k, &none, pick(i)).unwrap().raise;
+        let raised = |q: &[Queued], k, i| decide(q, k, &none, false, pick(i)).unwrap().raise;
         assert_eq!(raised(&q, 3, None), None);
         assert_eq!(raised(&q, 3, Some(0)), None, "the first is first already");
         assert_eq!(raised(&q, 3, Some(7)), None, "out of range");
         assert_eq!(raised(&q[..2], 3, Some(1)), None, "one candidate: nothing to choose");
-        assert!(decide(&q, 3, &none, |_| Err("history".into())).is_err());
+        assert!(decide(&q, 3, &none, false, |_| Err("history".into())).is_err());
         // Priorities at Slurm's floor of 1 (priority/multifactor with no weights): the nice
         // goes below the first's priority whatever the job's own.
         let floor = [queued(1, 0, 1, Some("a"), true), queued(2, 30, 1, Some("b"), true)];
@@ -875,7 +1024,7 @@ mod tests {
         q[2].begin_time = true;
         let ours = HashMap::from([(2, Instant::now())]);
         let mut seen = Vec::new();
-        let d = decide(&q, 8, &ours, |p| {
+        let d = decide(&q, 8, &ours, false, |p| {
             seen = p.iter().map(|j| j.job_id).collect();
             // This node would decline 1 (Slurm's first) and 4, and take 2 now.
             Ok(placement::Steering {
@@ -894,7 +1043,7 @@ mod tests {
         assert_eq!(d.lift, [2]);
         assert_eq!(d.raise, None, "a job waiting for its begin time is not raised");
         // Still declined: kept deferred, not taken back.
-        let d = decide(&q, 8, &ours, |_| {
+        let d = decide(&q, 8, &ours, false, |_| {
             Ok(placement::Steering {
                 raise: None,
                 defer: vec![1],
@@ -1029,6 +1178,84 @@ mod tests {
     }
 
     #[test]
+    fn a_node_that_would_decline_every_startable_job_closes_until_it_would_take_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        // The queue is what the file `queue` says: `a` alone (startable, or waiting out a
+        // decline), then `a` and `b`.
+        let squeue = script(
+            dir.path(),
+            "squeue",
+            &format!("case \"$*\" in *PENDING*) cat {d}/queue ;;\n*) printf '20|9\\n21|10\\n' ;; esac\n"),
+        );
+        // The first create finds an ended closure of the same name that slurmctld still keeps.
+        let scontrol = script(
+            dir.path(),
+            "scontrol",
+            &format!(
+                "echo \"scontrol $*\" >>{d}/calls\n\
+                 case \"$*\" in create*) [ -e {d}/kept ] || {{ touch {d}/kept; echo 'Error creating the reservation: Duplicate reservation name' >&2; exit 1; }} ;; esac\n"
+            ),
+        );
+        let s = Steering {
+            config: SteerConfig {
+                lookahead: 8,
+                close: true,
+                ..SteerConfig::default()
+            },
+            node: "n1".into(),
+            sinfo: PathBuf::from("/nonexistent/sinfo"),
+            squeue,
+            scontrol,
+        };
+        let node = Mutex::new(node_beside_x());
+        let mut deferred = HashMap::new();
+        let mut closed = None;
+        let calls = || std::fs::read_to_string(dir.path().join("calls")).unwrap_or_default();
+        let queue = |q: &str| std::fs::write(dir.path().join("queue"), q).unwrap();
+        let look = |closed: &mut Option<Instant>, deferred: &mut HashMap<u32, Instant>, renew| {
+            std::fs::write(dir.path().join("calls"), "").unwrap();
+            steer_once(&node, &s, deferred, closed, renew).unwrap()
+        };
+        // Only a, which this node would decline beside x: it closes itself.
+        queue("20|0|9|Resources|multiplex:app=a\n");
+        assert_eq!(look(&mut closed, &mut deferred, HOUSEKEEPING), None);
+        assert_eq!(
+            calls(),
+            "scontrol create reservation ReservationName=multiplex-n1 Nodes=n1 StartTime=now EndTime=now+60 Users=root Flags=IGNORE_JOBS\n\
+             scontrol delete ReservationName=multiplex-n1\n\
+             scontrol create reservation ReservationName=multiplex-n1 Nodes=n1 StartTime=now EndTime=now+60 Users=root Flags=IGNORE_JOBS\n"
+        );
+        assert!(closed.is_some());
+        // a waiting out a decline still counts: the node stays closed, not renewed yet...
+        queue("20|0|9|BeginTime|multiplex:app=a\n");
+        look(&mut closed, &mut deferred, HOUSEKEEPING);
+        assert_eq!(calls(), "");
+        // ...and renewed once its closure is about to lapse.
+        look(&mut closed, &mut deferred, Duration::from_secs(3600));
+        assert_eq!(calls(), "scontrol update ReservationName=multiplex-n1 EndTime=now+60\n");
+        // b, which pairs well with x, is listed: raised above a first, then the node opens.
+        queue("20|0|9|Resources|multiplex:app=a\n21|0|8|Priority|multiplex:app=b\n");
+        let r = look(&mut closed, &mut deferred, HOUSEKEEPING).expect("b is raised");
+        assert_eq!(r.job_id, 21);
+        assert_eq!(
+            calls(),
+            "scontrol update JobId=21 Nice=-2\nscontrol delete ReservationName=multiplex-n1\n"
+        );
+        assert_eq!(closed, None);
+        // A job this node would take but that waits for its begin time keeps it closed.
+        queue("20|0|9|Resources|multiplex:app=a\n21|0|8|BeginTime|multiplex:app=b\n");
+        look(&mut closed, &mut deferred, HOUSEKEEPING);
+        assert!(calls().contains("create reservation"), "{}", calls());
+        assert!(closed.is_some());
+        // An empty queue says nothing of newcomers: open.
+        queue("");
+        look(&mut closed, &mut deferred, HOUSEKEEPING);
+        assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
+        assert_eq!(closed, None);
+    }
+
+    #[test]
     fn a_job_this_node_would_decline_is_deferred_renewed_while_still_declined_and_freed_at_stop() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display();
@@ -1079,15 +1306,15 @@ mod tests {
         let mut deferred = HashMap::new();
         let renew = Duration::from_secs(15);
         // With a deferred, b is Slurm's first already: nothing to raise.
-        assert_eq!(steer_once(&node, &s, &mut deferred, renew).unwrap(), None);
+        assert_eq!(steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap(), None);
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         assert!(deferred.contains_key(&20));
         // Looked at again well before it lapses: nothing to renew yet.
-        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
         assert!(!updates().iter().any(|u| u.contains("JobId=20")));
         // About to lapse, and this node would still decline it: renewed.
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
         assert!(updates().contains(&"scontrol update JobId=20 StartTime=now+60".to_string()));
         assert!(deferred[&20] > Instant::now() + Duration::from_secs(50));
         // Another node with a free slot is lighter now: Slurm would offer a to it first, so n1
@@ -1099,7 +1326,7 @@ mod tests {
         );
         let s2 = Steering { sinfo: lighter, ..s };
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s2, &mut deferred, renew).unwrap();
+        steer_once(&node, &s2, &mut deferred, &mut None, renew).unwrap();
         assert_eq!(
             updates(),
             [
@@ -1114,7 +1341,7 @@ mod tests {
             sinfo: s2.sinfo.with_file_name("sinfo"),
             ..s2
         };
-        steer_once(&node, &s, &mut deferred, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         // The daemon stops: its deferral is taken back at once.
         lift_all(&s, &mut deferred);
@@ -1195,7 +1422,7 @@ mod tests {
         };
         let node = Mutex::new(node_beside_x());
         let mut deferred = HashMap::new();
-        let r = steer_once(&node, &s, &mut deferred, HOUSEKEEPING)
+        let r = steer_once(&node, &s, &mut deferred, &mut None, HOUSEKEEPING)
             .unwrap()
             .expect("b is raised");
         assert_eq!((r.job_id, r.before, r.own_nice, r.nice), (21, 20, 0, -8));
@@ -1209,7 +1436,7 @@ mod tests {
             "case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
         );
         let s = Steering { squeue: stuck, ..s };
-        let e = steer_once(&node, &s, &mut deferred, HOUSEKEEPING).unwrap_err();
+        let e = steer_once(&node, &s, &mut deferred, &mut None, HOUSEKEEPING).unwrap_err();
         assert!(e.contains("does not follow the nice"), "{e}");
         let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
         assert!(nices.ends_with("update JobId=21 Nice=0\n"), "{nices}");
@@ -1219,6 +1446,7 @@ mod tests {
                 &[queued(1, 0, 5, Some("b"), true), queued(2, 0, 4, Some("b"), true)],
                 8,
                 &deferred,
+                false,
                 |p| { node.lock().unwrap().steer(p).map_err(|e| e.to_string()) }
             )
             .unwrap()
