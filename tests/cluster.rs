@@ -1583,3 +1583,111 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
         .collect();
     assert_eq!(steered.len(), 1, "n1's daemon says it steered b once: {steered:?}");
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_node_that_would_decline_every_pending_job_closes_to_slurm_until_it_would_take_one() {
+    let c = Cluster::from_env();
+    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
+    assert!(
+        config.contains("close = true"),
+        "the daemons do not close their nodes: start the cluster with tests/cluster/up --steer 8 --close (as tests/run does)"
+    );
+    // Beside x, a loses (0.3 each: the daemon would decline it) and b gains (0.9 each).
+    let (x, a, b) = ("itest-close-x", "itest-close-a", "itest-close-b");
+    import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
+    // Every slot of both nodes runs an x; one on n1 ends when the test says so.
+    let release = c.path("close-release");
+    let _ = std::fs::remove_file(&release);
+    let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
+    let mut jobs = Vec::new();
+    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
+        let script = if jobs.len() == 7 {
+            wait_for_release.clone()
+        } else {
+            "sleep 150".to_string()
+        };
+        jobs.push(c.submit(&[
+            &format!("--multiplex=app={x}"),
+            "--gres=gpu:1",
+            "-w",
+            node,
+            &out_arg(&c, "close"),
+            "--wrap",
+            &script,
+        ]));
+    }
+    let mut cancel = multiplex_tests::Cancel(jobs.clone());
+    assert!(
+        wait_until(WAIT, || jobs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
+        "every slot runs an x: {:?}",
+        jobs.iter()
+            .map(|&j| c.show_job(j)["JobState"].clone())
+            .collect::<Vec<_>>()
+    );
+    let ja = c.submit(&[
+        &format!("--multiplex=app={a}"),
+        "--gres=gpu:1",
+        &out_arg(&c, "close"),
+        "--wrap",
+        "sleep 30",
+    ]);
+    cancel.0.push(ja);
+    assert!(
+        wait_until(WAIT, || c.show_job(ja)["Reason"] == "Resources"),
+        "a waits for a slot: {:?}",
+        c.show_job(ja)
+    );
+    // The short x ends: n1 has a free slot, and would decline a, the only job Slurm could
+    // start there. It closes itself instead of having a started and declined.
+    std::fs::write(&release, "").unwrap();
+    let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
+    assert!(
+        wait_until(WAIT, || reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
+        "n1 closes itself: {:?}",
+        reservation()
+    );
+    assert!(
+        wait_until(WAIT, || c.show_job(jobs[7])["JobState"] == "COMPLETED"),
+        "{:?}",
+        c.show_job(jobs[7])
+    );
+    // Slurm's scheduler passes over a on n1 for a while.
+    std::thread::sleep(Duration::from_secs(5));
+    let ra = c.show_job(ja);
+    assert_eq!(ra["JobState"], "PENDING", "{ra:?}");
+    assert_eq!(ra["Restarts"], "0", "a was never started to be declined: {ra:?}");
+    // b pairs well with x: n1's daemon sees it in the queue, has Slurm start it first, and
+    // opens n1 again.
+    let jb = c.submit(&[
+        &format!("--multiplex=app={b}"),
+        "--gres=gpu:1",
+        &out_arg(&c, "close"),
+        "--wrap",
+        "sleep 30",
+    ]);
+    cancel.0.push(jb);
+    assert!(
+        wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
+        "b takes the free slot: {:?} {:?}",
+        c.show_job(jb),
+        reservation()
+    );
+    let (ra, rb) = (c.show_job(ja), c.show_job(jb));
+    assert_eq!(rb["NodeList"], "n1", "{rb:?}");
+    assert_eq!(rb["Restarts"], "0", "{rb:?}");
+    assert_eq!(
+        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
+        ("PENDING", "0"),
+        "{ra:?}"
+    );
+    assert!(
+        wait_until(WAIT, || !reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
+        "n1 is open again: {:?}",
+        reservation()
+    );
+    let log = std::fs::read_to_string(c.path("log/multiplexd-n1.log")).unwrap();
+    for says in ["closed: this node would decline", "opened: this node would take"] {
+        assert!(log.contains(says), "n1's daemon says {says:?}:\n{log}");
+    }
+}
