@@ -382,7 +382,7 @@ impl Config {
         };
         if steer.close && steer.lookahead == 0 {
             return Err(
-                "steer.close = true needs steer.lookahead: the node closes when it would decline every one of the first `lookahead` pending jobs"
+                "steer.close = true needs steer.lookahead: the node closes when it would take none of the first `lookahead` pending jobs next"
                     .into(),
             );
         }
@@ -626,9 +626,10 @@ pub struct SteerConfig {
     /// `hold_s` ahead, renewed while this node would still decline them) instead of being
     /// started here to be declined and requeued.
     pub defer: bool,
-    /// Whether this node closes itself to Slurm while it has a free slot and would decline
-    /// every one of the first `lookahead` pending multiplexed jobs (a reservation of the node
-    /// for `hold_s`, renewed while that lasts, deleted as soon as it would take one).
+    /// Whether this node closes itself to Slurm while it has a free slot and would decline the
+    /// job Slurm starts next, after its own raise among the first `lookahead` pending
+    /// multiplexed jobs (a reservation of the node for `hold_s`, renewed while that lasts,
+    /// deleted as soon as it would take the next job).
     pub close: bool,
 }
 

@@ -10,8 +10,8 @@
 //! node would decline now it defers (`[steer] defer`): their `StartTime` is set `hold_s` ahead,
 //! renewed while this node would still decline them, and set to now once it would take them.
 //! A decline that costs no launch, no prolog and no requeue. With `[steer] close`, a node that
-//! has a free slot and would take none of the first `lookahead` jobs Slurm could start now
-//! closes itself to Slurm instead (a reservation `multiplex-<node>` of itself, for root, with
+//! has a free slot and would not take the job Slurm starts next (after its raise, if any:
+//! none of the first `lookahead` it could raise) closes itself to Slurm instead (a reservation `multiplex-<node>` of itself, for root, with
 //! `IGNORE_JOBS`), renews that while it lasts, and deletes it as soon as it would take one
 //! (after raising that one) or has no free slot: a node that would refuse every newcomer is not
 //! offered them one by one to decline each.
@@ -138,8 +138,8 @@ pub struct Decided {
     pub defer: Vec<u32>,
     /// Jobs this node deferred that it would take now: their deferral is taken back.
     pub lift: Vec<u32>,
-    /// This node would take none of the candidates Slurm could start now (there is at least
-    /// one candidate): it closes itself to Slurm, or stays closed.
+    /// This node would not take the job Slurm starts next (there is at least one candidate,
+    /// and the raise is in): it closes itself to Slurm, or stays closed.
     pub close: bool,
 }
 
@@ -197,11 +197,13 @@ pub fn decide(
         (Some(t), Some(i)) if i > t && i < first.len() && first[i].startable => raise(first[t], first[i]),
         _ => None,
     };
+    // The job Slurm starts next, once the raise is in: the node stays open only for it.
+    let next = if raise.is_some() { steering.raise } else { top };
     Ok(Decided {
         raise,
         defer,
         lift,
-        close: close && !steering.take.iter().any(|&i| first.get(i).is_some_and(|q| q.startable)),
+        close: close && !next.is_some_and(|n| steering.take.contains(&n)),
     })
 }
 
@@ -783,7 +785,7 @@ fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_be
                 tracing::info!(
                     hold_s,
                     reservation = %closure_name(&s.node),
-                    "closed: this node would decline every one of the first pending jobs"
+                    "closed: this node would decline the job Slurm starts next"
                 );
                 *closed = Some(now + Duration::from_secs(hold_s));
             }
@@ -791,7 +793,7 @@ fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_be
         },
         (false, Some(_)) => match open_node(&s.scontrol, &s.node) {
             Ok(()) => {
-                tracing::info!("opened: this node would take a pending job now, or has no free slot");
+                tracing::info!("opened: this node would take the job Slurm starts next, or has no free slot");
                 *closed = None;
             }
             Err(e) => tracing::warn!(error = %e, "cannot open this node; its closure lapses by itself"),
@@ -1253,6 +1255,33 @@ mod tests {
         look(&mut closed, &mut deferred, HOUSEKEEPING);
         assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
         assert_eq!(closed, None);
+    }
+
+    #[test]
+    fn a_closing_node_stays_open_only_for_the_job_slurm_starts_next() {
+        let q = [queued(1, 0, 100, Some("a"), true), queued(2, 0, 99, Some("b"), true)];
+        let none = HashMap::new();
+        let decided = |close, raise: Option<usize>, take: Vec<usize>| {
+            decide(&q, 8, &none, close, move |_| {
+                Ok(placement::Steering {
+                    raise,
+                    defer: vec![],
+                    take,
+                })
+            })
+            .unwrap()
+        };
+        // It would take the first: open.
+        assert!(!decided(true, None, vec![0, 1]).close);
+        // It would take only the second, and raises it: open, for the second.
+        let d = decided(true, Some(1), vec![1]);
+        assert!(!d.close && d.raise.is_some_and(|r| r.job_id == 2), "{d:?}");
+        // It would take the second but does not raise it (passed over too often): Slurm
+        // starts the first next, which it would decline: closed.
+        assert!(decided(true, None, vec![1]).close);
+        assert!(decided(true, None, vec![]).close);
+        // Without `close`, never.
+        assert!(!decided(false, None, vec![]).close);
     }
 
     #[test]

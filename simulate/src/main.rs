@@ -64,9 +64,9 @@ struct Args {
     /// StartTime) instead of letting Slurm start them to be declined and requeued.
     #[arg(long)]
     defer: bool,
-    /// With --steer, a node whose daemon would decline every one of the first pending jobs
-    /// closes itself to Slurm while that lasts (the daemon reserves it for 60 s at a time)
-    /// instead of being offered them one by one.
+    /// With --steer, a node whose daemon would decline the job Slurm starts next (after its
+    /// own raise among the first pending jobs) closes itself to Slurm while that lasts (the
+    /// daemon reserves it for 60 s at a time) instead of being offered them one by one.
     #[arg(long)]
     close: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]

@@ -34,8 +34,8 @@ pub struct Options {
     pub steer: usize,
     /// With steering, also defer the pending jobs a node would decline ([`Steer`]).
     pub defer: bool,
-    /// With steering, a node that would decline every one of the first pending jobs closes
-    /// itself to Slurm while that lasts ([`Steer::close`]).
+    /// With steering, a node that would decline the job Slurm starts next closes itself to
+    /// Slurm while that lasts ([`Steer::take`]).
     pub close: bool,
 }
 

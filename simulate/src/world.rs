@@ -72,10 +72,10 @@ pub struct Steer {
     /// Jobs the node would decline now, deferred while still pending: not eligible again for
     /// [`DECLINE_RETRY_S`] (the daemon sets their `StartTime`), with no launch and no requeue.
     pub defer: Vec<usize>,
-    /// The jobs the node would take now. When none of them is one Slurm could start now, a
-    /// policy that [`Policy::closes`] closes the node to Slurm (the daemon reserves the node
-    /// for [`DECLINE_RETRY_S`], renewed while that lasts) instead of having it offered the
-    /// pending jobs one by one to decline each.
+    /// The jobs the node would take now. When the job Slurm starts next (after the raise) is
+    /// not one of them, a policy that [`Policy::closes`] closes the node to Slurm (the daemon
+    /// reserves the node for [`DECLINE_RETRY_S`], renewed while that lasts) instead of having
+    /// it offered the pending jobs one by one to decline each.
     pub take: Vec<usize>,
 }
 
@@ -97,8 +97,9 @@ pub trait Policy {
     fn defers(&self) -> bool {
         false
     }
-    /// Whether a node closes itself while it would decline every pending job ([`Steer::close`]):
-    /// then the steering also sees the jobs waiting out a decline, in Slurm's order.
+    /// Whether a node closes itself while it would decline the job Slurm starts next
+    /// ([`Steer::take`]): then the steering also sees the jobs waiting out a decline, in
+    /// Slurm's order.
     fn closes(&self) -> bool {
         false
     }
@@ -668,11 +669,20 @@ impl World<'_> {
         }
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
         let steer = policy.steer(now, node, &self.view(node), &refs)?;
+        // Only a job Slurm could start now is raised.
+        if let Some(i) = steer.raise.filter(|&i| i > 0) {
+            let Some(&j) = pending.get(i) else {
+                return Err(format!("the policy steered pending job {i} of {}", pending.len()));
+            };
+            if self.jobs[j].eligible <= now {
+                self.steered += 1;
+                self.bump(j);
+            }
+        }
+        // Open only while the node would take the job Slurm starts next (after the raise).
         if self.closes {
-            let close = !steer
-                .take
-                .iter()
-                .any(|&i| pending.get(i).is_some_and(|&j| self.jobs[j].eligible <= now));
+            let head = self.pending(now, 1).first().copied();
+            let close = !head.is_some_and(|h| steer.take.iter().any(|&i| pending.get(i) == Some(&h)));
             if close && !self.closed[node] {
                 self.closed[node] = true;
                 self.closure[node] += 1;
@@ -685,16 +695,6 @@ impl World<'_> {
                 );
             } else if !close {
                 self.open(node);
-            }
-        }
-        // Only a job Slurm could start now is raised.
-        if let Some(i) = steer.raise.filter(|&i| i > 0) {
-            let Some(&j) = pending.get(i) else {
-                return Err(format!("the policy steered pending job {i} of {}", pending.len()));
-            };
-            if self.jobs[j].eligible <= now {
-                self.steered += 1;
-                self.bump(j);
             }
         }
         // A deferral holds the job back from every node: only a node among those Slurm offers
