@@ -1638,15 +1638,16 @@ fn a_node_that_would_decline_every_pending_job_closes_to_slurm_until_it_would_ta
         "a waits for a slot: {:?}",
         c.show_job(ja)
     );
-    // The short x ends: n1 has a free slot, and would decline a, the only job Slurm could
-    // start there. It closes itself instead of having a started and declined.
-    std::fs::write(&release, "").unwrap();
+    // n1 would decline a whichever of its x ends: it closes itself to Slurm ahead of a freed
+    // slot (Slurm may start a there before slurmstepd tells the daemon of the end).
     let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
     assert!(
         wait_until(WAIT, || reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
         "n1 closes itself: {:?}",
         reservation()
     );
+    // The short x ends: n1 has a free slot, and stays closed.
+    std::fs::write(&release, "").unwrap();
     assert!(
         wait_until(WAIT, || c.show_job(jobs[7])["JobState"] == "COMPLETED"),
         "{:?}",

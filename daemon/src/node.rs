@@ -442,15 +442,51 @@ impl Node {
             .bypasses
             .choose(&ids, |reach| Ok::<_, HistoryError>(placement::steer(&offers[..reach])))?;
         let defer = (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect();
+        // A job no GPU here could ever hold is let through too: declined for good, it fails at
+        // once with the reason instead of waiting for a node that stays closed to it.
         let take = (0..offers.len())
-            .filter(|&i| matches!(offers[i], Offer::Gain(_)))
+            .filter(|&i| matches!(offers[i], Offer::Gain(_) | Offer::Never))
             .collect();
         Ok(Steering { raise, defer, take })
+    }
+
+    /// Which of `pending` this node would take ([`Steering::take`]) once some one of the jobs
+    /// on it ends. A full node that would not take the job Slurm starts next is closed to
+    /// Slurm before a slot frees ([`crate::steer`]): Slurm may start that job on the freed slot
+    /// before the daemon hears of the end. All of them in observe mode.
+    pub fn takes_after_an_end(&mut self, pending: &[PendingJob]) -> Result<Vec<usize>, HistoryError> {
+        if self.config.policy.mode == Mode::Observe {
+            return Ok((0..pending.len()).collect());
+        }
+        let states = self.gpu_states(&self.active()?)?;
+        let mut after = Vec::new();
+        for (g, gpu) in states.iter().enumerate() {
+            for r in 0..gpu.residents.len() {
+                let mut one_less = states.clone();
+                one_less[g].residents.remove(r);
+                after.push(one_less);
+            }
+        }
+        let mut take = Vec::new();
+        for offers in self.offers_on(&after, pending)? {
+            for (i, o) in offers.iter().enumerate() {
+                if matches!(o, Offer::Gain(_) | Offer::Never) && !take.contains(&i) {
+                    take.push(i);
+                }
+            }
+        }
+        take.sort_unstable();
+        Ok(take)
     }
 
     /// [`placement::offers`] over the history, for `pending`.
     fn offers(&self, pending: &[PendingJob]) -> Result<Vec<Offer>, HistoryError> {
         let states = self.gpu_states(&self.active()?)?;
+        Ok(self.offers_on(&[states], pending)?.pop().unwrap_or_default())
+    }
+
+    /// [`placement::offers`] over the history, for `pending` on each of `states`.
+    fn offers_on(&self, states: &[Vec<GpuState>], pending: &[PendingJob]) -> Result<Vec<Vec<Offer>>, HistoryError> {
         let policy = &self.config.policy;
         let knobs = Knobs {
             slots: self.config.jobs_per_gpu,
@@ -467,11 +503,16 @@ impl Node {
                     None => self.history.app_mem_peak(p.app)?,
                 },
             };
-            wanted.extend(placement::wanted(&states, &job, knobs.slots));
+            for s in states {
+                wanted.extend(placement::wanted(s, &job, knobs.slots));
+            }
             newcomers.push(job);
         }
         let estimates = self.history.estimates(&wanted)?;
-        Ok(placement::offers(&states, &newcomers, &estimates, knobs))
+        Ok(states
+            .iter()
+            .map(|s| placement::offers(s, &newcomers, &estimates, knobs))
+            .collect())
     }
 
     /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.

@@ -440,7 +440,8 @@ pub struct Steering {
     /// The pending jobs this node would decline for now ([`Offer::Wait`]): deferred while
     /// still pending, they cost no launch and no requeue.
     pub defer: Vec<usize>,
-    /// The pending jobs this node would place now ([`Offer::Gain`]).
+    /// The pending jobs this node would place now ([`Offer::Gain`]), or decline for good
+    /// ([`Offer::Never`]: let through, such a job fails at once with the reason).
     pub take: Vec<usize>,
 }
 

@@ -72,17 +72,21 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let steer_poke = (!config_mode_observes && steer.lookahead > 0).then(Steerer::poke);
     if publisher.is_some() || steer_poke.is_some() {
         let poke = steer_poke.clone();
+        let close = steer.close;
         node.on_load(Box::new(move |load| {
             if let Some((publisher, base)) = &publisher {
                 publisher.set(weight_for(load, *base));
             }
-            if let Some(poke) = poke.as_ref().filter(|_| load.used < load.total) {
+            // With `close`, a node that just filled is looked at too: it may close before a
+            // slot frees.
+            if let Some(poke) = poke.as_ref().filter(|_| load.used < load.total || close) {
                 poke.slot_free();
             }
         }))
         .map_err(|e| e.to_string())?;
     }
-    if let Some(poke) = steer_poke.as_ref().filter(|_| steer.defer) {
+    // A declined job is watched once it is back in the queue: deferred, or its node closed.
+    if let Some(poke) = steer_poke.as_ref().filter(|_| steer.defer || steer.close) {
         let poke = poke.clone();
         node.on_declined(Box::new(move |job_id, wait_s| poke.declined(job_id, wait_s)));
     }

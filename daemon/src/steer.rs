@@ -61,21 +61,24 @@ pub struct Queued {
     pub startable: bool,
     /// It waits for its begin time (`StartTime`), which a deferral sets.
     pub begin_time: bool,
+    /// Slurm may requeue it (not `--no-requeue`): a decline sends it back to wait rather than
+    /// failing it.
+    pub requeue: bool,
     /// The application and memory slurmctld's tag names; `None`: not a multiplexed job.
     pub spec: Option<Spec>,
 }
 
 /// The fields asked of squeue, `|`-separated, the admin comment (which may hold `|`) last.
-const FORMAT: &str = "JobID:0|,Nice:0|,PriorityLong:0|,Reason:0|,admin_comment:0";
+const FORMAT: &str = "JobID:0|,Nice:0|,PriorityLong:0|,Reason:0|,Requeue:0|,admin_comment:0";
 
 /// Reads squeue's lines of [`FORMAT`]. Lines that are not one job (a pending array's
 /// `123_[4-9]`) are skipped: Slurm starts such tasks as jobs of their own first.
 pub fn parse_queued(out: &str) -> Result<Vec<Queued>, String> {
     let mut jobs = Vec::new();
     for line in out.lines().filter(|l| !l.trim().is_empty()) {
-        let f: Vec<&str> = line.splitn(5, '|').collect();
-        if f.len() < 5 {
-            return Err(format!("squeue printed {line:?}, not 5 fields"));
+        let f: Vec<&str> = line.splitn(6, '|').collect();
+        if f.len() < 6 {
+            return Err(format!("squeue printed {line:?}, not 6 fields"));
         }
         let Ok(job_id) = f[0].trim().parse::<u32>() else {
             continue;
@@ -88,9 +91,10 @@ pub fn parse_queued(out: &str) -> Result<Vec<Queued>, String> {
             .trim()
             .parse::<u64>()
             .map_err(|_| format!("squeue printed {:?} where job {job_id}'s priority belongs", f[2]))?;
-        let startable = matches!(f[3].trim(), "Priority" | "Resources" | "None");
+        let startable = waits_for_a_slot(f[3].trim());
         let begin_time = f[3].trim() == "BeginTime";
-        let comment = f[4].trim();
+        let requeue = f[4].trim() != "0";
+        let comment = f[5].trim();
         let spec = match Spec::from_tag((comment != "(null)").then_some(comment)) {
             Some(Ok(spec)) if spec.app.is_some() => Some(spec),
             _ => None,
@@ -101,10 +105,18 @@ pub fn parse_queued(out: &str) -> Result<Vec<Queued>, String> {
             priority,
             startable,
             begin_time,
+            requeue,
             spec,
         });
     }
     Ok(jobs)
+}
+
+/// Whether a pending job's Slurm reason says it waits only for its turn or for a slot: also
+/// `ReqNodeNotAvail, May be reserved for other job`, which Slurm 24.11 gives while every node
+/// with a free slot is closed (reserved).
+fn waits_for_a_slot(reason: &str) -> bool {
+    matches!(reason, "Priority" | "Resources" | "None") || reason.starts_with("ReqNodeNotAvail")
 }
 
 /// The pending jobs of `partition`, in Slurm's order (priority, then job id).
@@ -197,13 +209,16 @@ pub fn decide(
         (Some(t), Some(i)) if i > t && i < first.len() && first[i].startable => raise(first[t], first[i]),
         _ => None,
     };
-    // The job Slurm starts next, once the raise is in: the node stays open only for it.
+    // The job Slurm starts next, once the raise is in: the node stays open only for it, and
+    // for one that cannot be requeued (a decline fails it, with the reason, as without
+    // closing; a node closed to it would hold it back for good).
     let next = if raise.is_some() { steering.raise } else { top };
+    let open_for = |n: usize| steering.take.contains(&n) || first.get(n).is_some_and(|q| !q.requeue);
     Ok(Decided {
         raise,
         defer,
         lift,
-        close: close && !next.is_some_and(|n| steering.take.contains(&n)),
+        close: close && !next.is_some_and(open_for),
     })
 }
 
@@ -540,6 +555,9 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
             tracing::warn!(error = %e, "cannot delete a closure of this node left from before; it lapses by itself");
         }
     }
+    // The node was full at the last look (with `close`, a full node is looked at now and
+    // then: it is closed before a slot frees if it would decline the first jobs then).
+    let mut full = false;
     let mut trouble = Trouble::default();
     let hold = Duration::from_secs(s.config.hold_s);
     // A deferral is renewed this long before it lapses (if this node would still decline the
@@ -557,7 +575,8 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                 if sig.free || sig.stop {
                     break;
                 }
-                if raised.is_empty() && deferred.is_empty() && closed.is_none() {
+                let watch_full = s.config.close && full;
+                if raised.is_empty() && deferred.is_empty() && closed.is_none() && !watch_full {
                     sig = cv.wait(sig).unwrap_or_else(|p| p.into_inner());
                 } else {
                     // A deferral due for renewal is looked at often: a job this node declined
@@ -603,8 +622,8 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         let renew = deferred
             .values()
             .any(|until| until.saturating_duration_since(now) <= renew_before);
-        if free || renew || closed.is_some() {
-            match steer_once(node, s, &mut deferred, &mut closed, renew_before) {
+        if free || renew || closed.is_some() || (s.config.close && full) {
+            match steer_once(node, s, &mut deferred, &mut closed, &mut full, renew_before) {
                 Ok(Some(r)) => {
                     tracing::info!(
                         job = r.job_id,
@@ -680,16 +699,33 @@ fn steer_once(
     s: &Steering,
     deferred: &mut HashMap<u32, Instant>,
     closed: &mut Option<Instant>,
+    full: &mut bool,
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
+    *full = {
+        let load = node.lock().unwrap_or_else(|p| p.into_inner()).load();
+        let load = load.map_err(|e| e.to_string())?;
+        load.used >= load.total
+    };
     let decided = decide(&queued, s.config.lookahead, deferred, s.config.close, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
         // The slot may have been taken since the poke: with no slot free, nothing is
-        // steered and no job needs deferring.
+        // steered and no job needs deferring. A full node that would decline the first jobs
+        // whichever of its jobs ends is closed now: Slurm may start one on the freed slot
+        // before slurmstepd tells the daemon of the end (seen on 24.11).
         let load = node.load().map_err(|e| e.to_string())?;
-        if load.used >= load.total {
-            return Ok(placement::Steering::default());
+        *full = load.used >= load.total;
+        if *full {
+            let take = if s.config.close {
+                node.takes_after_an_end(pending).map_err(|e| e.to_string())?
+            } else {
+                Vec::new()
+            };
+            return Ok(placement::Steering {
+                take,
+                ..Default::default()
+            });
         }
         let mut steering = node.steer(pending).map_err(|e| e.to_string())?;
         if !s.config.defer {
@@ -697,12 +733,26 @@ fn steer_once(
         }
         Ok(steering)
     })?;
+    // A job this node declined that Slurm does not list yet (on its way back to the queue)
+    // is weighed once it is listed; until then an open node is not closed and a closed one
+    // not opened for want of candidates.
+    let listed: std::collections::HashSet<u32> = queued.iter().map(|q| q.job_id).collect();
+    let in_transit = s.config.close && deferred.keys().any(|id| !listed.contains(id));
+    tracing::debug!(
+        pending = queued.len(),
+        full = *full,
+        in_transit,
+        close = decided.close,
+        raise = ?decided.raise.as_ref().map(|r| r.job_id),
+        "looked at the queue"
+    );
     let now = Instant::now();
     // A node closes before anything else is done, so that Slurm does not start a job here
     // meanwhile; it opens only after the raise below, so that Slurm starts the raised job.
     if s.config.close && decided.close {
         set_closure(s, closed, true, renew_before);
     }
+    let leave_closed = in_transit && closed.is_some();
     for &id in &decided.defer {
         if deferred
             .get(&id)
@@ -749,13 +799,12 @@ fn steer_once(
     // Those due for renewal that Slurm lists as pending but that were not renewed (behind the
     // first `lookahead`) lapse by themselves; those it does not list yet (a declined job on
     // its way back to the queue) are looked at again soon.
-    let listed: std::collections::HashSet<u32> = queued.iter().map(|q| q.job_id).collect();
     deferred.retain(|id, until| {
         decided.defer.contains(id) || !listed.contains(id) || until.saturating_duration_since(now) > renew_before
     });
     // The raise goes out before the check, which takes two more calls to Slurm.
     let raised = raise_now(s, decided.raise);
-    if s.config.close && !decided.close {
+    if s.config.close && !decided.close && !leave_closed {
         set_closure(s, closed, false, renew_before);
     }
     keep_deferrals_if_first(s, &decided.defer, deferred, renew_before);
@@ -883,7 +932,7 @@ fn give_back(s: &Steering, raised: &mut Vec<Raised>, hold: Option<Duration>) {
         if *nice != r.raise.nice {
             return false; // changed by someone else since
         }
-        let waiting = state == "PENDING" && matches!(reason.as_str(), "Priority" | "Resources" | "None");
+        let waiting = state == "PENDING" && waits_for_a_slot(reason);
         let expired = hold.is_none_or(|h| r.at.elapsed() >= h);
         if waiting && !expired {
             return true;
@@ -927,21 +976,33 @@ mod tests {
 
     #[test]
     fn squeue_lines_are_read_with_the_tag_and_whether_slurm_could_start_the_job() {
-        let out = "41|0|4294901760|Resources|multiplex:app=a\n\
-                   42|5|4294901755|Priority|multiplex:app=b,mem=2G | multiplex: requeued, waiting 60 s: x | y\n\
-                   43|0|4294901754|BeginTime|multiplex:app=c\n\
-                   44_[1-3]|0|4294901753|Priority|multiplex:app=d\n\
-                   45|0|4294901752|Priority|(null)\n\
-                   46|0|4294901751|Priority|multiplex:app=../x\n";
+        let out = "41|0|4294901760|Resources|1|multiplex:app=a\n\
+                   42|5|4294901755|Priority|1|multiplex:app=b,mem=2G | multiplex: requeued, waiting 60 s: x | y\n\
+                   43|0|4294901754|BeginTime|1|multiplex:app=c\n\
+                   44_[1-3]|0|4294901753|Priority|1|multiplex:app=d\n\
+                   45|0|4294901752|Priority|1|(null)\n\
+                   46|0|4294901751|Priority|1|multiplex:app=../x\n\
+                   47|0|4294901750|ReqNodeNotAvail, May be reserved for other job|1|multiplex:app=e\n\
+                   48|0|4294901749|Dependency|1|multiplex:app=f\n";
         let q = parse_queued(out).unwrap();
-        assert_eq!(q.iter().map(|j| j.job_id).collect::<Vec<_>>(), [41, 42, 43, 45, 46]);
+        assert_eq!(
+            q.iter().map(|j| j.job_id).collect::<Vec<_>>(),
+            [41, 42, 43, 45, 46, 47, 48]
+        );
+        assert!(
+            q[5].startable,
+            "waits for a node with a free slot: every such node is closed"
+        );
+        assert!(!q[6].startable);
         assert_eq!((q[1].nice, q[1].priority), (5, 4294901755));
         assert_eq!(q[1].spec.as_ref().unwrap().mem_mb, Some(2048));
         assert!(q[0].startable && q[1].startable && !q[2].startable);
         assert!(q[3].spec.is_none(), "not a multiplexed job");
         assert!(q[4].spec.is_none(), "a tag that does not parse names nothing");
-        assert!(parse_queued("41|x|1|Priority|").unwrap_err().contains("nice"));
-        assert!(parse_queued("41|0\n").unwrap_err().contains("not 5 fields"));
+        assert!(parse_queued("41|x|1|Priority|1|").unwrap_err().contains("nice"));
+        assert!(parse_queued("41|0\n").unwrap_err().contains("not 6 fields"));
+        assert!(q.iter().all(|j| j.requeue));
+        assert!(!parse_queued("49|0|1|Priority|0|multiplex:app=g\n").unwrap()[0].requeue);
     }
 
     fn queued(job_id: u32, nice: i64, priority: u64, app: Option<&str>, startable: bool) -> Queued {
@@ -951,6 +1012,7 @@ mod tests {
             priority,
             startable,
             begin_time: false,
+            requeue: true,
             spec: app.map(|a| Spec {
                 app: Some(a.into()),
                 mem_mb: None,
@@ -1217,10 +1279,10 @@ mod tests {
         let queue = |q: &str| std::fs::write(dir.path().join("queue"), q).unwrap();
         let look = |closed: &mut Option<Instant>, deferred: &mut HashMap<u32, Instant>, renew| {
             std::fs::write(dir.path().join("calls"), "").unwrap();
-            steer_once(&node, &s, deferred, closed, renew).unwrap()
+            steer_once(&node, &s, deferred, closed, &mut false, renew).unwrap()
         };
         // Only a, which this node would decline beside x: it closes itself.
-        queue("20|0|9|Resources|multiplex:app=a\n");
+        queue("20|0|9|Resources|1|multiplex:app=a\n");
         assert_eq!(look(&mut closed, &mut deferred, HOUSEKEEPING), None);
         assert_eq!(
             calls(),
@@ -1230,14 +1292,14 @@ mod tests {
         );
         assert!(closed.is_some());
         // a waiting out a decline still counts: the node stays closed, not renewed yet...
-        queue("20|0|9|BeginTime|multiplex:app=a\n");
+        queue("20|0|9|BeginTime|1|multiplex:app=a\n");
         look(&mut closed, &mut deferred, HOUSEKEEPING);
         assert_eq!(calls(), "");
         // ...and renewed once its closure is about to lapse.
         look(&mut closed, &mut deferred, Duration::from_secs(3600));
         assert_eq!(calls(), "scontrol update ReservationName=multiplex-n1 EndTime=now+60\n");
         // b, which pairs well with x, is listed: raised above a first, then the node opens.
-        queue("20|0|9|Resources|multiplex:app=a\n21|0|8|Priority|multiplex:app=b\n");
+        queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=b\n");
         let r = look(&mut closed, &mut deferred, HOUSEKEEPING).expect("b is raised");
         assert_eq!(r.job_id, 21);
         assert_eq!(
@@ -1246,7 +1308,7 @@ mod tests {
         );
         assert_eq!(closed, None);
         // A job this node would take but that waits for its begin time keeps it closed.
-        queue("20|0|9|Resources|multiplex:app=a\n21|0|8|BeginTime|multiplex:app=b\n");
+        queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|BeginTime|1|multiplex:app=b\n");
         look(&mut closed, &mut deferred, HOUSEKEEPING);
         assert!(calls().contains("create reservation"), "{}", calls());
         assert!(closed.is_some());
@@ -1255,6 +1317,44 @@ mod tests {
         look(&mut closed, &mut deferred, HOUSEKEEPING);
         assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
         assert_eq!(closed, None);
+        // Full (a second x): closed ahead of a freed slot while a would be declined whichever
+        // x ends, and opened again when b, which either freed slot would take, comes first.
+        let placed = node.lock().unwrap().place(&multiplex_protocol::PlaceRequest {
+            job_id: 8,
+            step_id: 0,
+            uid: 0,
+            app: "x".into(),
+            mem_mb: None,
+            node: "n1".into(),
+            slurm_cuda_visible_devices: None,
+            slurm_job_gpus: None,
+            slurm_shards_on_node: None,
+            restarts: 0,
+            // x beside x was never seen: placed all the same.
+            cannot_wait: true,
+            admin_comment: None,
+        });
+        assert!(
+            matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),
+            "{placed:?}"
+        );
+        let mut full = false;
+        queue("20|0|9|Resources|1|multiplex:app=a\n");
+        std::fs::write(dir.path().join("calls"), "").unwrap();
+        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        assert!(full && closed.is_some(), "{}", calls());
+        assert!(calls().contains("create reservation"), "{}", calls());
+        // b behind a: a full node raises no one, and Slurm would still start a first.
+        queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=b\n");
+        std::fs::write(dir.path().join("calls"), "").unwrap();
+        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        assert_eq!(calls(), "");
+        assert!(full && closed.is_some());
+        // b first: opened for it.
+        queue("21|0|9|Resources|1|multiplex:app=b\n20|0|8|Priority|1|multiplex:app=a\n");
+        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
+        assert!(full && closed.is_none());
     }
 
     #[test]
@@ -1282,6 +1382,12 @@ mod tests {
         assert!(decided(true, None, vec![]).close);
         // Without `close`, never.
         assert!(!decided(false, None, vec![]).close);
+        // A first that cannot be requeued is let through: declined, it fails with the reason
+        // (as without closing) rather than wait for a node that stays closed to it.
+        let mut q = q;
+        q[0].requeue = false;
+        let d = decide(&q, 8, &none, true, |_| Ok(placement::Steering::default())).unwrap();
+        assert!(!d.close);
     }
 
     #[test]
@@ -1295,7 +1401,7 @@ mod tests {
             "squeue",
             &format!(
                 "echo \"squeue $*\" >>{d}/calls\nr=Resources; [ -e {d}/deferred ] && r=BeginTime\n\
-                 case \"$*\" in *PENDING*) printf '20|0|9|%s|multiplex:app=a\\n21|0|8|Priority|multiplex:app=b\\n' $r ;;\n\
+                 case \"$*\" in *PENDING*) printf '20|0|9|%s|1|multiplex:app=a\\n21|0|8|Priority|1|multiplex:app=b\\n' $r ;;\n\
                  *) printf '20|9\\n21|10\\n' ;; esac\n"
             ),
         );
@@ -1335,15 +1441,18 @@ mod tests {
         let mut deferred = HashMap::new();
         let renew = Duration::from_secs(15);
         // With a deferred, b is Slurm's first already: nothing to raise.
-        assert_eq!(steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap(), None);
+        assert_eq!(
+            steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap(),
+            None
+        );
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         assert!(deferred.contains_key(&20));
         // Looked at again well before it lapses: nothing to renew yet.
-        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert!(!updates().iter().any(|u| u.contains("JobId=20")));
         // About to lapse, and this node would still decline it: renewed.
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert!(updates().contains(&"scontrol update JobId=20 StartTime=now+60".to_string()));
         assert!(deferred[&20] > Instant::now() + Duration::from_secs(50));
         // Another node with a free slot is lighter now: Slurm would offer a to it first, so n1
@@ -1355,7 +1464,7 @@ mod tests {
         );
         let s2 = Steering { sinfo: lighter, ..s };
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s2, &mut deferred, &mut None, renew).unwrap();
+        steer_once(&node, &s2, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert_eq!(
             updates(),
             [
@@ -1370,7 +1479,7 @@ mod tests {
             sinfo: s2.sinfo.with_file_name("sinfo"),
             ..s2
         };
-        steer_once(&node, &s, &mut deferred, &mut None, renew).unwrap();
+        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         // The daemon stops: its deferral is taken back at once.
         lift_all(&s, &mut deferred);
@@ -1429,7 +1538,7 @@ mod tests {
             "squeue",
             &format!(
                 "echo \"squeue $*\" >>{d}/calls\n\
-                 case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n\
+                 case \"$*\" in *PENDING*) printf '20|0|1|Resources|1|multiplex:app=a\\n21|0|1|Priority|1|multiplex:app=b\\n' ;;\n\
                  *) n=$(sed -n 's/.*Nice=//p' {d}/nice | tail -1); p=1; [ \"$n\" -le -8 ] && p=2; printf '20|1\\n21|%s\\n' $p ;; esac\n"
             ),
         );
@@ -1451,7 +1560,7 @@ mod tests {
         };
         let node = Mutex::new(node_beside_x());
         let mut deferred = HashMap::new();
-        let r = steer_once(&node, &s, &mut deferred, &mut None, HOUSEKEEPING)
+        let r = steer_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING)
             .unwrap()
             .expect("b is raised");
         assert_eq!((r.job_id, r.before, r.own_nice, r.nice), (21, 20, 0, -8));
@@ -1462,10 +1571,10 @@ mod tests {
         let stuck = script(
             dir.path(),
             "squeue-stuck",
-            "case \"$*\" in *PENDING*) printf '20|0|1|Resources|multiplex:app=a\\n21|0|1|Priority|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
+            "case \"$*\" in *PENDING*) printf '20|0|1|Resources|1|multiplex:app=a\\n21|0|1|Priority|1|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
         );
         let s = Steering { squeue: stuck, ..s };
-        let e = steer_once(&node, &s, &mut deferred, &mut None, HOUSEKEEPING).unwrap_err();
+        let e = steer_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING).unwrap_err();
         assert!(e.contains("does not follow the nice"), "{e}");
         let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
         assert!(nices.ends_with("update JobId=21 Nice=0\n"), "{nices}");

@@ -244,7 +244,7 @@ impl Policy for Oracle<'_> {
             Vec::new()
         };
         let take = (0..offers.len())
-            .filter(|&i| matches!(offers[i], Offer::Gain(_)))
+            .filter(|&i| matches!(offers[i], Offer::Gain(_) | Offer::Never))
             .collect();
         Ok(Steer { raise, defer, take })
     }
