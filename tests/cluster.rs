@@ -1464,6 +1464,40 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
 
 /// Teaches both daemons a history through `multiplexd import`: `pairs` are (app, other,
 /// speed of app, speed of other), each seen 5 times.
+/// Every slot of both nodes runs a job of `x` (`sleep_s` long), the last one, on n1, until the
+/// returned file appears; returns once all run, with the jobs (that one last) to cancel.
+fn fill_every_slot(c: &Cluster, x: &str, tag: &str, sleep_s: u32) -> (multiplex_tests::Cancel, std::path::PathBuf) {
+    let release = c.path(&format!("{tag}-release"));
+    let _ = std::fs::remove_file(&release);
+    let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
+    let mut jobs = Vec::new();
+    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
+        let script = if jobs.len() == 7 {
+            wait_for_release.clone()
+        } else {
+            format!("sleep {sleep_s}")
+        };
+        jobs.push(c.submit(&[
+            &format!("--multiplex=app={x}"),
+            "--gres=gpu:1",
+            "-w",
+            node,
+            &out_arg(c, tag),
+            "--wrap",
+            &script,
+        ]));
+    }
+    let cancel = multiplex_tests::Cancel(jobs.clone());
+    assert!(
+        wait_until(WAIT, || jobs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
+        "every slot runs an x: {:?}",
+        jobs.iter()
+            .map(|&j| c.show_job(j)["JobState"].clone())
+            .collect::<Vec<_>>()
+    );
+    (cancel, release)
+}
+
 fn import_pairs(c: &Cluster, pairs: &[(&str, &str, f64, f64)]) {
     let rows: Vec<String> = pairs
         .iter()
@@ -1507,35 +1541,7 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
     // Beside x, a loses (0.3 each: the daemon declines it) and b gains (0.9 each).
     let (x, a, b) = ("itest-steer-x", "itest-steer-a", "itest-steer-b");
     import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
-    // Every slot of both nodes runs an x; one on n1 ends when the test says so.
-    let release = c.path("steer-release");
-    let _ = std::fs::remove_file(&release);
-    let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
-    let mut jobs = Vec::new();
-    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
-        let script = if jobs.len() == 7 {
-            wait_for_release.clone()
-        } else {
-            "sleep 120".to_string()
-        };
-        jobs.push(c.submit(&[
-            &format!("--multiplex=app={x}"),
-            "--gres=gpu:1",
-            "-w",
-            node,
-            &out_arg(&c, "steer"),
-            "--wrap",
-            &script,
-        ]));
-    }
-    let mut cancel = multiplex_tests::Cancel(jobs.clone());
-    assert!(
-        wait_until(WAIT, || jobs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
-        "every slot runs an x: {:?}",
-        jobs.iter()
-            .map(|&j| c.show_job(j)["JobState"].clone())
-            .collect::<Vec<_>>()
-    );
+    let (mut cancel, release) = fill_every_slot(&c, x, "steer", 120);
     // a first in Slurm's order, then b; neither may start before the short x ends.
     let pending: Vec<u32> = [a, b]
         .iter()
@@ -1596,35 +1602,8 @@ fn a_node_that_would_decline_every_pending_job_closes_to_slurm_until_it_would_ta
     // Beside x, a loses (0.3 each: the daemon would decline it) and b gains (0.9 each).
     let (x, a, b) = ("itest-close-x", "itest-close-a", "itest-close-b");
     import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
-    // Every slot of both nodes runs an x; one on n1 ends when the test says so.
-    let release = c.path("close-release");
-    let _ = std::fs::remove_file(&release);
-    let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
-    let mut jobs = Vec::new();
-    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
-        let script = if jobs.len() == 7 {
-            wait_for_release.clone()
-        } else {
-            "sleep 150".to_string()
-        };
-        jobs.push(c.submit(&[
-            &format!("--multiplex=app={x}"),
-            "--gres=gpu:1",
-            "-w",
-            node,
-            &out_arg(&c, "close"),
-            "--wrap",
-            &script,
-        ]));
-    }
-    let mut cancel = multiplex_tests::Cancel(jobs.clone());
-    assert!(
-        wait_until(WAIT, || jobs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")),
-        "every slot runs an x: {:?}",
-        jobs.iter()
-            .map(|&j| c.show_job(j)["JobState"].clone())
-            .collect::<Vec<_>>()
-    );
+    let (mut cancel, release) = fill_every_slot(&c, x, "close", 150);
+    let jobs = cancel.0.clone();
     let ja = c.submit(&[
         &format!("--multiplex=app={a}"),
         "--gres=gpu:1",

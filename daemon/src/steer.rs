@@ -1221,24 +1221,41 @@ mod tests {
             ],
         };
         node.import(&export).unwrap();
-        let placed = node
-            .place(&multiplex_protocol::PlaceRequest {
-                job_id: 7,
-                step_id: 0,
-                uid: 0,
-                app: "x".into(),
-                mem_mb: None,
-                node: "n1".into(),
-                slurm_cuda_visible_devices: None,
-                slurm_job_gpus: None,
-                slurm_shards_on_node: None,
-                restarts: 0,
-                cannot_wait: false,
-                admin_comment: None,
-            })
-            .unwrap();
-        assert!(matches!(placed, multiplex_protocol::Response::Placed(_)), "{placed:?}");
+        place_x(&mut node, 7, false);
         node
+    }
+
+    /// Places job `job_id` of `x` on n1 (`cannot_wait`: wherever it fits, whatever the pair).
+    fn place_x(node: &mut Node, job_id: u32, cannot_wait: bool) {
+        let placed = node.place(&multiplex_protocol::PlaceRequest {
+            job_id,
+            step_id: 0,
+            uid: 0,
+            app: "x".into(),
+            mem_mb: None,
+            node: "n1".into(),
+            slurm_cuda_visible_devices: None,
+            slurm_job_gpus: None,
+            slurm_shards_on_node: None,
+            restarts: 0,
+            cannot_wait,
+            admin_comment: None,
+        });
+        assert!(
+            matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),
+            "{placed:?}"
+        );
+    }
+
+    /// Steering of n1 with `config`, through these commands (no sinfo).
+    fn steering(config: SteerConfig, squeue: PathBuf, scontrol: PathBuf) -> Steering {
+        Steering {
+            config,
+            node: "n1".into(),
+            sinfo: PathBuf::from("/nonexistent/sinfo"),
+            squeue,
+            scontrol,
+        }
     }
 
     #[test]
@@ -1261,17 +1278,12 @@ mod tests {
                  case \"$*\" in create*) [ -e {d}/kept ] || {{ touch {d}/kept; echo 'Error creating the reservation: Duplicate reservation name' >&2; exit 1; }} ;; esac\n"
             ),
         );
-        let s = Steering {
-            config: SteerConfig {
-                lookahead: 8,
-                close: true,
-                ..SteerConfig::default()
-            },
-            node: "n1".into(),
-            sinfo: PathBuf::from("/nonexistent/sinfo"),
-            squeue,
-            scontrol,
+        let close = SteerConfig {
+            lookahead: 8,
+            close: true,
+            ..SteerConfig::default()
         };
+        let s = steering(close, squeue, scontrol);
         let node = Mutex::new(node_beside_x());
         let mut deferred = HashMap::new();
         let mut closed = None;
@@ -1319,25 +1331,8 @@ mod tests {
         assert_eq!(closed, None);
         // Full (a second x): closed ahead of a freed slot while a would be declined whichever
         // x ends, and opened again when b, which either freed slot would take, comes first.
-        let placed = node.lock().unwrap().place(&multiplex_protocol::PlaceRequest {
-            job_id: 8,
-            step_id: 0,
-            uid: 0,
-            app: "x".into(),
-            mem_mb: None,
-            node: "n1".into(),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
-            restarts: 0,
-            // x beside x was never seen: placed all the same.
-            cannot_wait: true,
-            admin_comment: None,
-        });
-        assert!(
-            matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),
-            "{placed:?}"
-        );
+        // x beside x was never seen: placed all the same.
+        place_x(&mut node.lock().unwrap(), 8, true);
         let mut full = false;
         queue("20|0|9|Resources|1|multiplex:app=a\n");
         std::fs::write(dir.path().join("calls"), "").unwrap();
@@ -1547,17 +1542,11 @@ mod tests {
             "scontrol",
             &format!("echo \"$*\" >>{d}/nice\necho \"scontrol $*\" >>{d}/calls\n"),
         );
-        let s = Steering {
-            config: SteerConfig {
-                lookahead: 8,
-                defer: false,
-                ..SteerConfig::default()
-            },
-            node: "n1".into(),
-            sinfo: PathBuf::from("/nonexistent/sinfo"),
-            squeue,
-            scontrol,
+        let steer = SteerConfig {
+            lookahead: 8,
+            ..SteerConfig::default()
         };
+        let s = steering(steer, squeue, scontrol);
         let node = Mutex::new(node_beside_x());
         let mut deferred = HashMap::new();
         let r = steer_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING)
