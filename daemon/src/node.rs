@@ -442,11 +442,7 @@ impl Node {
             .bypasses
             .choose(&ids, |reach| Ok::<_, HistoryError>(placement::steer(&offers[..reach])))?;
         let defer = (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect();
-        // A job no GPU here could ever hold is let through too: declined for good, it fails at
-        // once with the reason instead of waiting for a node that stays closed to it.
-        let take = (0..offers.len())
-            .filter(|&i| matches!(offers[i], Offer::Gain(_) | Offer::Never))
-            .collect();
+        let take = (0..offers.len()).filter(|&i| offers[i].admits()).collect();
         Ok(Steering { raise, defer, take })
     }
 
@@ -467,16 +463,13 @@ impl Node {
                 after.push(one_less);
             }
         }
-        let mut take = Vec::new();
+        let mut admits = vec![false; pending.len()];
         for offers in self.offers_on(&after, pending)? {
             for (i, o) in offers.iter().enumerate() {
-                if matches!(o, Offer::Gain(_) | Offer::Never) && !take.contains(&i) {
-                    take.push(i);
-                }
+                admits[i] |= o.admits();
             }
         }
-        take.sort_unstable();
-        Ok(take)
+        Ok((0..pending.len()).filter(|&i| admits[i]).collect())
     }
 
     /// [`placement::offers`] over the history, for `pending`.

@@ -398,6 +398,14 @@ pub enum Offer {
     Never,
 }
 
+impl Offer {
+    /// Whether Slurm may start the job here: placed, or declined for good (it then fails at
+    /// once with the reason rather than wait for a node that would never take it).
+    pub fn admits(self) -> bool {
+        matches!(self, Offer::Gain(_) | Offer::Never)
+    }
+}
+
 /// [`place`]'s answer for each of `pending` on this node now. `history` must hold what
 /// [`wanted`] asks for each of them.
 pub fn offers(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knobs: Knobs) -> Vec<Offer> {

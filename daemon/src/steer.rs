@@ -10,11 +10,11 @@
 //! node would decline now it defers (`[steer] defer`): their `StartTime` is set `hold_s` ahead,
 //! renewed while this node would still decline them, and set to now once it would take them.
 //! A decline that costs no launch, no prolog and no requeue. With `[steer] close`, a node that
-//! has a free slot and would not take the job Slurm starts next (after its raise, if any:
-//! none of the first `lookahead` it could raise) closes itself to Slurm instead (a reservation `multiplex-<node>` of itself, for root, with
-//! `IGNORE_JOBS`), renews that while it lasts, and deletes it as soon as it would take one
-//! (after raising that one) or has no free slot: a node that would refuse every newcomer is not
-//! offered them one by one to decline each.
+//! would not take the job Slurm starts next (after its own raise, if any) on its free slot, or,
+//! when full, on whichever slot frees first, closes itself to Slurm instead (a reservation
+//! `multiplex-<node>` of itself, for root, with `IGNORE_JOBS`), renews that while it lasts, and
+//! deletes it as soon as it would take that job (after raising it): a node that would refuse
+//! every newcomer is not offered them one by one to decline each.
 //!
 //! Bounds (fail-open):
 //! - only among the first `lookahead` jobs of Slurm's order, so fair-share, QOS and limits keep
@@ -263,7 +263,7 @@ fn set_nice(scontrol: &Path, job_id: u32, nice: i64) -> Result<(), String> {
 }
 
 /// The name of the reservation that closes `node` to Slurm.
-pub fn closure_name(node: &str) -> String {
+fn closure_name(node: &str) -> String {
     format!("multiplex-{node}")
 }
 
@@ -703,20 +703,19 @@ fn steer_once(
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
+    // The slot may have been taken since the poke: with no slot free, nothing is steered and
+    // no job needs deferring. A full node that would decline the job Slurm starts next
+    // whichever of its jobs ends is closed now: Slurm may start that job on the freed slot
+    // before slurmstepd tells the daemon of the end (seen on 24.11).
     *full = {
         let load = node.lock().unwrap_or_else(|p| p.into_inner()).load();
         let load = load.map_err(|e| e.to_string())?;
         load.used >= load.total
     };
+    let is_full = *full;
     let decided = decide(&queued, s.config.lookahead, deferred, s.config.close, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-        // The slot may have been taken since the poke: with no slot free, nothing is
-        // steered and no job needs deferring. A full node that would decline the first jobs
-        // whichever of its jobs ends is closed now: Slurm may start one on the freed slot
-        // before slurmstepd tells the daemon of the end (seen on 24.11).
-        let load = node.load().map_err(|e| e.to_string())?;
-        *full = load.used >= load.total;
-        if *full {
+        if is_full {
             let take = if s.config.close {
                 node.takes_after_an_end(pending).map_err(|e| e.to_string())?
             } else {
@@ -734,8 +733,8 @@ fn steer_once(
         Ok(steering)
     })?;
     // A job this node declined that Slurm does not list yet (on its way back to the queue)
-    // is weighed once it is listed; until then an open node is not closed and a closed one
-    // not opened for want of candidates.
+    // is weighed once it is listed; until then a closed node is not opened for want of
+    // candidates.
     let listed: std::collections::HashSet<u32> = queued.iter().map(|q| q.job_id).collect();
     let in_transit = s.config.close && deferred.keys().any(|id| !listed.contains(id));
     tracing::debug!(
@@ -811,8 +810,8 @@ fn steer_once(
     raised
 }
 
-/// Closes this node to Slurm (`close`: it would take none of the first pending jobs), keeps
-/// it closed (renewed when its closure lapses within `renew_before`), or opens it. A failure
+/// Closes this node to Slurm (`close`: it would decline the job Slurm starts next), keeps it
+/// closed (renewed when its closure lapses within `renew_before`), or opens it. A failure
 /// leaves the node as it was, and says so: a closure lapses by itself.
 fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_before: Duration) {
     let now = Instant::now();
@@ -823,7 +822,7 @@ fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_be
             Ok(()) => {
                 tracing::debug!(
                     hold_s,
-                    "closure renewed: this node would still decline the first pending jobs"
+                    "closure renewed: this node would still decline the job Slurm starts next"
                 );
                 *closed = Some(now + Duration::from_secs(hold_s));
             }
@@ -842,7 +841,7 @@ fn set_closure(s: &Steering, closed: &mut Option<Instant>, close: bool, renew_be
         },
         (false, Some(_)) => match open_node(&s.scontrol, &s.node) {
             Ok(()) => {
-                tracing::info!("opened: this node would take the job Slurm starts next, or has no free slot");
+                tracing::info!("opened: this node would take the job Slurm starts next, or none is pending");
                 *closed = None;
             }
             Err(e) => tracing::warn!(error = %e, "cannot open this node; its closure lapses by itself"),

@@ -243,9 +243,7 @@ impl Policy for Oracle<'_> {
         } else {
             Vec::new()
         };
-        let take = (0..offers.len())
-            .filter(|&i| matches!(offers[i], Offer::Gain(_) | Offer::Never))
-            .collect();
+        let take = (0..offers.len()).filter(|&i| offers[i].admits()).collect();
         Ok(Steer { raise, defer, take })
     }
     fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {

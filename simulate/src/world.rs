@@ -352,13 +352,11 @@ pub fn run(
         if let Some(stuck) = watchdog.tick(now, e.job) {
             return Err(stuck.describe(trace));
         }
-        let mut review = false;
         match e.kind {
             Kind::Arrive => {
                 w.queue.insert(e.job);
-                review = true;
             }
-            Kind::Eligible => review = true,
+            Kind::Eligible => {}
             Kind::Closure(node, closure) => {
                 if w.closure[node] != closure || !w.closed[node] {
                     continue;
@@ -424,7 +422,7 @@ pub fn run(
         // Slurm tries a new or requeued job at once; the daemons of closed nodes see the queue
         // as it is after that (jobs that arrived, came back or started elsewhere) and open if
         // they would take one of its first.
-        if (review || w.closed.iter().any(|&c| c)) && w.closes {
+        if w.closes && w.closed.iter().any(|&c| c) {
             for node in 0..w.shape.nodes {
                 if w.closed[node] {
                     w.steer(now, node, policy)?;
