@@ -123,14 +123,29 @@ fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: 
     if let Err(e) = slurm_ffi::host::requeue(job_id) {
         return Declined::CannotWait(e);
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64)
+    };
     // The reason also goes into the job's admin comment, after the tag: the rerun truncates
     // the job's output, and `scontrol show job` then says why it waits.
     let why = format!("requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})");
     let note = with_note(comment, &why);
-    if let Err(e) = slurm_ffi::host::set_begin_time(job_id, now + i64::from(delay), Some(&note)) {
+    let begin = now() + i64::from(delay);
+    let mut set = slurm_ffi::host::set_begin_time(job_id, begin, Some(&note));
+    // A slow slurmctld (one that waited 5 s on a name lookup took that long to answer the
+    // update) may apply a start time that has already passed: when the requeue completes,
+    // Slurm replaces such a time by its own requeue delay (120 s by default), and the job
+    // would wait that long. Ask again, from now.
+    if set.is_ok() && now() >= begin {
+        log::info(&format!(
+            "{PREFIX}: job {job_id}: slurmctld took {} s to delay its next start; asking again",
+            now() - begin + i64::from(delay)
+        ));
+        set = slurm_ffi::host::set_begin_time(job_id, now() + i64::from(delay), None);
+    }
+    if let Err(e) = set {
         log::error(&format!(
             "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
         ));
