@@ -211,8 +211,14 @@ pub fn decide(
     };
     // The job Slurm starts next, once the raise is in: the node stays open only for it, and
     // for one that cannot be requeued (a decline fails it, with the reason, as without
-    // closing; a node closed to it would hold it back for good).
-    let next = if raise.is_some() { steering.raise } else { top };
+    // closing; a node closed to it would hold it back for good). With none startable now, it
+    // is the first waiting out a begin time that is not deferred again: a node that would take
+    // a declined job back when its wait ends does not close to it meanwhile.
+    let next = if raise.is_some() {
+        steering.raise
+    } else {
+        top.or_else(|| first.iter().position(|q| !defer.contains(&q.job_id)))
+    };
     let open_for = |n: usize| steering.take.contains(&n) || first.get(n).is_some_and(|q| !q.requeue);
     Ok(Decided {
         raise,
@@ -1382,6 +1388,31 @@ mod tests {
         q[0].requeue = false;
         let d = decide(&q, 8, &none, true, |_| Ok(placement::Steering::default())).unwrap();
         assert!(!d.close);
+    }
+
+    #[test]
+    fn a_node_stays_open_for_a_declined_job_it_would_take_when_its_wait_ends() {
+        // Job 6 was declined here (the node was full) and waits out its begin time; nothing
+        // else is pending. The node emptied meanwhile.
+        let mut q = [queued(6, 0, 100, Some("a"), false)];
+        q[0].begin_time = true;
+        let ours = HashMap::from([(6, Instant::now() + Duration::from_secs(5))]);
+        let decided = |take: Vec<usize>, defer: Vec<usize>| {
+            decide(&q, 8, &ours, true, move |_| {
+                Ok(placement::Steering {
+                    raise: None,
+                    defer,
+                    take,
+                })
+            })
+            .unwrap()
+        };
+        // It would take the job when its wait ends: open.
+        assert!(!decided(vec![0], vec![]).close);
+        // It would still decline it: closed, so that Slurm does not start it here to be
+        // declined again.
+        assert!(decided(vec![], vec![0]).close);
+        assert!(decided(vec![], vec![]).close);
     }
 
     #[test]

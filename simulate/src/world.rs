@@ -677,9 +677,14 @@ impl World<'_> {
                 self.bump(j);
             }
         }
-        // Open only while the node would take the job Slurm starts next (after the raise).
+        // Open only while the node would take the job Slurm starts next (after the raise);
+        // with none eligible now, the first waiting out a decline that it does not defer again.
         if self.closes {
-            let head = self.pending(now, 1).first().copied();
+            let head = self.pending(now, 1).first().copied().or_else(|| {
+                (0..pending.len())
+                    .find(|i| !steer.defer.contains(i))
+                    .map(|i| pending[i])
+            });
             let close = !head.is_some_and(|h| steer.take.iter().any(|&i| pending.get(i) == Some(&h)));
             if close && !self.closed[node] {
                 self.closed[node] = true;
