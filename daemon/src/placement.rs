@@ -62,6 +62,9 @@ pub struct Estimates {
     pairs: HashMap<String, HashMap<String, HashMap<String, PairEstimate>>>,
     /// GPU model, then application.
     apps: HashMap<String, HashMap<String, AppProfile>>,
+    /// GPU model: the sum of every learned speed there (both sides of each pair that ran
+    /// together), and how many those are.
+    learned: HashMap<String, (f64, u32)>,
 }
 
 impl Estimates {
@@ -96,7 +99,30 @@ impl Estimates {
             .copied()
             .unwrap_or_default()
     }
+
+    /// Adds what was learned of all pairs on `model`: the sum of the learned speeds and how
+    /// many those are.
+    pub fn insert_learned(&mut self, model: &str, sum: f64, speeds: u32) {
+        self.learned.insert(model.to_string(), (sum, speeds));
+    }
+
+    /// What a job is expected to run at beside a partner on `model` when nothing sets the pair
+    /// apart: the mean of every speed learned there, weighed against `prior` as
+    /// [`CENTER_PRIOR_WEIGHT`] speeds; and how many learned speeds that rests on. Where few
+    /// pairs gain, it falls, and pairs never tried stop looking like gains; where most do, it
+    /// rises.
+    pub fn center(&self, model: &str, prior: f64) -> (f64, u32) {
+        let (sum, n) = self.learned.get(model).copied().unwrap_or((0.0, 0));
+        (
+            (sum + CENTER_PRIOR_WEIGHT * prior) / (f64::from(n) + CENTER_PRIOR_WEIGHT),
+            n,
+        )
+    }
 }
+
+/// Speeds' worth of weight `unknown_pair_speed` keeps against what a GPU model's learned pairs
+/// say of a typical pair.
+pub const CENTER_PRIOR_WEIGHT: f64 = 4.0;
 
 /// What a decision will read: the pairs (`model`, `app`, `other`) and the applications
 /// (`model`, `app`). Built by [`wanted`] (or by hand, for other questions), loaded by the
@@ -169,9 +195,22 @@ pub fn estimate(
 /// The speed of `app` beside `other` never seen together, from an additive model (the
 /// history's [`crate::learn::fit_effects`]): how `app` fares beside a typical partner plus how
 /// `other` changes its partners' speeds.
+///
+/// The additive model is fitted around `prior`, each application's effect pulled towards none;
+/// here it is pulled towards what this GPU model's pairs do instead ([`Estimates::center`]),
+/// by the same weight.
 fn unseen(history: &Estimates, model: &str, app: &str, other: &str, prior: f64) -> (f64, String) {
+    let (center, learned) = history.center(model, prior);
     let (base, mut why) = match history.app(model, app).base {
-        Some((s, n)) if n > 0 => (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs")),
+        Some((s, n)) if n > 0 => {
+            let ridge = crate::learn::EFFECT_RIDGE;
+            let s = s + (center - prior) * ridge / (f64::from(n) + ridge);
+            (s, format!("never seen together, {s:.2} from {app}'s {n} other pairs"))
+        }
+        _ if learned > 0 => (
+            center,
+            format!("never seen together, assumed {center:.2} from {learned} speeds learned on this GPU model"),
+        ),
         _ => (prior, format!("never seen together, assumed {prior:.2}")),
     };
     let impact = match history.app(model, other).impact {
@@ -244,7 +283,24 @@ struct Scored {
     speed: f64,
     gain: f64,
     residents: usize,
+    /// Some resident was never seen with the newcomer.
+    untried: bool,
     reason: String,
+}
+
+impl Scored {
+    /// The least gain this share is taken for: `min_gain` for pairs seen before; for one
+    /// never tried, any gain at all. `min_gain` holds a slot for a better partner the history
+    /// knows of; a pair never tried is also how the history learns, and its estimate comes
+    /// from what this GPU model's pairs do ([`Estimates::center`]): where few pairs gain,
+    /// none is tried; where most do, as before.
+    fn least_gain(&self, min_gain: f64) -> f64 {
+        if self.untried {
+            0.0
+        } else {
+            min_gain
+        }
+    }
 }
 
 /// The newcomer's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` where the site runs MPS: its share of
@@ -300,14 +356,21 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
     match best {
         // Sharing for less than this leaves the slot to a later job that pairs better (Slurm
         // offers it to the next queued job at once) or to this one when a GPU frees.
-        Some(s) if knobs.min_gain > 0.0 && s.residents > 0 && s.gain < knobs.min_gain => Decision::Decline {
-            reason: format!(
-                "sharing the best GPU here would gain {:.2} of a GPU's throughput, less than the {:.2} \
-                 worth sharing for ({}): waiting for a better partner or a free GPU",
-                s.gain, knobs.min_gain, s.reason
-            ),
-            may_retry: true,
-        },
+        Some(s) if knobs.min_gain > 0.0 && s.residents > 0 && s.gain < s.least_gain(knobs.min_gain) => {
+            let least = if s.untried {
+                "nothing, for a pair never tried,".to_string()
+            } else {
+                format!("the {:.2}", knobs.min_gain)
+            };
+            Decision::Decline {
+                reason: format!(
+                    "sharing the best GPU here would gain {:.2} of a GPU's throughput, less than {least} \
+                     worth sharing for ({}): waiting for a better partner or a free GPU",
+                    s.gain, s.reason
+                ),
+                may_retry: true,
+            }
+        }
         Some(s) => Decision::Place {
             gpu: s.gpu,
             corunners: s.corunners,
@@ -473,6 +536,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             speed: 1.0,
             gain: 1.0,
             residents: 0,
+            untried: false,
             reason: format!("GPU {} is free: runs alone", gpu.index),
         });
     }
@@ -480,6 +544,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
     let mut speed = 1.0;
     let mut gain = 0.0;
     let mut safe = 1.0;
+    let mut untried = false;
     let mut notes = Vec::new();
     for r in &gpu.residents {
         let (mine, est, why) = estimate(history, &gpu.model, job.app, &r.app, prior);
@@ -491,6 +556,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
         }
         if est.is_none_or(|e| e.observations == 0) {
             safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
+            untried = true;
         }
         let theirs = match est {
             Some(e) => e.other_speed,
@@ -531,6 +597,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
         speed,
         gain,
         residents: gpu.residents.len(),
+        untried,
         reason,
     })
 }
@@ -824,6 +891,67 @@ mod tests {
                 assert!((predicted_speed - KNOBS.unknown_pair_speed).abs() < 1e-9);
                 assert!(reason.contains("never seen together, assumed 0.70"), "{reason}");
             }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn where_learned_pairs_rarely_gain_a_pair_never_seen_is_not_taken_for_a_gain() {
+        let min_gain = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        // A GPU model where the 96 speeds learned so far average 0.45: a pair never seen,
+        // of applications nothing is known of, is expected at (96 x 0.45 + 4 x 0.7) / 100.
+        let mut h = Estimates::default();
+        h.insert_learned("v100", 96.0 * 0.45, 96);
+        let center = (96.0 * 0.45 + CENTER_PRIOR_WEIGHT * 0.7) / (96.0 + CENTER_PRIOR_WEIGHT);
+        let (speed, _, why) = estimate(&h, "v100", "new", "other", 0.7);
+        assert!((speed - center).abs() < 1e-9, "{speed}");
+        assert!(
+            why.contains("assumed 0.46 from 96 speeds learned on this GPU model"),
+            "{why}"
+        );
+        // So a newcomer waits for a free GPU rather than share with a stranger.
+        let gpus = [gpu(0, &[(1, "other")]), gpu(1, &[(2, "x"), (3, "y")])];
+        let newcomer = Newcomer {
+            app: "new",
+            mem_mb: None,
+        };
+        assert!(matches!(
+            place(&gpus, &newcomer, &h, min_gain),
+            Decision::Decline { .. }
+        ));
+        // With nothing learned on the model the prior stands, and the pair is tried.
+        assert!(matches!(
+            place(&gpus, &newcomer, &Estimates::default(), min_gain),
+            Decision::Place { gpu: 0, .. }
+        ));
+        // An application's own effect is pulled towards that mean, not towards the prior:
+        // 0.60 from 2 pairs, with a ridge of 2 pairs, moves half the way from 0.7 to 0.46.
+        h.insert_app(
+            "v100",
+            "new",
+            AppProfile {
+                base: Some((0.6, 2)),
+                ..Default::default()
+            },
+        );
+        let (speed, _, _) = estimate(&h, "v100", "new", "other", 0.7);
+        assert!((speed - (0.6 + (center - 0.7) / 2.0)).abs() < 1e-9, "{speed}");
+
+        // Where learned pairs average 0.6, a pair never tried is expected to gain 0.2: below
+        // min_gain, which holds a slot for a better partner the history knows of, but a gain,
+        // and trying it is how the history learns. A known pair gaining as little waits.
+        let mut h = Estimates::default();
+        h.insert_learned("v100", 1000.0 * 0.6, 1000);
+        match place(&gpus, &newcomer, &h, min_gain) {
+            Decision::Place { gpu, gain, .. } => assert!(gpu == 0 && (gain - 0.2).abs() < 0.01, "{gain}"),
+            other => panic!("{other:?}"),
+        }
+        let h = Table::default().with("new", "other", 0.6, 0.6, false);
+        match place(&gpus, &newcomer, &h, min_gain) {
+            Decision::Decline { reason, .. } => assert!(reason.contains("less than the 0.25"), "{reason}"),
             other => panic!("{other:?}"),
         }
     }

@@ -4,6 +4,7 @@
 use super::{History, HistoryError};
 use crate::placement::{AppProfile, Estimates, PairEstimate, Wanted};
 use rusqlite::{params, OptionalExtension};
+use std::collections::BTreeSet;
 
 impl History {
     /// What the history knows of the pairs and applications `wanted` names.
@@ -36,6 +37,23 @@ impl History {
              LEFT JOIN app_means m ON m.app_id = a.id AND m.gpu_model = ?1
              WHERE a.name = ?2",
         )?;
+        // What every learned pair of each model says of a typical pair: app_means holds each
+        // application's mean learned speed and how many pairs it rests on.
+        let mut learned = self
+            .conn
+            .prepare_cached("SELECT total(mean * pairs), total(pairs) FROM app_means WHERE gpu_model = ?1")?;
+        let models: BTreeSet<&String> = wanted
+            .apps
+            .iter()
+            .map(|(m, _)| m)
+            .chain(wanted.pairs.iter().map(|(m, _, _)| m))
+            .collect();
+        for model in models {
+            let (sum, n): (f64, f64) = learned.query_row(params![model], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            if n > 0.0 {
+                out.insert_learned(model, sum, n as u32);
+            }
+        }
         for (model, app) in &wanted.apps {
             let found = profile
                 .query_row(params![model, app], |r| {
