@@ -283,6 +283,23 @@ fn a_job_no_gpu_here_could_ever_hold_fails_with_the_reason() {
     assert!(!state.starts_with("drain"), "n1 is {state}");
 }
 
+/// Submits `n` jobs (`args(i)` for the i-th) held, then releases them with one scontrol call:
+/// slurmctld starts them within a second, before any daemon has looked at the queue or
+/// published anything. They are cancelled when the second value drops.
+fn submit_at_once(c: &Cluster, n: usize, args: impl Fn(usize) -> Vec<String>) -> (Vec<u32>, multiplex_tests::Cancel) {
+    let jobs: Vec<u32> = (0..n)
+        .map(|i| {
+            let mut a = args(i);
+            a.insert(0, "--hold".into());
+            c.submit(&a.iter().map(String::as_str).collect::<Vec<_>>())
+        })
+        .collect();
+    let cancel = multiplex_tests::Cancel(jobs.clone());
+    let ids: Vec<String> = jobs.iter().map(u32::to_string).collect();
+    c.scontrol(&["release", &ids.join(",")]).unwrap();
+    (jobs, cancel)
+}
+
 /// Two 12 GiB jobs of `secs` seconds that take both 16 GiB GPUs of n1 memory-wise (Slurm still
 /// has shards free there), once both run.
 fn fill_the_memory_of_n1(c: &Cluster, tag: &str, secs: u32) -> Vec<u32> {
@@ -315,24 +332,18 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
     // looked at the queue, so one of them is declined. (Started one at a time, the third would
     // find n1 closed to Slurm instead: see the closure test.) The other two run 12 s, long
     // enough for it to be declined twice, usually.
-    let jobs: Vec<u32> = (0..3)
-        .map(|_| {
-            c.submit(&[
-                "--multiplex=app=itest-waits,mem=12G",
-                "--gres=gpu:1",
-                "-w",
-                "n1",
-                "--hold",
-                "--open-mode=append",
-                &out_arg(&c, "waits"),
-                "--wrap",
-                &format!("{ENV_DUMP}; sleep 12"),
-            ])
-        })
-        .collect();
-    let _cancel = multiplex_tests::Cancel(jobs.clone());
-    let ids: Vec<String> = jobs.iter().map(u32::to_string).collect();
-    c.scontrol(&["release", &ids.join(",")]).unwrap();
+    let (jobs, _cancel) = submit_at_once(&c, 3, |_| {
+        vec![
+            "--multiplex=app=itest-waits,mem=12G".into(),
+            "--gres=gpu:1".into(),
+            "-w".into(),
+            "n1".into(),
+            "--open-mode=append".into(),
+            out_arg(&c, "waits"),
+            "--wrap".into(),
+            format!("{ENV_DUMP}; sleep 12"),
+        ]
+    });
     let requeued = || jobs.iter().copied().find(|&j| c.show_job(j)["Restarts"] != "0");
     assert!(
         wait_until(WAIT, || requeued().is_some()),
@@ -1052,21 +1063,15 @@ fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
     // 2 x N jobs on N nodes x 2 GPUs x 2 slots, held and then released by one scontrol call:
     // slurmctld starts them within a second (22.05 in one pass; 24.11 releases them one by
     // one and may allocate each at once), before any daemon has published anything.
-    let jobs: Vec<u32> = (0..2 * nodes.len())
-        .map(|i| {
-            c.submit(&[
-                &format!("--multiplex=app=itest-burst{i}"),
-                "--gres=gpu:1",
-                "--hold",
-                &out_arg(&c, "burst"),
-                "--wrap",
-                &format!("{ENV_DUMP}; sleep 90"),
-            ])
-        })
-        .collect();
-    let cancel = multiplex_tests::Cancel(jobs.clone());
-    let ids: Vec<String> = jobs.iter().map(u32::to_string).collect();
-    c.scontrol(&["release", &ids.join(",")]).unwrap();
+    let (jobs, cancel) = submit_at_once(&c, 2 * nodes.len(), |i| {
+        vec![
+            format!("--multiplex=app=itest-burst{i}"),
+            "--gres=gpu:1".into(),
+            out_arg(&c, "burst"),
+            "--wrap".into(),
+            format!("{ENV_DUMP}; sleep 90"),
+        ]
+    });
     let mut gpus = std::collections::BTreeMap::new();
     for &job in &jobs {
         assert!(
