@@ -322,21 +322,12 @@ impl Load {
 }
 
 fn place(job_id: u32) -> Request {
+    // An application per job: the restarts' compaction (which keeps each application's
+    // latest jobs) then deletes no job the restart check counts.
     Request::Place(PlaceRequest {
-        job_id,
         step_id: 0xffff_fffb,
-        uid: 1000,
-        // An application per job: the restarts' compaction (which keeps each application's
-        // latest jobs) then deletes no job the restart check counts.
-        app: format!("app{job_id}"),
-        mem_mb: None,
-        node: "n1".into(),
-        slurm_cuda_visible_devices: None,
-        slurm_job_gpus: None,
-        slurm_shards_on_node: None,
-        restarts: 0,
         cannot_wait: true,
-        admin_comment: None,
+        ..PlaceRequest::new(job_id, 1000, format!("app{job_id}"), "n1")
     })
 }
 

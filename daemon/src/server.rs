@@ -393,20 +393,7 @@ mod tests {
     }
 
     fn place() -> Request {
-        Request::Place(PlaceRequest {
-            job_id: 1,
-            step_id: 0,
-            uid: 1000,
-            app: "a".into(),
-            mem_mb: None,
-            node: "n1".into(),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
-            restarts: 0,
-            cannot_wait: false,
-            admin_comment: None,
-        })
+        Request::Place(PlaceRequest::new(1, 1000, "a", "n1"))
     }
 
     #[test]

@@ -1233,18 +1233,8 @@ mod tests {
     /// Places job `job_id` of `x` on n1 (`cannot_wait`: wherever it fits, whatever the pair).
     fn place_x(node: &mut Node, job_id: u32, cannot_wait: bool) {
         let placed = node.place(&multiplex_protocol::PlaceRequest {
-            job_id,
-            step_id: 0,
-            uid: 0,
-            app: "x".into(),
-            mem_mb: None,
-            node: "n1".into(),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
-            restarts: 0,
             cannot_wait,
-            admin_comment: None,
+            ..multiplex_protocol::PlaceRequest::new(job_id, 0, "x", "n1")
         });
         assert!(
             matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),

@@ -178,20 +178,7 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
     }
     assert!(up, "multiplexd did not come up");
     for (job_id, uid) in [(7, 65534), (8, 1000)] {
-        let req = PlaceRequest {
-            job_id,
-            step_id: 0,
-            uid,
-            app: "bert".into(),
-            mem_mb: None,
-            node: "n1".into(),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
-            restarts: 0,
-            cannot_wait: false,
-            admin_comment: None,
-        };
+        let req = PlaceRequest::new(job_id, uid, "bert", "n1");
         assert!(matches!(
             client::call(&socket, t, Request::Place(req)),
             Ok(Response::Placed(_))

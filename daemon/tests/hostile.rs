@@ -140,20 +140,7 @@ impl Drop for InProcess {
 }
 
 fn place(job_id: u32) -> Request {
-    Request::Place(PlaceRequest {
-        job_id,
-        step_id: 0,
-        uid: 1000,
-        app: "a".into(),
-        mem_mb: None,
-        node: "n1".into(),
-        slurm_cuda_visible_devices: None,
-        slurm_job_gpus: None,
-        slurm_shards_on_node: None,
-        restarts: 0,
-        cannot_wait: false,
-        admin_comment: None,
-    })
+    Request::Place(PlaceRequest::new(job_id, 1000, "a", "n1"))
 }
 
 /// What the daemon sent on `s` within a short while: `Some(text)` of an error answer, `None`

@@ -113,6 +113,29 @@ pub struct PlaceRequest {
     pub admin_comment: Option<String>,
 }
 
+impl PlaceRequest {
+    /// Step 0 of job `job_id` of `app`, by `uid`, on `node`, with nothing else known: no
+    /// memory hint, no GPU Slurm bound, no restarts, no admin comment. What the simulator
+    /// asks, and the base of tests' requests (`PlaceRequest { cannot_wait: true,
+    /// ..PlaceRequest::new(..) }`).
+    pub fn new(job_id: u32, uid: u32, app: impl Into<String>, node: impl Into<String>) -> Self {
+        PlaceRequest {
+            job_id,
+            step_id: 0,
+            uid,
+            app: app.into(),
+            mem_mb: None,
+            node: node.into(),
+            slurm_cuda_visible_devices: None,
+            slurm_job_gpus: None,
+            slurm_shards_on_node: None,
+            restarts: 0,
+            cannot_wait: false,
+            admin_comment: None,
+        }
+    }
+}
+
 /// A job step's end.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FinishRequest {

@@ -533,18 +533,8 @@ impl Policy for Learned<'_> {
     fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         self.at(now)?;
         let req = PlaceRequest {
-            job_id: job.id,
-            step_id: 0,
-            uid: 0,
-            app: self.table.apps[job.app].clone(),
-            mem_mb: None,
-            node: format!("sim{node}"),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
             restarts: job.restarts,
-            cannot_wait: false,
-            admin_comment: None,
+            ..PlaceRequest::new(job.id, 0, self.table.apps[job.app].clone(), format!("sim{node}"))
         };
         let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
         match answer {
