@@ -80,6 +80,7 @@ struct RawSteer {
     hold_s: Option<u64>,
     defer: Option<bool>,
     close: Option<bool>,
+    look_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -379,7 +380,14 @@ impl Config {
             hold_s: raw.steer.hold_s.unwrap_or(dst.hold_s),
             defer: raw.steer.defer.unwrap_or(dst.defer),
             close: raw.steer.close.unwrap_or(dst.close),
+            look_ms: raw.steer.look_ms.unwrap_or(dst.look_ms),
         };
+        if !(MIN_LOOK_MS..=MAX_LOOK_MS).contains(&steer.look_ms) {
+            return Err(format!(
+                "steer.look_ms = {}: must be between {MIN_LOOK_MS} and {MAX_LOOK_MS} (milliseconds between looks at the queue)",
+                steer.look_ms
+            ));
+        }
         if steer.close && steer.lookahead == 0 {
             return Err(
                 "steer.close = true needs steer.lookahead: the node closes when it would take none of the first `lookahead` pending jobs next"
@@ -599,6 +607,10 @@ impl Default for ReconcileConfig {
 
 /// The most pending jobs queue-level choice weighs at once.
 pub const MAX_LOOKAHEAD: usize = 64;
+/// Bounds of `[steer] look_ms`: below 100 ms the daemon's squeue calls would load
+/// slurmctld; above a minute a closed node would stay closed to a job it would take.
+pub const MIN_LOOK_MS: u64 = 100;
+pub const MAX_LOOK_MS: u64 = 60_000;
 
 /// Queue-level choice ([`crate::steer`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -620,6 +632,9 @@ pub struct SteerConfig {
     /// multiplexed jobs (a reservation of the node for `hold_s`, renewed while that lasts,
     /// deleted as soon as it would take the next job).
     pub close: bool,
+    /// Milliseconds between looks at the queue while this node is closed, or full with
+    /// `close` on (a job that arrived and that this node would take opens it within this long).
+    pub look_ms: u64,
 }
 
 impl Default for SteerConfig {
@@ -630,6 +645,7 @@ impl Default for SteerConfig {
             hold_s: 60,
             defer: false,
             close: false,
+            look_ms: 5000,
         }
     }
 }
@@ -698,7 +714,8 @@ mod tests {
                 partition: "gpu-shared".into(),
                 hold_s: 30,
                 defer: false,
-                close: false
+                close: false,
+                look_ms: 5000
             }
         );
         for (bad, says) in [
@@ -708,6 +725,8 @@ mod tests {
             ("partition = \"\"", "one partition"),
             ("hold_s = 0", "steer.hold_s = 0"),
             ("close = true", "needs steer.lookahead"),
+            ("look_ms = 99", "steer.look_ms = 99: must be between 100 and 60000"),
+            ("look_ms = 60001", "steer.look_ms = 60001"),
             ("jobs = 3", "unknown field"),
         ] {
             let e = Config::parse(&format!("{base}[steer]\n{bad}\n")).unwrap_err();
@@ -720,11 +739,12 @@ mod tests {
             .replace("# partition = \"shared\"", "partition = \"shared\"")
             .replace("# hold_s = 60", "hold_s = 60")
             .replace("# defer = false", "defer = true")
-            .replace("# close = false", "close = true");
+            .replace("# close = false", "close = true")
+            .replace("# look_ms = 5000", "look_ms = 250");
         let e = Config::parse(&example).unwrap().steer;
         assert_eq!(
-            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer, e.close),
-            (8, "shared", 60, true, true)
+            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer, e.close, e.look_ms),
+            (8, "shared", 60, true, true, 250)
         );
         // Read at start only: a reload says it needs a restart.
         let r = Config::parse(base).unwrap().reload(&c).unwrap();

@@ -46,9 +46,6 @@ const MAX_NICE: i64 = 2_147_483_645;
 const HOUSEKEEPING: Duration = Duration::from_secs(2);
 /// How often the queue is looked at while a deferral is due for renewal.
 const DUE_EVERY: Duration = Duration::from_millis(250);
-/// How often the queue is looked at while the node is closed (`[steer] close`): a job that
-/// arrived, or moved up the queue, and that this node would take opens it within this long.
-const CLOSED_LOOK_EVERY: Duration = Duration::from_secs(5);
 
 /// A pending job of the shared partition, as squeue lists it.
 #[derive(Debug, Clone, PartialEq)]
@@ -569,6 +566,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     // A deferral is renewed this long before it lapses (if this node would still decline the
     // job), so that Slurm never sees it lapse in between.
     let renew_before = (hold / 4).max(HOUSEKEEPING);
+    let closed_look_every = Duration::from_millis(s.config.look_ms);
     loop {
         let (free, stop) = {
             let mut sig = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -594,7 +592,10 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     let every = if due {
                         DUE_EVERY
                     } else if raised.is_empty() && deferred.is_empty() {
-                        CLOSED_LOOK_EVERY
+                        // Closed (`[steer] close`), or full with close on: a job that
+                        // arrived, or moved up the queue, and that this node would take
+                        // opens it within `look_ms`.
+                        closed_look_every
                     } else {
                         HOUSEKEEPING
                     };
