@@ -75,6 +75,36 @@ struct ReplayArgs {
     /// Give up (cancelling what runs) after this many real seconds.
     #[arg(long, default_value_t = 1800.0)]
     timeout: f64,
+    /// The cluster's log directory: the daemons' logs (`multiplexd-*.log`) say each time they
+    /// steered, deferred or closed their node; counted at the end. Without it those counts
+    /// read 0 (they are not seen from the jobs' side).
+    #[arg(long)]
+    daemon_logs: Option<PathBuf>,
+}
+
+/// What the daemons' logs under `dir` say they did: (steered, deferred, closures), each
+/// counted by the line its daemon logs for it (`tracing`'s message text).
+fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64), String> {
+    let mut counts = (0, 0, 0);
+    let entries = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("multiplexd-") && name.ends_with(".log")) {
+            continue;
+        }
+        let text = fs::read_to_string(e.path()).map_err(|err| format!("{}: {err}", e.path().display()))?;
+        for line in text.lines() {
+            if line.contains(" steered: ") {
+                counts.0 += 1;
+            } else if line.contains(" deferred: ") {
+                counts.1 += 1;
+            } else if line.contains(" closed: ") {
+                counts.2 += 1;
+            }
+        }
+    }
+    Ok(counts)
 }
 
 fn main() -> ExitCode {
@@ -344,6 +374,11 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
             busy += ce - cs;
         }
     }
+    // Not seen from the jobs' side: the daemons log each time they steer, defer or close.
+    let (steered, deferred, closures) = match &a.daemon_logs {
+        Some(dir) => steering_in_logs(dir)?,
+        None => (0, 0, 0),
+    };
     let outcome = Outcome {
         jobs: jobs
             .iter()
@@ -356,10 +391,9 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         declines,
         // One count per job's output file (the order is not the trace's; only the most is used).
         declines_per_job,
-        // Not counted from the jobs' side: the daemons log each time they steer or defer.
-        steered: 0,
-        deferred: 0,
-        closures: 0,
+        steered,
+        deferred,
+        closures,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -533,6 +567,15 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 num(sp, "declines"),
                 num(sd, "declines")
             );
+            println!(
+                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
+                "steered / closed",
+                format!("{} / {}", p.steered, p.closures),
+                format!("{} / {}", d.steered, d.closures),
+                "",
+                format!("{} / {}", num(sp, "steered"), num(sp, "closures")),
+                format!("{} / {}", num(sd, "steered"), num(sd, "closures"))
+            );
             println!("daemons vs plain shards: {:+.1}% average JCT", 100.0 * (ratio - 1.0));
             if let (Some(a), Some(b)) = (vs_sim(&p, sp), vs_sim(&d, sd)) {
                 println!(
@@ -548,9 +591,9 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                     .and_then(Value::as_f64)
                     .map_or(String::new(), |x| format!("{x:.1}"))
             };
-            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures");
+            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,plain_declines,daemons_declines,daemons_steered,daemons_closures");
             println!(
-                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{}",
+                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{},{},{}",
                 p.avg_jct_s,
                 d.avg_jct_s,
                 p.p95_jct_s,
@@ -560,11 +603,44 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 sim(sp, "avg_jct_s"),
                 sim(sd, "avg_jct_s"),
                 sim(sp, "oom_failures"),
-                sim(sd, "oom_failures")
+                sim(sd, "oom_failures"),
+                p.declines,
+                d.declines,
+                d.steered,
+                d.closures
             );
         }
         "words" => println!("{}", verdict(&p, &d)),
         other => return Err(format!("--format {other}: use table, json, csv or words")),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steering_in_logs;
+
+    #[test]
+    fn steering_is_counted_from_the_lines_each_daemon_logs() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = |what: &str| format!("2026-11-25T04:04:44.650599Z  INFO multiplexd::steer: {what}\n");
+        let n1 = [
+            line("steered: Slurm starts this pending job next job=25 nice=-2 own_nice=0"),
+            line("closed: this node would decline the job Slurm starts next hold_s=60"),
+            line("opened: this node would take the job Slurm starts next, or none is pending"),
+            line("closed: this node would decline the job Slurm starts next hold_s=60"),
+        ];
+        let n2 = [
+            line("deferred: this node would decline the job now job=7 hold_s=60"),
+            line("deferral renewed: this node would still decline the job job=7"),
+            line("steered: Slurm starts this pending job next job=9 nice=-1 own_nice=0"),
+        ];
+        std::fs::write(dir.path().join("multiplexd-n1.log"), n1.concat()).unwrap();
+        std::fs::write(dir.path().join("multiplexd-n2.log"), n2.concat()).unwrap();
+        // Slurm's own logs beside them are not the daemons'.
+        std::fs::write(dir.path().join("slurmctld.log"), line("steered: not a daemon's")).unwrap();
+        assert_eq!(steering_in_logs(dir.path()).unwrap(), (2, 1, 2));
+        let e = steering_in_logs(&dir.path().join("missing")).unwrap_err();
+        assert!(e.contains("missing"), "{e}");
+    }
 }
