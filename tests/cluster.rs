@@ -1578,9 +1578,10 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
         .collect();
     cancel.0.extend(&pending);
     let (ja, jb) = (pending[0], pending[1]);
-    // Both wait, a first in Slurm's order. Reasons: a Resources and b Priority, or, with close
-    // on, ReqNodeNotAvail for both once the full nodes closed ahead of a freed slot (each would
-    // decline a, Slurm's next, if Slurm started it there before the daemon raised b).
+    // Both wait, a first in Slurm's order (priority, then the earlier submission: on 24.11 both
+    // have priority 1). Reasons: a Resources and b Priority, or, with close on, ReqNodeNotAvail
+    // for both once the full nodes closed ahead of a freed slot (each would decline a, Slurm's
+    // next, if Slurm started it there before the daemon raised b).
     let waiting = |job: &std::collections::HashMap<String, String>, first: bool| {
         let reason = job["Reason"].as_str();
         reason == (if first { "Resources" } else { "Priority" }) || reason.starts_with("ReqNodeNotAvail")
@@ -1590,7 +1591,8 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
             let (ra, rb) = (c.show_job(ja), c.show_job(jb));
             waiting(&ra, true)
                 && waiting(&rb, false)
-                && ra["Priority"].parse::<u64>().ok() > rb["Priority"].parse::<u64>().ok()
+                && ra["Priority"].parse::<u64>().ok() >= rb["Priority"].parse::<u64>().ok()
+                && ja < jb
         }),
         "a and b wait for a slot, a first: {:?} {:?}",
         c.show_job(ja),
