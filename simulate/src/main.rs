@@ -56,6 +56,14 @@ struct Args {
     /// whose best GPU would add less throughput than this (0: never decline for a poor pair).
     #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
     min_gain: f64,
+    /// The daemon's `policy.decline_retry_max_s` for the learned policy and the oracle: a
+    /// declined job's wait (60 s) doubles with each decline up to this (0: it does not grow).
+    #[arg(long, default_value_t = multiplexd::config::DEFAULT_DECLINE_RETRY_MAX_S)]
+    decline_retry_max: u32,
+    /// The daemon's `policy.max_declines` for the learned policy and the oracle: past this many
+    /// declines a job takes any share that loses no throughput (0: no bound).
+    #[arg(long, default_value_t = multiplexd::config::DEFAULT_MAX_DECLINES)]
+    max_declines: u32,
     /// Queue-level choice for the learned policy and the oracle: when a slot frees, the daemon
     /// has Slurm start the best partner among this many of the first pending jobs (0: none).
     #[arg(long, default_value_t = 0)]
@@ -173,6 +181,8 @@ fn simulate(a: Args) -> Result<(), String> {
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,
             min_gain: a.min_gain,
+            decline_retry_max_s: a.decline_retry_max,
+            max_declines: a.max_declines,
             steer: a.steer,
             defer: a.defer,
             close: a.close,

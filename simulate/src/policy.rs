@@ -6,7 +6,10 @@
 use super::input::{Rng, Table};
 use super::world::{Choice, JobRef, Policy, Shape, Steer};
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
-use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
+use multiplexd::config::{
+    Config, GpuSpec, PolicyConfig, DEFAULT_DECLINE_RETRY_MAX_S, DEFAULT_MAX_DECLINES, DEFAULT_MIN_GAIN,
+    DEFAULT_UNKNOWN_PAIR_SPEED,
+};
 use multiplexd::history::ActiveJob;
 use multiplexd::node::{Node, NodeLoad, PendingJob};
 use multiplexd::placement::{
@@ -29,6 +32,12 @@ pub struct Options {
     pub share_every_s: f64,
     /// The daemon's `policy.min_gain`.
     pub min_gain: f64,
+    /// The daemon's `policy.decline_retry_max_s`: a declined job's wait doubles with each
+    /// decline up to this (0: it stays `decline_retry_s`).
+    pub decline_retry_max_s: u32,
+    /// The daemon's `policy.max_declines`: past this many declines a job takes any share that
+    /// loses no throughput (0: no bound).
+    pub max_declines: u32,
     /// Queue-level choice among this many of the first pending jobs ([`Policy::steer`]);
     /// 0: none.
     pub steer: usize,
@@ -44,6 +53,8 @@ impl Default for Options {
         Options {
             share_every_s: 0.0,
             min_gain: DEFAULT_MIN_GAIN,
+            decline_retry_max_s: DEFAULT_DECLINE_RETRY_MAX_S,
+            max_declines: DEFAULT_MAX_DECLINES,
             steer: 0,
             defer: false,
             close: false,
@@ -181,6 +192,8 @@ impl<'a> Oracle<'a> {
             shape,
             policy: PolicyConfig {
                 min_gain: options.min_gain,
+                decline_retry_max_s: options.decline_retry_max_s,
+                max_declines: options.max_declines,
                 ..Config::parse("node = \"oracle\"").expect("the default config").policy
             },
             refusing: vec![false; shape.nodes],
@@ -382,6 +395,8 @@ impl<'a> Learned<'a> {
         let Options {
             share_every_s,
             min_gain,
+            decline_retry_max_s,
+            max_declines,
             steer,
             defer,
             close,
@@ -403,7 +418,8 @@ impl<'a> Learned<'a> {
         let nodes = (0..shape.nodes)
             .map(|n| {
                 let config = Config::parse(&format!(
-                    "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n[policy]\nmin_gain = {min_gain}\n",
+                    "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n[policy]\nmin_gain = {min_gain}\n\
+                     decline_retry_max_s = {decline_retry_max_s}\nmax_declines = {max_declines}\n",
                     shape.jobs_per_gpu
                 ))?;
                 let c = Arc::clone(&clocks);

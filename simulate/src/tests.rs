@@ -314,3 +314,32 @@ fn a_node_that_would_decline_every_pending_job_closes_instead_and_opens_for_one_
     );
     assert!(closing.jobs.iter().all(|j| j.2.is_finite()));
 }
+
+#[test]
+fn the_daemons_decline_bounds_reach_the_simulated_daemon() {
+    // a beside a gains 0.2, less than min_gain: the second a is declined while the long first
+    // one runs. `policy.max_declines` 3 lets it take the share after three declines;
+    // `policy.decline_retry_max_s` 960 makes it come back less and less often.
+    let t = small_table();
+    let trace = [job(&t, "1", 0.0, "a", 3000.0), job(&t, "2", 1.0, "a", 100.0)];
+    let run = |decline_retry_max_s, max_declines| {
+        let options = policy::Options {
+            decline_retry_max_s,
+            max_declines,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
+        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (unbounded, bounded, backing_off) = (run(0, 0), run(0, 3), run(960, 0));
+    let start = |o: &world::Outcome| o.jobs[1].1;
+    // Declined every 60 s until the first a ends, then alone.
+    assert!(unbounded.declines_per_job[1] >= 40, "{unbounded:?}");
+    assert!(start(&unbounded) >= 3000.0, "{unbounded:?}");
+    // Three declines (waits of 60 s each), then shared.
+    assert_eq!(bounded.declines_per_job[1], 3, "{bounded:?}");
+    assert!(start(&bounded) < 300.0, "{bounded:?}");
+    // Waits of 60, 120, 240, 480, 960, 960... s: six or seven declines before the first a ends.
+    assert!((5..=8).contains(&backing_off.declines_per_job[1]), "{backing_off:?}");
+    assert!(start(&backing_off) >= 3000.0, "{backing_off:?}");
+}
