@@ -24,9 +24,10 @@ const MAX_GRACE_S: f64 = 86_400.0;
 /// Default of `policy.max_declines`: 0, never stop declining. Bounding declines (3, with the
 /// wait doubling to 960 s) cut declines per job 7 to 30 times in `tests/bench/tables-matrix`,
 /// but it also took away the waiting that makes the learned policy good: average JCT rose 1%
-/// to 91% (most on a table where few pairs gain, load 1.0; 5% on V100 at load 1.0). Until
-/// Slurm is steered before it starts a job (issue 23's queue-level choice), a site chooses the
-/// trade.
+/// to 91% (most on a table where few pairs gain, load 1.0; 5% on V100 at load 1.0). With
+/// `[steer]` closing, declines are single ones of many jobs, which bounds do not reach, and a
+/// wait growing to 960 s moved average JCT by -4% to +5% across the tables (docs/results.md):
+/// a site chooses the trade.
 pub const DEFAULT_MAX_DECLINES: u32 = 0;
 
 /// Default of `policy.decline_retry_max_s`: 0, the wait does not grow (it is
