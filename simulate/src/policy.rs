@@ -62,6 +62,18 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// The daemon's config for `node` with these settings: the learned policy's daemons and
+    /// the oracle read their `[policy]` from one place, checked as the daemon checks its file.
+    fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
+        Config::parse(&format!(
+            "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
+             min_gain = {}\ndecline_retry_max_s = {}\nmax_declines = {}\n",
+            self.min_gain, self.decline_retry_max_s, self.max_declines
+        ))
+    }
+}
+
 /// Makes the named policy for a cluster.
 pub fn make<'a>(name: &str, table: &'a Table, shape: Shape, seed: u64) -> Result<Box<dyn Policy + 'a>, String> {
     make_with(name, table, shape, seed, Options::default())
@@ -81,7 +93,7 @@ pub fn make_with<'a>(
         "first-fit" => Box::new(FirstFit(k)),
         "least-loaded" => Box::new(LeastLoaded(k)),
         "random" => Box::new(Random(Rng::new(seed ^ 0x7a4d), k)),
-        "oracle" => Box::new(Oracle::new(table, shape, options)),
+        "oracle" => Box::new(Oracle::new(table, shape, options)?),
         "learned" => Box::new(Learned::new(table, shape, options)?),
         other => return Err(format!("unknown policy {other:?}: choose from {}", ALL.join(", "))),
     })
@@ -185,23 +197,18 @@ struct Oracle<'a> {
 }
 
 impl<'a> Oracle<'a> {
-    fn new(table: &'a Table, shape: Shape, options: Options) -> Self {
-        Oracle {
+    fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
+        Ok(Oracle {
             table,
             truth: truth(table),
             shape,
-            policy: PolicyConfig {
-                min_gain: options.min_gain,
-                decline_retry_max_s: options.decline_retry_max_s,
-                max_declines: options.max_declines,
-                ..Config::parse("node = \"oracle\"").expect("the default config").policy
-            },
+            policy: options.config("oracle", shape.jobs_per_gpu)?.policy,
             refusing: vec![false; shape.nodes],
             steer: options.steer,
             defer: options.defer,
             close: options.close,
             bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
-        }
+        })
     }
 
     /// The node's GPUs as placement reads them.
@@ -394,12 +401,10 @@ impl<'a> Learned<'a> {
     fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
         let Options {
             share_every_s,
-            min_gain,
-            decline_retry_max_s,
-            max_declines,
             steer,
             defer,
             close,
+            ..
         } = options;
         let clocks = Arc::new(
             (0..shape.nodes)
@@ -417,11 +422,7 @@ impl<'a> Learned<'a> {
             .collect();
         let nodes = (0..shape.nodes)
             .map(|n| {
-                let config = Config::parse(&format!(
-                    "node = \"sim{n}\"\ndatabase = \":memory:\"\njobs_per_gpu = {}\n[policy]\nmin_gain = {min_gain}\n\
-                     decline_retry_max_s = {decline_retry_max_s}\nmax_declines = {max_declines}\n",
-                    shape.jobs_per_gpu
-                ))?;
+                let config = options.config(&format!("sim{n}"), shape.jobs_per_gpu)?;
                 let c = Arc::clone(&clocks);
                 let mut node = Node::open(
                     config,
