@@ -1710,3 +1710,130 @@ fn a_node_that_would_decline_every_pending_job_closes_to_slurm_until_it_would_ta
         assert!(log.contains(says), "n1's daemon says {says:?}:\n{log}");
     }
 }
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_node_opening_for_one_job_defers_the_next_it_would_decline_then_closes_without_a_decline() {
+    let c = Cluster::from_env();
+    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
+    assert!(
+        config.contains("close = true") && !config.contains("anticipate = 0"),
+        "the daemons do not close their nodes, or do not anticipate: start the cluster with tests/cluster/up --steer 8 --close (as tests/run does)"
+    );
+    // Beside x, a loses (0.3 each: the daemon would decline it) and b gains (0.9 each); a
+    // beside b loses too.
+    let (x, a, b) = ("itest-antic-x", "itest-antic-a", "itest-antic-b");
+    import_pairs(
+        &c,
+        &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9), (a, b, 0.3, 0.3)],
+    );
+    // Every slot runs an x; on n1 each waits for a file of its own.
+    let dir = c.path("antic");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cancel = multiplex_tests::Cancel(Vec::new());
+    for node in ["n2", "n2", "n2", "n2", "n1", "n1", "n1", "n1"] {
+        let script = if node == "n1" {
+            format!(
+                "while [ ! -e {}/release-$SLURM_JOB_ID ]; do sleep 0.2; done",
+                dir.display()
+            )
+        } else {
+            "sleep 150".to_string()
+        };
+        cancel.0.push(c.submit(&[
+            &format!("--multiplex=app={x}"),
+            "--gres=gpu:1",
+            "-w",
+            node,
+            &out_arg(&c, "antic"),
+            "--wrap",
+            &script,
+        ]));
+    }
+    let xs = cancel.0.clone();
+    // Where n1's daemon put each of its x (two per GPU).
+    let gpu_of = |job: u32| -> Option<u32> {
+        c.history("n1")
+            .query_row("SELECT gpu FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
+            .ok()
+    };
+    assert!(
+        wait_until(WAIT, || xs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")
+            && xs[4..].iter().all(|&j| gpu_of(j).is_some())),
+        "every slot runs an x: {:?}",
+        xs.iter()
+            .map(|&j| c.show_job(j)["JobState"].clone())
+            .collect::<Vec<_>>()
+    );
+    let on = |gpu: u32| xs[4..].iter().copied().find(|&j| gpu_of(j) == Some(gpu)).unwrap();
+    let (end0, end1) = (on(0), on(1));
+    // a waits, and n1 closes ahead of a freed slot (it would decline a beside either x).
+    let ja = c.submit(&[
+        &format!("--multiplex=app={a}"),
+        "--gres=gpu:1",
+        &out_arg(&c, "antic"),
+        "--wrap",
+        "sleep 30",
+    ]);
+    cancel.0.push(ja);
+    let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
+    let closed = || reservation().is_ok_and(|r| r.contains("State=ACTIVE"));
+    assert!(wait_until(WAIT, closed), "n1 closes itself: {:?}", reservation());
+    // One x ends on each GPU: n1 has two free slots, each beside an x, and stays closed.
+    for j in [end0, end1] {
+        std::fs::write(dir.join(format!("release-{j}")), "").unwrap();
+    }
+    assert!(
+        wait_until(WAIT, || [end0, end1]
+            .iter()
+            .all(|&j| c.show_job(j)["JobState"] == "COMPLETED")),
+        "{:?} {:?}",
+        c.show_job(end0),
+        c.show_job(end1)
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let ra = c.show_job(ja);
+    assert_eq!(
+        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
+        ("PENDING", "0"),
+        "{ra:?}"
+    );
+    // b pairs well with x: n1 raises it and opens for it. The pass that starts b would offer
+    // the slot still free to a, which n1 would decline beside x: a is deferred before n1
+    // opens, and once b runs n1 closes again and takes the deferral back.
+    let jb = c.submit(&[
+        &format!("--multiplex=app={b}"),
+        "--gres=gpu:1",
+        &out_arg(&c, "antic"),
+        "--wrap",
+        "sleep 60",
+    ]);
+    cancel.0.push(jb);
+    assert!(
+        wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
+        "b takes a free slot: {:?} {:?}",
+        c.show_job(jb),
+        reservation()
+    );
+    assert_eq!(c.show_job(jb)["NodeList"], "n1");
+    let log = || std::fs::read_to_string(c.path("log/multiplexd-n1.log")).unwrap();
+    let anticipated = format!("job={jb} deferred=[{ja}]");
+    assert!(
+        wait_until(WAIT, || log().lines().any(
+            |l| l.contains("anticipated start seen") && l.contains(&format!("job={jb}"))
+        )),
+        "n1's daemon deferred a while it opened for b, and took it back once b ran:\n{}",
+        log()
+    );
+    assert!(log().contains(&anticipated), "{anticipated:?}:\n{}", log());
+    assert!(wait_until(WAIT, closed), "n1 closed again: {:?}", reservation());
+    // a was never started to be declined, and waits for a slot again, not for a begin time.
+    std::thread::sleep(Duration::from_secs(3));
+    let ra = c.show_job(ja);
+    assert_eq!(
+        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
+        ("PENDING", "0"),
+        "{ra:?}"
+    );
+    assert_ne!(ra["Reason"], "BeginTime", "{ra:?}");
+}

@@ -82,6 +82,7 @@ struct RawSteer {
     defer: Option<bool>,
     close: Option<bool>,
     look_ms: Option<u64>,
+    anticipate: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -382,7 +383,14 @@ impl Config {
             defer: raw.steer.defer.unwrap_or(dst.defer),
             close: raw.steer.close.unwrap_or(dst.close),
             look_ms: raw.steer.look_ms.unwrap_or(dst.look_ms),
+            anticipate: raw.steer.anticipate.unwrap_or(dst.anticipate),
         };
+        if steer.anticipate > MAX_ANTICIPATE {
+            return Err(format!(
+                "steer.anticipate = {}: must be between 0 and {MAX_ANTICIPATE} (pending jobs deferred while this node opens for one)",
+                steer.anticipate
+            ));
+        }
         if !(MIN_LOOK_MS..=MAX_LOOK_MS).contains(&steer.look_ms) {
             return Err(format!(
                 "steer.look_ms = {}: must be between {MIN_LOOK_MS} and {MAX_LOOK_MS} (milliseconds between looks at the queue)",
@@ -611,6 +619,12 @@ pub const MAX_LOOKAHEAD: usize = 64;
 /// Bounds of `[steer] look_ms`: below 100 ms the daemon's squeue calls would load
 /// slurmctld; above a minute a closed node would stay closed to a job it would take.
 pub const MIN_LOOK_MS: u64 = 100;
+/// `[steer] anticipate`'s default: in the simulator, on every table tried, 32 left almost no
+/// opening with a job it would decline behind (8 left most of them: the whole of the first
+/// jobs Slurm could start were ones it would decline); one `scontrol update` whatever the count.
+pub const DEFAULT_ANTICIPATE: usize = 32;
+/// The most jobs `[steer] anticipate` defers at once (one `scontrol update` for all of them).
+pub const MAX_ANTICIPATE: usize = 256;
 pub const MAX_LOOK_MS: u64 = 60_000;
 
 /// Queue-level choice ([`crate::steer`]).
@@ -636,6 +650,12 @@ pub struct SteerConfig {
     /// Milliseconds between looks at the queue while this node is closed, or full with
     /// `close` on (a job that arrived and that this node would take opens it within this long).
     pub look_ms: u64,
+    /// With `close`: when this node opens for the job Slurm starts next and would keep a slot
+    /// free after it, the pending jobs after it (up to this many) that it would decline once
+    /// that job runs are deferred until the daemon hears of its start, and the node closes
+    /// then if it must: in the pass that starts it, Slurm offers the slot still free to them,
+    /// one after another, before the daemon can look (0: none are).
+    pub anticipate: usize,
 }
 
 impl Default for SteerConfig {
@@ -647,6 +667,7 @@ impl Default for SteerConfig {
             defer: false,
             close: false,
             look_ms: 5000,
+            anticipate: DEFAULT_ANTICIPATE,
         }
     }
 }
@@ -716,7 +737,8 @@ mod tests {
                 hold_s: 30,
                 defer: false,
                 close: false,
-                look_ms: 5000
+                look_ms: 5000,
+                anticipate: 32
             }
         );
         for (bad, says) in [
@@ -728,6 +750,7 @@ mod tests {
             ("close = true", "needs steer.lookahead"),
             ("look_ms = 99", "steer.look_ms = 99: must be between 100 and 60000"),
             ("look_ms = 60001", "steer.look_ms = 60001"),
+            ("anticipate = 257", "steer.anticipate = 257: must be between 0 and 256"),
             ("jobs = 3", "unknown field"),
         ] {
             let e = Config::parse(&format!("{base}[steer]\n{bad}\n")).unwrap_err();
@@ -741,11 +764,20 @@ mod tests {
             .replace("# hold_s = 60", "hold_s = 60")
             .replace("# defer = false", "defer = true")
             .replace("# close = false", "close = true")
-            .replace("# look_ms = 5000", "look_ms = 250");
+            .replace("# look_ms = 5000", "look_ms = 250")
+            .replace("# anticipate = 32", "anticipate = 4");
         let e = Config::parse(&example).unwrap().steer;
         assert_eq!(
-            (e.lookahead, e.partition.as_str(), e.hold_s, e.defer, e.close, e.look_ms),
-            (8, "shared", 60, true, true, 250)
+            (
+                e.lookahead,
+                e.partition.as_str(),
+                e.hold_s,
+                e.defer,
+                e.close,
+                e.look_ms,
+                e.anticipate
+            ),
+            (8, "shared", 60, true, true, 250, 4)
         );
         // Read at start only: a reload says it needs a restart.
         let r = Config::parse(base).unwrap().reload(&c).unwrap();

@@ -446,6 +446,47 @@ impl Node {
         Ok(Steering { raise, defer, take })
     }
 
+    /// Whether `job_id` runs on this node (the daemon placed it and has not heard of its end).
+    pub fn runs(&self, job_id: u32) -> Result<bool, HistoryError> {
+        Ok(self.active()?.iter().any(|j| j.job_id == job_id))
+    }
+
+    /// Which of `later` (indices into `pending`, in the order Slurm would offer them) this node
+    /// would decline for now once `pending[next]` runs here where it would be placed: in the
+    /// scheduling pass that starts `next` on this node, Slurm offers the slots still free to
+    /// them, before the daemon hears of the start. Up to the first it would take
+    /// ([`placement::declined_in_turn`]); none in observe mode, or when `next` would not be
+    /// placed here.
+    pub fn declines_after(
+        &mut self,
+        pending: &[PendingJob],
+        next: usize,
+        later: &[usize],
+    ) -> Result<Vec<usize>, HistoryError> {
+        let Some(first) = pending.get(next) else {
+            return Ok(Vec::new());
+        };
+        if self.config.policy.mode == Mode::Observe || later.is_empty() {
+            return Ok(Vec::new());
+        }
+        let states = self.gpu_states(&self.active()?)?;
+        let job = Newcomer {
+            app: first.app,
+            mem_mb: match first.mem_mb {
+                Some(m) => Some(m),
+                None => self.history.app_mem_peak(first.app)?,
+            },
+        };
+        let estimates = self
+            .history
+            .estimates(&placement::wanted(&states, &job, self.config.jobs_per_gpu))?;
+        let Some(after) = placement::placed(&states, &job, first.job_id, &estimates, self.knobs()) else {
+            return Ok(Vec::new());
+        };
+        let offers = self.offers_on(&[after], pending)?.pop().unwrap_or_default();
+        Ok(placement::declined_in_turn(&offers, later))
+    }
+
     /// Which of `pending` this node would take ([`Steering::take`]) once some one of the jobs
     /// on it ends. A full node that would not take the job Slurm starts next is closed to
     /// Slurm before a slot frees ([`crate::steer`]): Slurm may start that job on the freed slot
@@ -478,14 +519,18 @@ impl Node {
         Ok(self.offers_on(&[states], pending)?.pop().unwrap_or_default())
     }
 
+    /// The placement knobs of steering (no back-off: that is for a job already declined).
+    fn knobs(&self) -> Knobs {
+        Knobs {
+            slots: self.config.jobs_per_gpu,
+            unknown_pair_speed: self.config.policy.unknown_pair_speed,
+            min_gain: self.config.policy.min_gain,
+        }
+    }
+
     /// [`placement::offers`] over the history, for `pending` on each of `states`.
     fn offers_on(&self, states: &[Vec<GpuState>], pending: &[PendingJob]) -> Result<Vec<Vec<Offer>>, HistoryError> {
-        let policy = &self.config.policy;
-        let knobs = Knobs {
-            slots: self.config.jobs_per_gpu,
-            unknown_pair_speed: policy.unknown_pair_speed,
-            min_gain: policy.min_gain,
-        };
+        let knobs = self.knobs();
         let mut newcomers = Vec::with_capacity(pending.len());
         let mut wanted = Wanted::default();
         for p in pending {

@@ -482,6 +482,41 @@ pub fn offers(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knob
         .collect()
 }
 
+/// The GPUs once `job` is placed as [`place`] would place it (with `job_id`), or `None` when
+/// [`place`] would decline it: what the jobs Slurm offers this node after it, in the same
+/// scheduling pass, find here. `history` must hold what [`wanted`] asks for `job` on `gpus`.
+pub fn placed(
+    gpus: &[GpuState],
+    job: &Newcomer,
+    job_id: u32,
+    history: &Estimates,
+    knobs: Knobs,
+) -> Option<Vec<GpuState>> {
+    let Decision::Place { gpu, .. } = place(gpus, job, history, knobs) else {
+        return None;
+    };
+    let mut after = gpus.to_vec();
+    let g = after.iter_mut().find(|g| g.index == gpu)?;
+    g.residents.push(Resident {
+        job_id,
+        app: job.app.to_string(),
+        mem_mb: job.mem_mb,
+    });
+    Some(after)
+}
+
+/// Those of `later` (indices into `offers`, in the order Slurm offers them) that this node
+/// would decline for now ([`Offer::Wait`]), up to the first it would take: in one scheduling
+/// pass Slurm offers a node's free slot to one job after another until one starts there.
+pub fn declined_in_turn(offers: &[Offer], later: &[usize]) -> Vec<usize> {
+    later
+        .iter()
+        .copied()
+        .take_while(|&i| offers.get(i).is_some_and(|o| !o.admits()))
+        .filter(|&i| offers[i] == Offer::Wait)
+        .collect()
+}
+
 /// Which of the pending jobs (in Slurm's priority order, with [`offers`]) should take a slot
 /// of this node next: the one [`place`] would put here with the highest gain, when it gains
 /// more than the first by [`STEER_MARGIN`] (a first that would be declined gains nothing).
@@ -667,6 +702,37 @@ mod tests {
         let d = place(&gpus, &Newcomer { app: "b", mem_mb: None }, &Table::default(), KNOBS);
         assert_eq!(chosen(&d), 1);
         assert!(matches!(d, Decision::Place { predicted_speed, .. } if predicted_speed == 1.0));
+    }
+
+    #[test]
+    fn the_jobs_offered_after_one_placed_find_it_where_place_put_it() {
+        // x on GPU 0, GPU 1 empty; a loses beside x and beside a, b gains beside x.
+        let h = Table::default()
+            .with("x", "a", 0.3, 0.3, false)
+            .with("a", "a", 0.3, 0.3, false)
+            .with("x", "b", 0.9, 0.9, false);
+        let knobs = Knobs { min_gain: 0.1, ..KNOBS };
+        let gpus = [gpu(0, &[(1, "x")]), gpu(1, &[])];
+        let a = Newcomer { app: "a", mem_mb: None };
+        let after = placed(&gpus, &a, 7, &h, knobs).expect("a goes to the empty GPU");
+        assert_eq!(after[1].residents[0].job_id, 7);
+        assert_eq!(after[0], gpus[0]);
+        // Offered in turn after it: a second a (declined: beside x or a), a b (taken, beside
+        // x), then another a, which Slurm never offers here in that pass.
+        let later = [a.clone(), Newcomer { app: "b", mem_mb: None }, a.clone()];
+        let offers = offers(&after, &later, &h, knobs);
+        assert_eq!(offers[0], Offer::Wait);
+        assert!(matches!(offers[1], Offer::Gain(_)));
+        assert_eq!(declined_in_turn(&offers, &[0, 1, 2]), [0]);
+        assert_eq!(declined_in_turn(&offers, &[2, 0]), [2, 0]);
+        // A job declined for good is let through (it fails at once), which ends the turn too.
+        assert_eq!(
+            declined_in_turn(&[Offer::Never, Offer::Wait], &[0, 1]),
+            Vec::<usize>::new()
+        );
+        // Nothing after a job that would not be placed.
+        let full = [gpu(0, &[(1, "x"), (2, "x")])];
+        assert_eq!(placed(&full, &a, 7, &h, knobs), None);
     }
 
     #[test]

@@ -44,8 +44,12 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_NICE: i64 = 2_147_483_645;
 /// How often raised jobs are looked at while some are outstanding.
 const HOUSEKEEPING: Duration = Duration::from_secs(2);
-/// How often the queue is looked at while a deferral is due for renewal.
+/// How often the queue is looked at while a deferral is due for renewal, and how often the
+/// daemon looks for an anticipated start ([`anticipate`]).
 const DUE_EVERY: Duration = Duration::from_millis(250);
+/// The longest the jobs deferred in anticipation of a start wait for the daemon to hear of it
+/// (the job started elsewhere, or not at all): then they are taken back all the same.
+const SEEN_WITHIN: Duration = Duration::from_secs(15);
 
 /// A pending job of the shared partition, as squeue lists it.
 #[derive(Debug, Clone, PartialEq)]
@@ -150,6 +154,8 @@ pub struct Decided {
     /// This node would not take the job Slurm starts next (there is at least one candidate,
     /// and the raise is in): it closes itself to Slurm, or stays closed.
     pub close: bool,
+    /// The job Slurm starts next, when this node would take it (and so stays open).
+    pub open_for: Option<u32>,
 }
 
 /// What to do with the queue. The candidates are the first `lookahead` multiplexed jobs of
@@ -222,6 +228,7 @@ pub fn decide(
         defer,
         lift,
         close: close && !next.is_some_and(open_for),
+        open_for: next.filter(|&n| steering.take.contains(&n)).map(|n| first[n].job_id),
     })
 }
 
@@ -250,14 +257,89 @@ fn raise(top: &Queued, job: &Queued) -> Option<Raise> {
     })
 }
 
+/// The jobs to defer while this node opens for `next` (`[steer] anticipate`), if Slurm could
+/// start `next` now: Slurm's pass that starts it here offers the slot still free after it to the multiplexed jobs behind
+/// it that Slurm could start now (and to `lifting`, deferrals about to be taken back), one
+/// after another, before the daemon hears of the start. Of the first `cap` of them, `declines`
+/// (as [`Node::declines_after`], given the jobs with `next` first) names those this node would
+/// decline then, up to the first it would take.
+pub fn anticipate(
+    queued: &[Queued],
+    next: u32,
+    cap: usize,
+    lifting: &[u32],
+    declines: impl FnOnce(&[PendingJob], &[usize]) -> Result<Vec<usize>, String>,
+) -> Result<Vec<u32>, String> {
+    let startable = |q: &Queued| q.startable || lifting.contains(&q.job_id);
+    let Some(head) = queued
+        .iter()
+        .find(|q| q.job_id == next && q.spec.is_some() && startable(q))
+    else {
+        return Ok(Vec::new());
+    };
+    let after = queued
+        .iter()
+        .filter(|q| q.job_id != next && q.spec.is_some() && startable(q))
+        .take(cap);
+    let offered: Vec<&Queued> = std::iter::once(head).chain(after).collect();
+    if offered.len() < 2 {
+        return Ok(Vec::new());
+    }
+    let pending: Vec<PendingJob> = offered
+        .iter()
+        .map(|q| {
+            let spec = q.spec.as_ref().expect("filtered above");
+            PendingJob {
+                job_id: q.job_id,
+                app: spec.app.as_deref().unwrap_or_default(),
+                mem_mb: spec.mem_mb,
+            }
+        })
+        .collect();
+    let later: Vec<usize> = (1..offered.len()).collect();
+    Ok(declines(&pending, &later)?
+        .into_iter()
+        .filter_map(|i| offered.get(i).filter(|_| i >= 1).map(|q| q.job_id))
+        .collect())
+}
+
 /// Sets a pending job's begin time: `at` is Slurm's time spec (`now`, `now+60`).
 fn set_start(scontrol: &Path, job_id: u32, at: &str) -> Result<(), String> {
+    set_starts(scontrol, &[job_id], at)
+}
+
+/// [`set_start`] for several jobs in one call (scontrol takes a list of job ids; a job that
+/// started or left meanwhile fails alone, and scontrol says so).
+fn set_starts(scontrol: &Path, job_ids: &[u32], at: &str) -> Result<(), String> {
+    let ids: Vec<String> = job_ids.iter().map(u32::to_string).collect();
     let args = [
         "update".to_string(),
-        format!("JobId={job_id}"),
+        format!("JobId={}", ids.join(",")),
         format!("StartTime={at}"),
     ];
     crate::command::run(scontrol, &args, CALL_TIMEOUT).map(|_| ())
+}
+
+/// Jobs deferred while this node opened for one ([`anticipate`]), until its daemon hears of
+/// that job's start.
+#[derive(Debug, Clone, PartialEq)]
+struct Anticipation {
+    for_job: u32,
+    jobs: Vec<u32>,
+    since: Instant,
+}
+
+/// Takes back the deferrals of `jobs` at once; one by one if the list fails (one of them
+/// started or left meanwhile). What still fails lapses by itself after `hold_s`.
+fn lift_jobs(s: &Steering, jobs: &[u32]) {
+    if jobs.is_empty() || set_starts(&s.scontrol, jobs, "now").is_ok() {
+        return;
+    }
+    for &id in jobs {
+        if let Err(e) = set_start(&s.scontrol, id, "now") {
+            tracing::debug!(job = id, error = %e, "did not take back a deferral; it lapses by itself");
+        }
+    }
 }
 
 fn set_nice(scontrol: &Path, job_id: u32, nice: i64) -> Result<(), String> {
@@ -552,6 +634,10 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     let mut deferred: HashMap<u32, Instant> = HashMap::new();
     // Until when this node is closed to Slurm, while it is.
     let mut closed: Option<Instant> = None;
+    // The jobs deferred while this node opened for one, until the daemon hears of its start.
+    let mut anticipation: Option<Anticipation> = None;
+    // A slot freed while the daemon waited to hear of an anticipated start.
+    let mut owed_free = false;
     if s.config.close {
         // A closure left by a daemon that died lapses by itself; this one starts open.
         if let Err(e) = open_node(&s.scontrol, &s.node) {
@@ -580,7 +666,8 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     break;
                 }
                 let watch_full = s.config.close && full;
-                if raised.is_empty() && deferred.is_empty() && closed.is_none() && !watch_full {
+                if raised.is_empty() && deferred.is_empty() && closed.is_none() && !watch_full && anticipation.is_none()
+                {
                     sig = cv.wait(sig).unwrap_or_else(|p| p.into_inner());
                 } else {
                     // A deferral due for renewal is looked at often: a job this node declined
@@ -589,7 +676,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     let due = deferred
                         .values()
                         .any(|u| u.saturating_duration_since(now) <= renew_before);
-                    let every = if due {
+                    let every = if due || anticipation.is_some() {
                         DUE_EVERY
                     } else if raised.is_empty() && deferred.is_empty() {
                         // Closed (`[steer] close`), or full with close on: a job that
@@ -612,6 +699,9 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         };
         if stop {
             give_back(s, &mut raised, None);
+            if let Some(a) = anticipation.take() {
+                lift_jobs(s, &a.jobs);
+            }
             lift_all(s, &mut deferred);
             if closed.take().is_some() {
                 match open_node(&s.scontrol, &s.node) {
@@ -629,8 +719,38 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         let renew = deferred
             .values()
             .any(|until| until.saturating_duration_since(now) <= renew_before);
-        if free || renew || closed.is_some() || (s.config.close && full) {
-            match steer_once(node, s, &mut deferred, &mut closed, &mut full, renew_before) {
+        // An anticipated start: nothing is steered until the daemon heard of it (the node's
+        // view lacks the job until then), and then its deferrals are taken back, once this look
+        // at the queue has closed the node if it must.
+        let seen = anticipation.as_ref().is_some_and(|a| {
+            a.since.elapsed() >= SEEN_WITHIN
+                || node
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .runs(a.for_job)
+                    .unwrap_or(true)
+        });
+        if anticipation.is_some() && !seen {
+            owed_free |= free;
+            continue;
+        }
+        let free = free || std::mem::take(&mut owed_free);
+        let lifting = if seen { anticipation.take() } else { None };
+        let lifting_ids = lifting.as_ref().map(|a| a.jobs.clone()).unwrap_or_default();
+        if free || renew || closed.is_some() || (s.config.close && full) || seen {
+            let looked = steer_once(
+                node,
+                s,
+                Looking {
+                    deferred: &mut deferred,
+                    closed: &mut closed,
+                    full: &mut full,
+                    anticipation: &mut anticipation,
+                    lifting: &lifting_ids,
+                },
+                renew_before,
+            );
+            match looked {
                 Ok(Some(r)) => {
                     tracing::info!(
                         job = r.job_id,
@@ -659,10 +779,77 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                 }
             }
         }
+        if let Some(old) = lifting {
+            let again: &[u32] = anticipation.as_ref().map_or(&[], |a| &a.jobs);
+            let lift: Vec<u32> = old.jobs.into_iter().filter(|id| !again.contains(id)).collect();
+            tracing::info!(
+                job = old.for_job,
+                jobs = ?lift,
+                waited_ms = old.since.elapsed().as_millis() as u64,
+                "anticipated start seen (or waited for long enough): deferrals taken back"
+            );
+            lift_jobs(s, &lift);
+        }
         if !raised.is_empty() {
             give_back(s, &mut raised, Some(hold));
         }
     }
+}
+
+/// What one look at the queue reads and changes of the steering thread's state.
+struct Looking<'a> {
+    deferred: &'a mut HashMap<u32, Instant>,
+    closed: &'a mut Option<Instant>,
+    full: &'a mut bool,
+    anticipation: &'a mut Option<Anticipation>,
+    /// Jobs deferred in anticipation whose deferral is taken back after this look.
+    lifting: &'a [u32],
+}
+
+/// Defers the jobs this node would decline once `next` runs here ([`anticipate`]), in one
+/// call, before the node opens for `next`. Recorded even if scontrol says some failed (a job
+/// that started meanwhile): the rest were deferred and are taken back all the same.
+fn anticipate_for(
+    node: &Mutex<Node>,
+    s: &Steering,
+    queued: &[Queued],
+    next: u32,
+    lifting: &[u32],
+    anticipation: &mut Option<Anticipation>,
+) {
+    let jobs = anticipate(queued, next, s.config.anticipate, lifting, |pending, later| {
+        let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
+        node.declines_after(pending, 0, later).map_err(|e| e.to_string())
+    });
+    let jobs = match jobs {
+        Ok(jobs) if jobs.is_empty() => return,
+        Ok(jobs) => jobs,
+        Err(e) => {
+            tracing::warn!(job = next, error = %e, "cannot weigh the jobs after the next one; none deferred");
+            return;
+        }
+    };
+    let hold_s = s.config.hold_s;
+    match set_starts(&s.scontrol, &jobs, &format!("now+{hold_s}")) {
+        Ok(()) => tracing::info!(
+            job = next,
+            deferred = ?jobs,
+            hold_s,
+            "anticipated: deferred the jobs this node would decline once the job it opens for runs here"
+        ),
+        Err(e) => {
+            tracing::warn!(job = next, deferred = ?jobs, error = %e, "could not defer all the jobs this node would decline after the next one")
+        }
+    }
+    let mut all = jobs;
+    if let Some(old) = anticipation.take() {
+        all.extend(old.jobs.into_iter().filter(|id| !all.contains(id)).collect::<Vec<_>>());
+    }
+    *anticipation = Some(Anticipation {
+        for_job: next,
+        jobs: all,
+        since: Instant::now(),
+    });
 }
 
 /// Deferred first and checked after: slurmctld starts a job within moments of a slot freeing
@@ -704,21 +891,27 @@ fn keep_deferrals_if_first(s: &Steering, defer: &[u32], deferred: &mut HashMap<u
 fn steer_once(
     node: &Mutex<Node>,
     s: &Steering,
-    deferred: &mut HashMap<u32, Instant>,
-    closed: &mut Option<Instant>,
-    full: &mut bool,
+    look: Looking,
     renew_before: Duration,
 ) -> Result<Option<Raise>, String> {
+    let Looking {
+        deferred,
+        closed,
+        full,
+        anticipation,
+        lifting,
+    } = look;
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
     // The slot may have been taken since the poke: with no slot free, nothing is steered and
     // no job needs deferring. A full node that would decline the job Slurm starts next
     // whichever of its jobs ends is closed now: Slurm may start that job on the freed slot
     // before slurmstepd tells the daemon of the end (seen on 24.11).
-    *full = {
+    let room = {
         let load = node.lock().unwrap_or_else(|p| p.into_inner()).load();
         let load = load.map_err(|e| e.to_string())?;
-        load.used >= load.total
+        load.total.saturating_sub(load.used)
     };
+    *full = room == 0;
     let is_full = *full;
     let decided = decide(&queued, s.config.lookahead, deferred, s.config.close, |pending| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
@@ -810,6 +1003,14 @@ fn steer_once(
     });
     // The raise goes out before the check, which takes two more calls to Slurm.
     let raised = raise_now(s, decided.raise);
+    // Before the node opens: Slurm may start the next job at once, and offer the slot still
+    // free after it to the jobs behind it in the same pass.
+    if let Some(next) = decided
+        .open_for
+        .filter(|_| s.config.close && s.config.anticipate > 0 && !decided.close && !leave_closed && room >= 2)
+    {
+        anticipate_for(node, s, &queued, next, lifting, anticipation);
+    }
     if s.config.close && !decided.close && !leave_closed {
         set_closure(s, closed, false, renew_before);
     }
@@ -1231,6 +1432,15 @@ mod tests {
         node
     }
 
+    /// Places job `job_id` of `app` on n1.
+    fn place_x_app(node: &mut Node, job_id: u32, app: &str) {
+        let placed = node.place(&multiplex_protocol::PlaceRequest::new(job_id, 0, app, "n1"));
+        assert!(
+            matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),
+            "{placed:?}"
+        );
+    }
+
     /// Places job `job_id` of `x` on n1 (`cannot_wait`: wherever it fits, whatever the pair).
     fn place_x(node: &mut Node, job_id: u32, cannot_wait: bool) {
         let placed = node.place(&multiplex_protocol::PlaceRequest {
@@ -1241,6 +1451,25 @@ mod tests {
             matches!(placed, Ok(multiplex_protocol::Response::Placed(_))),
             "{placed:?}"
         );
+    }
+
+    /// One look at the queue with nothing anticipated before.
+    fn look_once(
+        node: &Mutex<Node>,
+        s: &Steering,
+        deferred: &mut HashMap<u32, Instant>,
+        closed: &mut Option<Instant>,
+        full: &mut bool,
+        renew_before: Duration,
+    ) -> Result<Option<Raise>, String> {
+        let look = Looking {
+            deferred,
+            closed,
+            full,
+            anticipation: &mut None,
+            lifting: &[],
+        };
+        steer_once(node, s, look, renew_before)
     }
 
     /// Steering of n1 with `config`, through these commands (no sinfo).
@@ -1287,7 +1516,7 @@ mod tests {
         let queue = |q: &str| std::fs::write(dir.path().join("queue"), q).unwrap();
         let look = |closed: &mut Option<Instant>, deferred: &mut HashMap<u32, Instant>, renew| {
             std::fs::write(dir.path().join("calls"), "").unwrap();
-            steer_once(&node, &s, deferred, closed, &mut false, renew).unwrap()
+            look_once(&node, &s, deferred, closed, &mut false, renew).unwrap()
         };
         // Only a, which this node would decline beside x: it closes itself.
         queue("20|0|9|Resources|1|multiplex:app=a\n");
@@ -1332,20 +1561,164 @@ mod tests {
         let mut full = false;
         queue("20|0|9|Resources|1|multiplex:app=a\n");
         std::fs::write(dir.path().join("calls"), "").unwrap();
-        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        look_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
         assert!(full && closed.is_some(), "{}", calls());
         assert!(calls().contains("create reservation"), "{}", calls());
         // b behind a: a full node raises no one, and Slurm would still start a first.
         queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=b\n");
         std::fs::write(dir.path().join("calls"), "").unwrap();
-        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        look_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
         assert_eq!(calls(), "");
         assert!(full && closed.is_some());
         // b first: opened for it.
         queue("21|0|9|Resources|1|multiplex:app=b\n20|0|8|Priority|1|multiplex:app=a\n");
-        steer_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
+        look_once(&node, &s, &mut deferred, &mut closed, &mut full, HOUSEKEEPING).unwrap();
         assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
         assert!(full && closed.is_none());
+    }
+
+    #[test]
+    fn the_jobs_after_the_next_one_that_would_be_declined_then_are_named_up_to_the_first_taken() {
+        let mut q = vec![
+            queued(1, 0, 100, Some("a"), true),
+            queued(2, 0, 99, Some("b"), true),
+            queued(3, 0, 98, None, true),
+            queued(4, 0, 97, Some("c"), false),
+            queued(5, 0, 96, Some("d"), true),
+            queued(6, 0, 95, Some("e"), true),
+        ];
+        // What the node is asked: the next job first, then those Slurm could start after it
+        // (not 3, which is not multiplexed, nor 4, which waits for something else).
+        let asked = |q: &[Queued], next, cap, lifting: &[u32], answer: Vec<usize>| {
+            let mut seen = Vec::new();
+            let got = anticipate(q, next, cap, lifting, |pending, later| {
+                seen = pending.iter().map(|p| (p.job_id, later.to_vec())).collect();
+                Ok(answer)
+            })
+            .unwrap();
+            (seen.iter().map(|(id, _)| *id).collect::<Vec<u32>>(), got)
+        };
+        let (seen, got) = asked(&q, 2, 8, &[], vec![1, 2]);
+        assert_eq!(seen, [2, 1, 5, 6]);
+        assert_eq!(got, [1, 5]);
+        // At most `cap` behind the next one.
+        let (seen, _) = asked(&q, 2, 1, &[], vec![]);
+        assert_eq!(seen, [2, 1]);
+        // A job whose deferral is being taken back counts as one Slurm could start.
+        let (seen, _) = asked(&q, 2, 8, &[4], vec![]);
+        assert_eq!(seen, [2, 1, 4, 5, 6]);
+        // Nothing when the next one is not one Slurm could start now (its pass is not now),
+        // when it is not listed, or when nothing is behind it.
+        assert_eq!(asked(&q, 4, 8, &[], vec![1]).1, Vec::<u32>::new());
+        assert_eq!(asked(&q, 9, 8, &[], vec![1]).1, Vec::<u32>::new());
+        q.truncate(1);
+        assert_eq!(asked(&q, 1, 8, &[], vec![1]).1, Vec::<u32>::new());
+    }
+
+    /// n1 with two GPUs of two slots and x on GPU 0; b pairs well with x, a with neither.
+    fn node_of_two_gpus() -> Node {
+        let config = crate::config::Config::parse("node = \"n1\"\ndatabase = \":memory:\"\n").unwrap();
+        let gpus = (0..2)
+            .map(|index| crate::config::GpuSpec {
+                index,
+                model: "v100".into(),
+                memory_mb: 16384,
+                uuid: None,
+            })
+            .collect();
+        let mut node = Node::open(config, gpus, crate::node::wall_clock()).unwrap();
+        let pair = |app: &str, other: &str, speed: f64| crate::history::PairRow {
+            gpu_model: "v100".into(),
+            app: app.into(),
+            other: other.into(),
+            speed,
+            other_speed: speed,
+            observations: 5,
+            variance: Some(0.001),
+            oom: false,
+        };
+        let mut pairs = Vec::new();
+        for (a, b, speed) in [("x", "a", 0.3), ("x", "b", 0.9), ("a", "b", 0.3), ("a", "a", 0.3)] {
+            pairs.push(pair(a, b, speed));
+            pairs.push(pair(b, a, speed));
+        }
+        let export = crate::history::Export {
+            format: crate::history::EXPORT_FORMAT.into(),
+            version: crate::history::EXPORT_VERSION,
+            solo: vec![],
+            pairs,
+        };
+        node.import(&export).unwrap();
+        place_x(&mut node, 7, false);
+        node
+    }
+
+    #[test]
+    fn a_node_opening_for_one_job_defers_first_those_it_would_decline_once_that_one_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let squeue = script(dir.path(), "squeue", &format!("cat {d}/queue\n"));
+        let scontrol = script(dir.path(), "scontrol", &format!("echo \"scontrol $*\" >>{d}/calls\n"));
+        let close = SteerConfig {
+            lookahead: 8,
+            close: true,
+            ..SteerConfig::default()
+        };
+        let s = steering(close.clone(), squeue.clone(), scontrol.clone());
+        // Two a's are pending. Alone on the empty GPU 1 an a would run; beside x (or the
+        // other a) it would not: the node takes the first a and would decline the second.
+        // Slurm's pass that starts the first offers the three slots still free to the second:
+        // deferred, in one call, before the node opens.
+        let node = Mutex::new(node_of_two_gpus());
+        let calls = || std::fs::read_to_string(dir.path().join("calls")).unwrap_or_default();
+        let queue = |q: &str| std::fs::write(dir.path().join("queue"), q).unwrap();
+        let mut deferred = HashMap::new();
+        let mut closed = Some(Instant::now() + Duration::from_secs(60));
+        let mut anticipation = None;
+        queue(
+            "20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=a\n\
+             22|0|7|Priority|1|multiplex:app=b\n",
+        );
+        let look = Looking {
+            deferred: &mut deferred,
+            closed: &mut closed,
+            full: &mut false,
+            anticipation: &mut anticipation,
+            lifting: &[],
+        };
+        steer_once(&node, &s, look, HOUSEKEEPING).unwrap();
+        // 21 is deferred, not 22: b would be taken beside x (Slurm's pass stops there).
+        assert_eq!(
+            calls(),
+            "scontrol update JobId=21 StartTime=now+60\nscontrol delete ReservationName=multiplex-n1\n"
+        );
+        assert_eq!(closed, None);
+        let a = anticipation.clone().expect("anticipated");
+        assert_eq!((a.for_job, a.jobs.as_slice()), (20, &[21][..]));
+        // Once 20 runs (on GPU 1), the look that comes before the deferral is taken back
+        // closes the node: the next job, 21, would be declined.
+        place_x_app(&mut node.lock().unwrap(), 20, "a");
+        std::fs::write(dir.path().join("calls"), "").unwrap();
+        queue("21|0|9|BeginTime|1|multiplex:app=a\n");
+        let mut anticipation = None;
+        let look = Looking {
+            deferred: &mut deferred,
+            closed: &mut closed,
+            full: &mut false,
+            anticipation: &mut anticipation,
+            lifting: &a.jobs,
+        };
+        steer_once(&node, &s, look, HOUSEKEEPING).unwrap();
+        assert!(calls().starts_with("scontrol create reservation"), "{}", calls());
+        assert!(closed.is_some() && anticipation.is_none());
+        // With anticipate = 0 the node just opens.
+        let s0 = steering(SteerConfig { anticipate: 0, ..close }, squeue, scontrol);
+        let node = Mutex::new(node_of_two_gpus());
+        queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=a\n");
+        std::fs::write(dir.path().join("calls"), "").unwrap();
+        let mut closed = Some(Instant::now() + Duration::from_secs(60));
+        look_once(&node, &s0, &mut deferred, &mut closed, &mut false, HOUSEKEEPING).unwrap();
+        assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
     }
 
     #[test]
@@ -1458,17 +1831,17 @@ mod tests {
         let renew = Duration::from_secs(15);
         // With a deferred, b is Slurm's first already: nothing to raise.
         assert_eq!(
-            steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap(),
+            look_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap(),
             None
         );
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         assert!(deferred.contains_key(&20));
         // Looked at again well before it lapses: nothing to renew yet.
-        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
+        look_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert!(!updates().iter().any(|u| u.contains("JobId=20")));
         // About to lapse, and this node would still decline it: renewed.
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
+        look_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert!(updates().contains(&"scontrol update JobId=20 StartTime=now+60".to_string()));
         assert!(deferred[&20] > Instant::now() + Duration::from_secs(50));
         // Another node with a free slot is lighter now: Slurm would offer a to it first, so n1
@@ -1480,7 +1853,7 @@ mod tests {
         );
         let s2 = Steering { sinfo: lighter, ..s };
         deferred.insert(20, Instant::now() + Duration::from_secs(5));
-        steer_once(&node, &s2, &mut deferred, &mut None, &mut false, renew).unwrap();
+        look_once(&node, &s2, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert_eq!(
             updates(),
             [
@@ -1495,7 +1868,7 @@ mod tests {
             sinfo: s2.sinfo.with_file_name("sinfo"),
             ..s2
         };
-        steer_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
+        look_once(&node, &s, &mut deferred, &mut None, &mut false, renew).unwrap();
         assert_eq!(updates(), ["scontrol update JobId=20 StartTime=now+60"]);
         // The daemon stops: its deferral is taken back at once.
         lift_all(&s, &mut deferred);
@@ -1570,7 +1943,7 @@ mod tests {
         let s = steering(steer, squeue, scontrol);
         let node = Mutex::new(node_beside_x());
         let mut deferred = HashMap::new();
-        let r = steer_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING)
+        let r = look_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING)
             .unwrap()
             .expect("b is raised");
         assert_eq!((r.job_id, r.before, r.own_nice, r.nice), (21, 20, 0, -8));
@@ -1584,7 +1957,7 @@ mod tests {
             "case \"$*\" in *PENDING*) printf '20|0|1|Resources|1|multiplex:app=a\\n21|0|1|Priority|1|multiplex:app=b\\n' ;;\n*) printf '20|1\\n21|1\\n' ;; esac\n",
         );
         let s = Steering { squeue: stuck, ..s };
-        let e = steer_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING).unwrap_err();
+        let e = look_once(&node, &s, &mut deferred, &mut None, &mut false, HOUSEKEEPING).unwrap_err();
         assert!(e.contains("does not follow the nice"), "{e}");
         let nices = std::fs::read_to_string(dir.path().join("nice")).unwrap();
         assert!(nices.ends_with("update JobId=21 Nice=0\n"), "{nices}");
