@@ -77,6 +77,12 @@ struct Args {
     /// daemon reserves it for 60 s at a time) instead of being offered them one by one.
     #[arg(long)]
     close: bool,
+    /// With --close, a node that opens for the job Slurm starts next defers (sets StartTime)
+    /// up to this many of the jobs right after it that it would decline once that job runs,
+    /// until its daemon hears of the start: Slurm offers the slots still free to them in the
+    /// same pass (the daemon's `[steer] anticipate`; 0: none).
+    #[arg(long, default_value_t = multiplexd::config::DEFAULT_ANTICIPATE)]
+    anticipate: usize,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -186,6 +192,7 @@ fn simulate(a: Args) -> Result<(), String> {
             steer: a.steer,
             defer: a.defer,
             close: a.close,
+            anticipate: a.anticipate,
         },
     };
     let started = std::time::Instant::now();

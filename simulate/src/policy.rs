@@ -7,8 +7,8 @@ use super::input::{Rng, Table};
 use super::world::{Choice, JobRef, Policy, Shape, Steer};
 use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
 use multiplexd::config::{
-    Config, GpuSpec, PolicyConfig, DEFAULT_DECLINE_RETRY_MAX_S, DEFAULT_MAX_DECLINES, DEFAULT_MIN_GAIN,
-    DEFAULT_UNKNOWN_PAIR_SPEED,
+    Config, GpuSpec, PolicyConfig, DEFAULT_ANTICIPATE, DEFAULT_DECLINE_RETRY_MAX_S, DEFAULT_MAX_DECLINES,
+    DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED,
 };
 use multiplexd::history::ActiveJob;
 use multiplexd::node::{Node, NodeLoad, PendingJob};
@@ -46,6 +46,10 @@ pub struct Options {
     /// With steering, a node that would decline the job Slurm starts next closes itself to
     /// Slurm while that lasts ([`Steer::take`]).
     pub close: bool,
+    /// With closing, a node that opens for the job Slurm starts next defers (up to this many
+    /// of) the jobs after it that it would decline once that job runs, until it hears of the
+    /// start ([`Policy::declines_after`]): the daemon's `[steer] anticipate`.
+    pub anticipate: usize,
 }
 
 impl Default for Options {
@@ -58,6 +62,7 @@ impl Default for Options {
             steer: 0,
             defer: false,
             close: false,
+            anticipate: DEFAULT_ANTICIPATE,
         }
     }
 }
@@ -192,6 +197,7 @@ struct Oracle<'a> {
     steer: usize,
     defer: bool,
     close: bool,
+    anticipate: usize,
     /// Per node, the starvation bound of its queue-level choice.
     bypasses: Vec<Bypasses>,
 }
@@ -207,6 +213,7 @@ impl<'a> Oracle<'a> {
             steer: options.steer,
             defer: options.defer,
             close: options.close,
+            anticipate: options.anticipate,
             bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
         })
     }
@@ -241,6 +248,39 @@ impl Policy for Oracle<'_> {
     }
     fn closes(&self) -> bool {
         self.close
+    }
+    fn anticipates(&self) -> usize {
+        self.anticipate
+    }
+    fn declines_after(
+        &mut self,
+        _: f64,
+        _: usize,
+        gpus: &[Vec<JobRef>],
+        pending: &[JobRef],
+        next: usize,
+        later: &[usize],
+    ) -> Result<Vec<usize>, String> {
+        let knobs = Knobs {
+            slots: self.shape.jobs_per_gpu,
+            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
+            min_gain: self.policy.min_gain,
+        };
+        let newcomers: Vec<Newcomer> = pending
+            .iter()
+            .map(|j| Newcomer {
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
+            .collect();
+        let Some(first) = newcomers.get(next) else {
+            return Ok(Vec::new());
+        };
+        let Some(after) = placement::placed(&self.states(gpus), first, pending[next].id, &self.truth, knobs) else {
+            return Ok(Vec::new());
+        };
+        let offers = placement::offers(&after, &newcomers, &self.truth, knobs);
+        Ok(placement::declined_in_turn(&offers, later))
     }
     fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
@@ -321,6 +361,7 @@ struct Learned<'a> {
     steer: usize,
     defer: bool,
     close: bool,
+    anticipate: usize,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -404,6 +445,7 @@ impl<'a> Learned<'a> {
             steer,
             defer,
             close,
+            anticipate,
             ..
         } = options;
         let clocks = Arc::new(
@@ -463,6 +505,7 @@ impl<'a> Learned<'a> {
             steer,
             defer,
             close,
+            anticipate,
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
@@ -573,6 +616,31 @@ impl Policy for Learned<'_> {
     }
     fn closes(&self) -> bool {
         self.close
+    }
+    fn anticipates(&self) -> usize {
+        self.anticipate
+    }
+    fn declines_after(
+        &mut self,
+        now: f64,
+        node: usize,
+        _: &[Vec<JobRef>],
+        pending: &[JobRef],
+        next: usize,
+        later: &[usize],
+    ) -> Result<Vec<usize>, String> {
+        self.at(now)?;
+        let pending: Vec<PendingJob> = pending
+            .iter()
+            .map(|j| PendingJob {
+                job_id: j.id,
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
+            .collect();
+        self.node_at(node, now)?
+            .declines_after(&pending, next, later)
+            .map_err(|e| e.to_string())
     }
     fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         self.at(now)?;

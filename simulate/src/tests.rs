@@ -343,3 +343,46 @@ fn the_daemons_decline_bounds_reach_the_simulated_daemon() {
     assert!((5..=8).contains(&backing_off.declines_per_job[1]), "{backing_off:?}");
     assert!(start(&backing_off) >= 3000.0, "{backing_off:?}");
 }
+
+#[test]
+fn a_node_opening_for_one_job_defers_the_next_it_would_decline_until_it_hears_of_the_start() {
+    // Two long c, one per GPU; a cannot share with c, b pairs well with it. a arrives and the
+    // closing node closes; b arrives and the node opens for it, with two slots free. The pass
+    // that starts b offers the slot still free (beside the other c) to a: declined, unless the
+    // node deferred a before it opened, until it heard of b's start, and closed then.
+    let t = small_table();
+    let shape = Shape {
+        nodes: 1,
+        gpus_per_node: 2,
+        jobs_per_gpu: 2,
+    };
+    let trace = [
+        job(&t, "1", 0.0, "c", 3000.0),
+        job(&t, "2", 0.0, "c", 3000.0),
+        job(&t, "3", 1.0, "a", 100.0),
+        job(&t, "4", 500.0, "b", 100.0),
+    ];
+    // The oracle: the learned daemons would first learn from an out-of-memory what a beside c
+    // does (the node's part is the daemon's own code, tested in multiplexd).
+    let run = |anticipate| {
+        let options = policy::Options {
+            steer: 8,
+            close: true,
+            anticipate,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();
+        world::run(&t, &trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (opening, anticipating) = (run(0), run(8));
+    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
+    // a arrives at an open node and is declined once either way; then, closed, the node takes
+    // b, and the pass that starts b declines a once more unless a was deferred.
+    assert_eq!(opening.declines_per_job[2], 2, "{opening:?}");
+    assert_eq!(anticipating.declines_per_job[2], 1, "{anticipating:?}");
+    assert!(anticipating.deferred >= 1, "{anticipating:?}");
+    for o in [&opening, &anticipating] {
+        assert_eq!(start(o, 3), 500.0, "b starts as it arrives: {o:?}");
+        assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
+    }
+}

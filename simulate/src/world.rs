@@ -17,6 +17,9 @@ pub const DECLINE_RETRY_S: f64 = 60.0;
 /// job when its step starts on the node and publishes the weight through scontrol after that.
 /// Until then Slurm places by the old one: a burst started in one pass sees none of them.
 pub const WEIGHT_LAG_S: f64 = 2.0;
+/// How long after Slurm starts a job on a node its daemon hears of it (the job's step asks it
+/// where to run), as for [`WEIGHT_LAG_S`]: an anticipated deferral lasts this long.
+pub const START_SEEN_S: f64 = WEIGHT_LAG_S;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -103,6 +106,26 @@ pub trait Policy {
     fn closes(&self) -> bool {
         false
     }
+    /// How many of the jobs after the one Slurm starts next a node that [`Policy::closes`]
+    /// and opens for it may defer, those it would decline once that job runs
+    /// ([`Policy::declines_after`]), until its daemon hears of the start ([`START_SEEN_S`]);
+    /// 0: none (`[steer] anticipate`).
+    fn anticipates(&self) -> usize {
+        0
+    }
+    /// Which of `later` (indices into `pending`, in the order Slurm offers them) the node would
+    /// decline for now once `pending[next]` runs on it, up to the first it would take.
+    fn declines_after(
+        &mut self,
+        _now: f64,
+        _node: usize,
+        _gpus: &[Vec<JobRef>],
+        _pending: &[JobRef],
+        _next: usize,
+        _later: &[usize],
+    ) -> Result<Vec<usize>, String> {
+        Ok(Vec::new())
+    }
     /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority and
     /// deferring those it would decline: a slot of `node` (`gpus` as in `place`) freed or
     /// stayed free after a decline, and `pending` are the first jobs Slurm would start next,
@@ -173,6 +196,9 @@ enum Kind {
     Weight(usize),
     /// A node's closure lapses unless its daemon renews it (the node, and which closure).
     Closure(usize, u32),
+    /// A node's daemon hears of the start it anticipated ([`Policy::declines_after`]): it
+    /// looks at the queue, then takes back the deferrals it set for that start.
+    Seen(usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -256,6 +282,10 @@ struct World<'a> {
     /// Per node, the jobs its policy deferred (some may have lapsed or started since).
     deferrals: Vec<Vec<usize>>,
     closes: bool,
+    /// How many jobs after the one a node opens for it may defer ([`Policy::anticipates`]).
+    anticipates: usize,
+    /// Per node, the jobs it deferred until it hears of a start ([`Kind::Seen`]).
+    anticipated: Vec<Vec<usize>>,
     /// Per node: closed to Slurm, and how many closures it had (stale lapses are skipped).
     closed: Vec<bool>,
     closure: Vec<u32>,
@@ -327,6 +357,12 @@ pub fn run(
         defers: policy.lookahead() >= 2 && policy.defers(),
         deferrals: vec![Vec::new(); shape.nodes],
         closes: policy.lookahead() >= 1 && policy.closes(),
+        anticipates: if policy.lookahead() >= 1 && policy.closes() {
+            policy.anticipates()
+        } else {
+            0
+        },
+        anticipated: vec![Vec::new(); shape.nodes],
         closed: vec![false; shape.nodes],
         closure: vec![0; shape.nodes],
         steered: 0,
@@ -370,6 +406,20 @@ pub fn run(
                 let job = &w.jobs[e.job];
                 if let Some(node) = job.deferred_by.filter(|_| job.at.is_none() && job.eligible <= now) {
                     w.steer(now, node, policy)?;
+                }
+            }
+            Kind::Seen(node) => {
+                let lifting = std::mem::take(&mut w.anticipated[node]);
+                w.steer(now, node, policy)?;
+                for j in lifting {
+                    if w.anticipated[node].contains(&j) {
+                        continue; // deferred again, for the next start
+                    }
+                    let job = &mut w.jobs[j];
+                    if job.at.is_none() && job.deferred_by == Some(node) {
+                        job.deferred_by = None;
+                        job.eligible = job.eligible.min(now);
+                    }
                 }
             }
             Kind::Complete(epoch) => {
@@ -679,6 +729,7 @@ impl World<'_> {
         }
         // Open only while the node would take the job Slurm starts next (after the raise);
         // with none eligible now, the first waiting out a decline that it does not defer again.
+        let mut opened_for = None;
         if self.closes {
             let head = self.pending(now, 1).first().copied().or_else(|| {
                 (0..pending.len())
@@ -686,6 +737,9 @@ impl World<'_> {
                     .map(|i| pending[i])
             });
             let close = !head.is_some_and(|h| steer.take.iter().any(|&i| pending.get(i) == Some(&h)));
+            if !close {
+                opened_for = head.filter(|&h| self.jobs[h].eligible <= now);
+            }
             if close && !self.closed[node] {
                 self.closed[node] = true;
                 self.closure[node] += 1;
@@ -730,6 +784,34 @@ impl World<'_> {
             if self.jobs[j].deferred_by == Some(node) && !steer.defer.contains(&i) {
                 self.jobs[j].deferred_by = None;
                 self.jobs[j].eligible = self.jobs[j].eligible.min(now);
+            }
+        }
+        // Open for `h`, with a slot still free once `h` runs here: in the pass that starts it,
+        // Slurm offers that slot to the jobs after it, before the daemon hears of the start.
+        // Those the node would decline then wait until it does; it then closes, or takes them.
+        if let Some(h) = opened_for.filter(|_| self.anticipates > 0 && first && self.capacity() >= self.used[node] + 2)
+        {
+            // The jobs Slurm could start now, after `h` in its order (those waiting out a
+            // decline are not offered in this pass, however high they stand).
+            let mut offered = vec![h];
+            let cap = self.anticipates;
+            offered.extend(self.pending(now, cap + 1).into_iter().filter(|&j| j != h));
+            offered.truncate(cap + 1);
+            let refs: Vec<JobRef> = offered.iter().map(|&j| self.job_ref(j)).collect();
+            let later: Vec<usize> = (1..offered.len()).collect();
+            let declined = policy.declines_after(now, node, &self.view(node), &refs, 0, &later)?;
+            for i in declined {
+                let Some(&j) = offered.get(i).filter(|_| i >= 1) else {
+                    return Err(format!("the policy anticipated pending job {i} of {}", offered.len()));
+                };
+                self.deferred += 1;
+                self.unbump(j);
+                self.jobs[j].deferred_by = Some(node);
+                self.jobs[j].eligible = self.jobs[j].eligible.max(now + DECLINE_RETRY_S);
+                self.anticipated[node].push(j);
+            }
+            if !self.anticipated[node].is_empty() {
+                self.push(now + START_SEEN_S, h, Kind::Seen(node));
             }
         }
         Ok(())
