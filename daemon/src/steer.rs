@@ -308,7 +308,8 @@ fn set_start(scontrol: &Path, job_id: u32, at: &str) -> Result<(), String> {
     set_starts(scontrol, &[job_id], at)
 }
 
-/// [`set_start`] for several jobs in one call (scontrol takes a list of job ids; a job that
+/// [`set_start`] for several jobs in one call (scontrol takes a list of job ids and sends one
+/// update per job; a job that
 /// started or left meanwhile fails alone, and scontrol says so).
 fn set_starts(scontrol: &Path, job_ids: &[u32], at: &str) -> Result<(), String> {
     let ids: Vec<String> = job_ids.iter().map(u32::to_string).collect();
