@@ -69,6 +69,18 @@ pub struct Queued {
     pub spec: Option<Spec>,
 }
 
+impl Queued {
+    /// The job as steering weighs it; `None`: not a multiplexed job.
+    fn pending(&self) -> Option<PendingJob<'_>> {
+        let spec = self.spec.as_ref()?;
+        Some(PendingJob {
+            job_id: self.job_id,
+            app: spec.app.as_deref().unwrap_or_default(),
+            mem_mb: spec.mem_mb,
+        })
+    }
+}
+
 /// The fields asked of squeue, `|`-separated, the admin comment (which may hold `|`) last.
 const FORMAT: &str = "JobID:0|,Nice:0|,PriorityLong:0|,Reason:0|,Requeue:0|,admin_comment:0";
 
@@ -179,17 +191,7 @@ pub fn decide(
     if first.is_empty() {
         return Ok(Decided::default());
     }
-    let pending: Vec<PendingJob> = first
-        .iter()
-        .map(|q| {
-            let spec = q.spec.as_ref().expect("filtered above");
-            PendingJob {
-                job_id: q.job_id,
-                app: spec.app.as_deref().unwrap_or_default(),
-                mem_mb: spec.mem_mb,
-            }
-        })
-        .collect();
+    let pending: Vec<PendingJob> = first.iter().filter_map(|q| q.pending()).collect();
     let steering = choose(&pending)?;
     let defer: Vec<u32> = steering
         .defer
@@ -285,17 +287,7 @@ pub fn anticipate(
     if offered.len() < 2 {
         return Ok(Vec::new());
     }
-    let pending: Vec<PendingJob> = offered
-        .iter()
-        .map(|q| {
-            let spec = q.spec.as_ref().expect("filtered above");
-            PendingJob {
-                job_id: q.job_id,
-                app: spec.app.as_deref().unwrap_or_default(),
-                mem_mb: spec.mem_mb,
-            }
-        })
-        .collect();
+    let pending: Vec<PendingJob> = offered.iter().filter_map(|q| q.pending()).collect();
     let later: Vec<usize> = (1..offered.len()).collect();
     Ok(declines(&pending, &later)?
         .into_iter()
@@ -1407,28 +1399,7 @@ mod tests {
             uuid: None,
         }];
         let mut node = Node::open(config, gpus, crate::node::wall_clock()).unwrap();
-        let pair = |app: &str, other: &str, speed: f64| crate::history::PairRow {
-            gpu_model: "v100".into(),
-            app: app.into(),
-            other: other.into(),
-            speed,
-            other_speed: speed,
-            observations: 5,
-            variance: Some(0.001),
-            oom: false,
-        };
-        let export = crate::history::Export {
-            format: crate::history::EXPORT_FORMAT.into(),
-            version: crate::history::EXPORT_VERSION,
-            solo: vec![],
-            pairs: vec![
-                pair("x", "a", 0.3),
-                pair("a", "x", 0.3),
-                pair("x", "b", 0.9),
-                pair("b", "x", 0.9),
-            ],
-        };
-        node.import(&export).unwrap();
+        import_pairs(&mut node, &[("x", "a", 0.3), ("x", "b", 0.9)]);
         place_x(&mut node, 7, false);
         node
     }
@@ -1616,6 +1587,30 @@ mod tests {
         assert_eq!(asked(&q, 1, 8, &[], vec![1]).1, Vec::<u32>::new());
     }
 
+    /// Imports pairs seen 5 times, each the same speed both ways.
+    fn import_pairs(node: &mut Node, pairs: &[(&str, &str, f64)]) {
+        let row = |app: &str, other: &str, speed: f64| crate::history::PairRow {
+            gpu_model: "v100".into(),
+            app: app.into(),
+            other: other.into(),
+            speed,
+            other_speed: speed,
+            observations: 5,
+            variance: Some(0.001),
+            oom: false,
+        };
+        let export = crate::history::Export {
+            format: crate::history::EXPORT_FORMAT.into(),
+            version: crate::history::EXPORT_VERSION,
+            solo: vec![],
+            pairs: pairs
+                .iter()
+                .flat_map(|&(a, b, speed)| [row(a, b, speed), row(b, a, speed)])
+                .collect(),
+        };
+        node.import(&export).unwrap();
+    }
+
     /// n1 with two GPUs of two slots and x on GPU 0; b pairs well with x, a with neither.
     fn node_of_two_gpus() -> Node {
         let config = crate::config::Config::parse("node = \"n1\"\ndatabase = \":memory:\"\n").unwrap();
@@ -1628,28 +1623,10 @@ mod tests {
             })
             .collect();
         let mut node = Node::open(config, gpus, crate::node::wall_clock()).unwrap();
-        let pair = |app: &str, other: &str, speed: f64| crate::history::PairRow {
-            gpu_model: "v100".into(),
-            app: app.into(),
-            other: other.into(),
-            speed,
-            other_speed: speed,
-            observations: 5,
-            variance: Some(0.001),
-            oom: false,
-        };
-        let mut pairs = Vec::new();
-        for (a, b, speed) in [("x", "a", 0.3), ("x", "b", 0.9), ("a", "b", 0.3), ("a", "a", 0.3)] {
-            pairs.push(pair(a, b, speed));
-            pairs.push(pair(b, a, speed));
-        }
-        let export = crate::history::Export {
-            format: crate::history::EXPORT_FORMAT.into(),
-            version: crate::history::EXPORT_VERSION,
-            solo: vec![],
-            pairs,
-        };
-        node.import(&export).unwrap();
+        import_pairs(
+            &mut node,
+            &[("x", "a", 0.3), ("x", "b", 0.9), ("a", "b", 0.3), ("a", "a", 0.3)],
+        );
         place_x(&mut node, 7, false);
         node
     }

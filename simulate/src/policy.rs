@@ -218,6 +218,26 @@ impl<'a> Oracle<'a> {
         })
     }
 
+    /// The knobs of steering: the daemon's defaults, no back-off (that is for a job declined).
+    fn steering_knobs(&self) -> Knobs {
+        Knobs {
+            slots: self.shape.jobs_per_gpu,
+            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
+            min_gain: self.policy.min_gain,
+        }
+    }
+
+    /// Pending jobs as placement reads them (the oracle needs no memory hint: it knows).
+    fn newcomers(&self, pending: &[JobRef]) -> Vec<Newcomer<'a>> {
+        pending
+            .iter()
+            .map(|j| Newcomer {
+                app: &self.table.apps[j.app],
+                mem_mb: None,
+            })
+            .collect()
+    }
+
     /// The node's GPUs as placement reads them.
     fn states(&self, gpus: &[Vec<JobRef>]) -> Vec<GpuState> {
         gpus.iter()
@@ -261,18 +281,7 @@ impl Policy for Oracle<'_> {
         next: usize,
         later: &[usize],
     ) -> Result<Vec<usize>, String> {
-        let knobs = Knobs {
-            slots: self.shape.jobs_per_gpu,
-            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.policy.min_gain,
-        };
-        let newcomers: Vec<Newcomer> = pending
-            .iter()
-            .map(|j| Newcomer {
-                app: &self.table.apps[j.app],
-                mem_mb: None,
-            })
-            .collect();
+        let (knobs, newcomers) = (self.steering_knobs(), self.newcomers(pending));
         let Some(first) = newcomers.get(next) else {
             return Ok(Vec::new());
         };
@@ -284,18 +293,7 @@ impl Policy for Oracle<'_> {
     }
     fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
-        let knobs = Knobs {
-            slots: self.shape.jobs_per_gpu,
-            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.policy.min_gain,
-        };
-        let newcomers: Vec<Newcomer> = pending
-            .iter()
-            .map(|j| Newcomer {
-                app: &self.table.apps[j.app],
-                mem_mb: None,
-            })
-            .collect();
+        let (knobs, newcomers) = (self.steering_knobs(), self.newcomers(pending));
         let offers = placement::offers(&self.states(gpus), &newcomers, &self.truth, knobs);
         let raise = self.bypasses[node].choose(&ids, |reach| Ok::<_, String>(placement::steer(&offers[..reach])))?;
         let defer = if self.defer {
@@ -432,6 +430,18 @@ impl std::ops::DerefMut for NodeGuard<'_> {
     fn deref_mut(&mut self) -> &mut Node {
         &mut self.0.node
     }
+}
+
+/// Pending jobs as a daemon's steering reads them (no memory hint: the trace has none).
+fn pending_jobs<'t>(table: &'t Table, pending: &[JobRef]) -> Vec<PendingJob<'t>> {
+    pending
+        .iter()
+        .map(|j| PendingJob {
+            job_id: j.id,
+            app: &table.apps[j.app],
+            mem_mb: None,
+        })
+        .collect()
 }
 
 fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
@@ -630,28 +640,14 @@ impl Policy for Learned<'_> {
         later: &[usize],
     ) -> Result<Vec<usize>, String> {
         self.at(now)?;
-        let pending: Vec<PendingJob> = pending
-            .iter()
-            .map(|j| PendingJob {
-                job_id: j.id,
-                app: &self.table.apps[j.app],
-                mem_mb: None,
-            })
-            .collect();
+        let pending = pending_jobs(self.table, pending);
         self.node_at(node, now)?
             .declines_after(&pending, next, later)
             .map_err(|e| e.to_string())
     }
     fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         self.at(now)?;
-        let pending: Vec<PendingJob> = pending
-            .iter()
-            .map(|j| PendingJob {
-                job_id: j.id,
-                app: &self.table.apps[j.app],
-                mem_mb: None,
-            })
-            .collect();
+        let pending = pending_jobs(self.table, pending);
         let s = self.node_at(node, now)?.steer(&pending).map_err(|e| e.to_string())?;
         Ok(Steer {
             raise: s.raise,
