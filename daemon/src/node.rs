@@ -470,13 +470,7 @@ impl Node {
             return Ok(Vec::new());
         }
         let states = self.gpu_states(&self.active()?)?;
-        let job = Newcomer {
-            app: first.app,
-            mem_mb: match first.mem_mb {
-                Some(m) => Some(m),
-                None => self.history.app_mem_peak(first.app)?,
-            },
-        };
+        let job = self.newcomer(first)?;
         let estimates = self
             .history
             .estimates(&placement::wanted(&states, &job, self.config.jobs_per_gpu))?;
@@ -528,19 +522,25 @@ impl Node {
         }
     }
 
+    /// A pending job as placement reads it: without a memory hint, it is assumed to need what
+    /// its application's earlier runs were measured to use.
+    fn newcomer<'p>(&self, p: &PendingJob<'p>) -> Result<Newcomer<'p>, HistoryError> {
+        Ok(Newcomer {
+            app: p.app,
+            mem_mb: match p.mem_mb {
+                Some(m) => Some(m),
+                None => self.history.app_mem_peak(p.app)?,
+            },
+        })
+    }
+
     /// [`placement::offers`] over the history, for `pending` on each of `states`.
     fn offers_on(&self, states: &[Vec<GpuState>], pending: &[PendingJob]) -> Result<Vec<Vec<Offer>>, HistoryError> {
         let knobs = self.knobs();
         let mut newcomers = Vec::with_capacity(pending.len());
         let mut wanted = Wanted::default();
         for p in pending {
-            let job = Newcomer {
-                app: p.app,
-                mem_mb: match p.mem_mb {
-                    Some(m) => Some(m),
-                    None => self.history.app_mem_peak(p.app)?,
-                },
-            };
+            let job = self.newcomer(p)?;
             for s in states {
                 wanted.extend(placement::wanted(s, &job, knobs.slots));
             }

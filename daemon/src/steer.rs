@@ -260,9 +260,9 @@ fn raise(top: &Queued, job: &Queued) -> Option<Raise> {
 }
 
 /// The jobs to defer while this node opens for `next` (`[steer] anticipate`), if Slurm could
-/// start `next` now: Slurm's pass that starts it here offers the slot still free after it to the multiplexed jobs behind
-/// it that Slurm could start now (and to `lifting`, deferrals about to be taken back), one
-/// after another, before the daemon hears of the start. Of the first `cap` of them, `declines`
+/// start `next` now: Slurm's pass that starts it here offers the slot still free after it to
+/// the multiplexed jobs behind it that Slurm could start now (and to `lifting`, deferrals
+/// about to be taken back), one after another, before the daemon hears of the start. Of the first `cap` of them, `declines`
 /// (as [`Node::declines_after`], given the jobs with `next` first) names those this node would
 /// decline then, up to the first it would take.
 pub fn anticipate(
@@ -301,8 +301,7 @@ fn set_start(scontrol: &Path, job_id: u32, at: &str) -> Result<(), String> {
 }
 
 /// [`set_start`] for several jobs in one call (scontrol takes a list of job ids and sends one
-/// update per job; a job that
-/// started or left meanwhile fails alone, and scontrol says so).
+/// update per job; a job that started or left meanwhile fails alone, and scontrol says so).
 fn set_starts(scontrol: &Path, job_ids: &[u32], at: &str) -> Result<(), String> {
     let ids: Vec<String> = job_ids.iter().map(u32::to_string).collect();
     let args = [
@@ -729,7 +728,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         }
         let free = free || std::mem::take(&mut owed_free);
         let lifting = if seen { anticipation.take() } else { None };
-        let lifting_ids = lifting.as_ref().map(|a| a.jobs.clone()).unwrap_or_default();
+        let lifting_ids: &[u32] = lifting.as_ref().map_or(&[], |a| &a.jobs);
         if free || renew || closed.is_some() || (s.config.close && full) || seen {
             let looked = steer_once(
                 node,
@@ -739,7 +738,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     closed: &mut closed,
                     full: &mut full,
                     anticipation: &mut anticipation,
-                    lifting: &lifting_ids,
+                    lifting: lifting_ids,
                 },
                 renew_before,
             );
@@ -801,7 +800,9 @@ struct Looking<'a> {
 
 /// Defers the jobs this node would decline once `next` runs here ([`anticipate`]), in one
 /// call, before the node opens for `next`. Recorded even if scontrol says some failed (a job
-/// that started meanwhile): the rest were deferred and are taken back all the same.
+/// that started meanwhile): the rest were deferred and are taken back all the same. Called
+/// only with no anticipation outstanding: the thread looks at the queue again only once the
+/// last one was seen, and takes it.
 fn anticipate_for(
     node: &Mutex<Node>,
     s: &Steering,
@@ -834,13 +835,9 @@ fn anticipate_for(
             tracing::warn!(job = next, deferred = ?jobs, error = %e, "could not defer all the jobs this node would decline after the next one")
         }
     }
-    let mut all = jobs;
-    if let Some(old) = anticipation.take() {
-        all.extend(old.jobs.into_iter().filter(|id| !all.contains(id)).collect::<Vec<_>>());
-    }
     *anticipation = Some(Anticipation {
         for_job: next,
-        jobs: all,
+        jobs,
         since: Instant::now(),
     });
 }
