@@ -452,11 +452,12 @@ impl Node {
     }
 
     /// Which of `later` (indices into `pending`, in the order Slurm would offer them) this node
-    /// would decline for now once `pending[next]` runs here where it would be placed: in the
-    /// scheduling pass that starts `next` on this node, Slurm offers the slots still free to
-    /// them, before the daemon hears of the start. Up to the first it would take
-    /// ([`placement::declined_in_turn`]); none in observe mode, or when `next` would not be
-    /// placed here.
+    /// would decline for now in the scheduling pass that starts `pending[next]`, which it opens
+    /// for: Slurm offers the slots still free to them one after another, before the daemon
+    /// hears of the start. `next` may start here (where it would be placed) or on another node
+    /// Slurm prefers (this node as it is now): those declined either way, each up to the first
+    /// it would take ([`placement::declined_in_turn`]). None in observe mode, or when `next`
+    /// would not be placed here.
     pub fn declines_after(
         &mut self,
         pending: &[PendingJob],
@@ -474,11 +475,11 @@ impl Node {
         let estimates = self
             .history
             .estimates(&placement::wanted(&states, &job, self.config.jobs_per_gpu))?;
-        let Some(after) = placement::placed(&states, &job, first.job_id, &estimates, self.knobs()) else {
+        let onto = placement::in_pass(&states, &job, first.job_id, &estimates, self.knobs());
+        if onto.is_empty() {
             return Ok(Vec::new());
-        };
-        let offers = self.offers_on(&[after], pending)?.pop().unwrap_or_default();
-        Ok(placement::declined_in_turn(&offers, later))
+        }
+        Ok(placement::declined_in_pass(&self.offers_on(&onto, pending)?, later))
     }
 
     /// Which of `pending` this node would take ([`Steering::take`]) once some one of the jobs

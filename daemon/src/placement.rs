@@ -505,6 +505,37 @@ pub fn placed(
     Some(after)
 }
 
+/// What the jobs Slurm offers this node after `job`, in the scheduling pass that starts `job`
+/// (which the node opens for), may find here: the node as it is, should Slurm start `job` on
+/// another node it prefers, and, where a slot is still free after it, the node with `job`
+/// placed ([`placed`]). Empty when [`place`] would decline `job` here.
+pub fn in_pass(
+    gpus: &[GpuState],
+    job: &Newcomer,
+    job_id: u32,
+    history: &Estimates,
+    knobs: Knobs,
+) -> Vec<Vec<GpuState>> {
+    let Some(after) = placed(gpus, job, job_id, history, knobs) else {
+        return Vec::new();
+    };
+    let room = after.iter().any(|g| (g.residents.len() as u32) < knobs.slots);
+    if room {
+        vec![gpus.to_vec(), after]
+    } else {
+        vec![gpus.to_vec()]
+    }
+}
+
+/// [`declined_in_turn`] on each of the states [`in_pass`] gives (`offers` for each): the jobs
+/// this node would decline in that pass whichever way it goes, in Slurm's order.
+pub fn declined_in_pass(offers: &[Vec<Offer>], later: &[usize]) -> Vec<usize> {
+    let mut declined: Vec<usize> = offers.iter().flat_map(|o| declined_in_turn(o, later)).collect();
+    declined.sort_unstable();
+    declined.dedup();
+    declined
+}
+
 /// Those of `later` (indices into `offers`, in the order Slurm offers them) that this node
 /// would decline for now ([`Offer::Wait`]), up to the first it would take: in one scheduling
 /// pass Slurm offers a node's free slot to one job after another until one starts there.
@@ -733,6 +764,46 @@ mod tests {
         // Nothing after a job that would not be placed.
         let full = [gpu(0, &[(1, "x"), (2, "x")])];
         assert_eq!(placed(&full, &a, 7, &h, knobs), None);
+    }
+
+    #[test]
+    fn the_jobs_offered_in_a_pass_are_weighed_whether_its_first_starts_here_or_elsewhere() {
+        // x on GPU 0 (one slot free beside it), GPU 1 empty. b gains beside x and a does not;
+        // a beside b gains.
+        let h = Table::default()
+            .with("x", "a", 0.3, 0.3, false)
+            .with("x", "b", 0.9, 0.9, false)
+            .with("a", "b", 0.8, 0.8, false);
+        let knobs = Knobs { min_gain: 0.1, ..KNOBS };
+        let gpus = [gpu(0, &[(1, "x")]), gpu(1, &[])];
+        let b = Newcomer { app: "b", mem_mb: None };
+        let a = Newcomer { app: "a", mem_mb: None };
+        // The node opens for b, which it would put on the empty GPU: the node as it is (b
+        // started elsewhere) and with b on GPU 1 (slots still free).
+        let onto = in_pass(&gpus, &b, 7, &h, knobs);
+        assert_eq!(onto.len(), 2);
+        assert_eq!(onto[0], gpus.to_vec());
+        assert_eq!(onto[1][1].residents[0].job_id, 7);
+        // a is taken either way (on the empty GPU, or beside b): nothing to defer.
+        let pending = [b.clone(), a.clone()];
+        let each: Vec<Vec<Offer>> = onto.iter().map(|s| offers(s, &pending, &h, knobs)).collect();
+        assert_eq!(declined_in_pass(&each, &[1]), Vec::<usize>::new());
+        // With GPU 1 taken by a second x, one slot is free: b beside an x fills the node, so
+        // only the node as it is counts, and there a (beside x) would be declined.
+        let one_slot = [gpu(0, &[(1, "x")]), gpu(1, &[(2, "x"), (3, "x")])];
+        let onto = in_pass(&one_slot, &b, 7, &h, knobs);
+        assert_eq!(onto, vec![one_slot.to_vec()]);
+        let each: Vec<Vec<Offer>> = onto.iter().map(|s| offers(s, &pending, &h, knobs)).collect();
+        assert_eq!(declined_in_pass(&each, &[1]), [1]);
+        // Declined in one state and not the other still counts once, in Slurm's order.
+        let both = vec![
+            vec![Offer::Gain(0.5), Offer::Wait, Offer::Wait],
+            vec![Offer::Gain(0.5), Offer::Gain(0.2), Offer::Wait],
+        ];
+        assert_eq!(declined_in_pass(&both, &[2, 1]), [1, 2]);
+        // Nothing when the node would not take the job it would open for.
+        let full = [gpu(0, &[(1, "x"), (2, "x")])];
+        assert!(in_pass(&full, &a, 7, &h, knobs).is_empty());
     }
 
     #[test]

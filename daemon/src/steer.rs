@@ -639,12 +639,14 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     // The node was full at the last look (with `close`, a full node is looked at now and
     // then: it is closed before a slot frees if it would decline the first jobs then).
     let mut full = false;
+    // The job the last anticipation was for ([`Looking::anticipated_for`]).
+    let mut anticipated_for: Option<u32> = None;
     let mut trouble = Trouble::default();
     let hold = Duration::from_secs(s.config.hold_s);
     // A deferral is renewed this long before it lapses (if this node would still decline the
     // job), so that Slurm never sees it lapse in between.
     let renew_before = (hold / 4).max(HOUSEKEEPING);
-    let closed_look_every = Duration::from_millis(s.config.look_ms);
+    let look_every = Duration::from_millis(s.config.look_ms);
     loop {
         let (free, stop) = {
             let mut sig = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -657,8 +659,15 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                 if sig.free || sig.stop {
                     break;
                 }
-                let watch_full = s.config.close && full;
-                if raised.is_empty() && deferred.is_empty() && closed.is_none() && !watch_full && anticipation.is_none()
+                // With `close`, the node looks at the queue every `look_ms` whatever its
+                // state: closed or full, a job it would take opens it; open with a free slot,
+                // a job coming back from a wait (a decline, a failure, another node's
+                // deferral) that it would decline closes it before Slurm offers it the job.
+                if raised.is_empty()
+                    && deferred.is_empty()
+                    && closed.is_none()
+                    && !s.config.close
+                    && anticipation.is_none()
                 {
                     sig = cv.wait(sig).unwrap_or_else(|p| p.into_inner());
                 } else {
@@ -671,10 +680,10 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     let every = if due || anticipation.is_some() {
                         DUE_EVERY
                     } else if raised.is_empty() && deferred.is_empty() {
-                        // Closed (`[steer] close`), or full with close on: a job that
-                        // arrived, or moved up the queue, and that this node would take
-                        // opens it within `look_ms`.
-                        closed_look_every
+                        // With `[steer] close`: a job that arrived, or moved up the queue,
+                        // and that this node would take opens it within `look_ms`; one it
+                        // would decline closes it.
+                        look_every
                     } else {
                         HOUSEKEEPING
                     };
@@ -729,7 +738,10 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         let free = free || std::mem::take(&mut owed_free);
         let lifting = if seen { anticipation.take() } else { None };
         let lifting_ids: &[u32] = lifting.as_ref().map_or(&[], |a| &a.jobs);
-        if free || renew || closed.is_some() || (s.config.close && full) || seen {
+        if let Some(a) = &lifting {
+            anticipated_for = Some(a.for_job);
+        }
+        if free || renew || s.config.close || seen {
             let looked = steer_once(
                 node,
                 s,
@@ -739,6 +751,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
                     full: &mut full,
                     anticipation: &mut anticipation,
                     lifting: lifting_ids,
+                    anticipated_for,
                 },
                 renew_before,
             );
@@ -796,6 +809,10 @@ struct Looking<'a> {
     anticipation: &'a mut Option<Anticipation>,
     /// Jobs deferred in anticipation whose deferral is taken back after this look.
     lifting: &'a [u32],
+    /// The job the last anticipation was for: it is not anticipated again (a job Slurm could
+    /// start but does not, waiting on something else, would hold the jobs behind it back at
+    /// every look).
+    anticipated_for: Option<u32>,
 }
 
 /// Defers the jobs this node would decline once `next` runs here ([`anticipate`]), in one
@@ -890,6 +907,7 @@ fn steer_once(
         full,
         anticipation,
         lifting,
+        anticipated_for,
     } = look;
     let queued = pending_jobs(&s.squeue, &s.config.partition)?;
     // The slot may have been taken since the poke: with no slot free, nothing is steered and
@@ -997,7 +1015,8 @@ fn steer_once(
     // free after it to the jobs behind it in the same pass.
     if let Some(next) = decided
         .open_for
-        .filter(|_| s.config.close && s.config.anticipate > 0 && !decided.close && !leave_closed && room >= 2)
+        .filter(|_| s.config.close && s.config.anticipate > 0 && !decided.close && !leave_closed && room >= 1)
+        .filter(|&n| anticipated_for != Some(n))
     {
         anticipate_for(node, s, &queued, next, lifting, anticipation);
     }
@@ -1437,6 +1456,7 @@ mod tests {
             full,
             anticipation: &mut None,
             lifting: &[],
+            anticipated_for: None,
         };
         steer_once(node, s, look, renew_before)
     }
@@ -1505,12 +1525,15 @@ mod tests {
         look(&mut closed, &mut deferred, Duration::from_secs(3600));
         assert_eq!(calls(), "scontrol update ReservationName=multiplex-n1 EndTime=now+60\n");
         // b, which pairs well with x, is listed: raised above a first, then the node opens.
+        // Should Slurm start b on another node, it would offer this one a next, to be
+        // declined: a is deferred before the node opens, until the daemon hears of b.
         queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=b\n");
         let r = look(&mut closed, &mut deferred, HOUSEKEEPING).expect("b is raised");
         assert_eq!(r.job_id, 21);
         assert_eq!(
             calls(),
-            "scontrol update JobId=21 Nice=-2\nscontrol delete ReservationName=multiplex-n1\n"
+            "scontrol update JobId=21 Nice=-2\nscontrol update JobId=20 StartTime=now+60\n\
+             scontrol delete ReservationName=multiplex-n1\n"
         );
         assert_eq!(closed, None);
         // A job this node would take but that waits for its begin time keeps it closed.
@@ -1660,6 +1683,7 @@ mod tests {
             full: &mut false,
             anticipation: &mut anticipation,
             lifting: &[],
+            anticipated_for: None,
         };
         steer_once(&node, &s, look, HOUSEKEEPING).unwrap();
         // 21 is deferred, not 22: b would be taken beside x (Slurm's pass stops there).
@@ -1682,10 +1706,29 @@ mod tests {
             full: &mut false,
             anticipation: &mut anticipation,
             lifting: &a.jobs,
+            anticipated_for: None,
         };
         steer_once(&node, &s, look, HOUSEKEEPING).unwrap();
         assert!(calls().starts_with("scontrol create reservation"), "{}", calls());
         assert!(closed.is_some() && anticipation.is_none());
+        // A job anticipated once and never seen here (Slurm did not start it: it waits on
+        // something else) is not anticipated again: the jobs behind it would be held back at
+        // every look. The node just opens for it.
+        let node = Mutex::new(node_of_two_gpus());
+        queue("20|0|9|Resources|1|multiplex:app=a\n21|0|8|Priority|1|multiplex:app=a\n");
+        std::fs::write(dir.path().join("calls"), "").unwrap();
+        let mut anticipation = None;
+        let look = Looking {
+            deferred: &mut deferred,
+            closed: &mut closed,
+            full: &mut false,
+            anticipation: &mut anticipation,
+            lifting: &[],
+            anticipated_for: Some(20),
+        };
+        steer_once(&node, &s, look, HOUSEKEEPING).unwrap();
+        assert_eq!(calls(), "scontrol delete ReservationName=multiplex-n1\n");
+        assert!(anticipation.is_none());
         // With anticipate = 0 the node just opens.
         let s0 = steering(SteerConfig { anticipate: 0, ..close }, squeue, scontrol);
         let node = Mutex::new(node_of_two_gpus());

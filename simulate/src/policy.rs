@@ -285,11 +285,12 @@ impl Policy for Oracle<'_> {
         let Some(first) = newcomers.get(next) else {
             return Ok(Vec::new());
         };
-        let Some(after) = placement::placed(&self.states(gpus), first, pending[next].id, &self.truth, knobs) else {
-            return Ok(Vec::new());
-        };
-        let offers = placement::offers(&after, &newcomers, &self.truth, knobs);
-        Ok(placement::declined_in_turn(&offers, later))
+        let onto = placement::in_pass(&self.states(gpus), first, pending[next].id, &self.truth, knobs);
+        let offers: Vec<Vec<Offer>> = onto
+            .iter()
+            .map(|s| placement::offers(s, &newcomers, &self.truth, knobs))
+            .collect();
+        Ok(placement::declined_in_pass(&offers, later))
     }
     fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
         let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();

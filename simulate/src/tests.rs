@@ -386,3 +386,44 @@ fn a_node_opening_for_one_job_defers_the_next_it_would_decline_until_it_hears_of
         assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
     }
 }
+
+#[test]
+fn a_node_opening_for_a_job_slurm_starts_elsewhere_is_not_offered_the_next_to_decline() {
+    // Two nodes of one GPU, a long c on each, one slot free beside it. a cannot share with c,
+    // b pairs well with it. a arrives, is declined once (nothing was pending: both nodes were
+    // open), and both nodes close. b arrives: both open for it, and Slurm starts it on the
+    // first, which is then full. Its pass goes on to a, on the second, still open beside its
+    // c: declined again, unless the nodes deferred a before they opened (b might start on
+    // either), and the second closed once a was back.
+    let t = small_table();
+    let shape = Shape {
+        nodes: 2,
+        gpus_per_node: 1,
+        jobs_per_gpu: 2,
+    };
+    let trace = [
+        job(&t, "1", 0.0, "c", 3000.0),
+        job(&t, "2", 0.0, "c", 3000.0),
+        job(&t, "3", 1.0, "a", 100.0),
+        job(&t, "4", 500.0, "b", 100.0),
+    ];
+    let run = |anticipate| {
+        let options = policy::Options {
+            steer: 8,
+            close: true,
+            anticipate,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();
+        world::run(&t, &trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (opening, anticipating) = (run(0), run(8));
+    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
+    assert_eq!(opening.declines_per_job[2], 2, "{opening:?}");
+    assert_eq!(anticipating.declines_per_job[2], 1, "{anticipating:?}");
+    assert!(anticipating.deferred >= 1, "{anticipating:?}");
+    for o in [&opening, &anticipating] {
+        assert_eq!(start(o, 3), 500.0, "b starts as it arrives: {o:?}");
+        assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
+    }
+}

@@ -20,6 +20,10 @@ pub const WEIGHT_LAG_S: f64 = 2.0;
 /// How long after Slurm starts a job on a node its daemon hears of it (the job's step asks it
 /// where to run), as for [`WEIGHT_LAG_S`]: an anticipated deferral lasts this long.
 pub const START_SEEN_S: f64 = WEIGHT_LAG_S;
+/// How long a daemon waits to hear of an anticipated start that is not on its node (Slurm
+/// started the job elsewhere, or not yet) before it takes the deferrals back all the same
+/// (the daemon's `SEEN_WITHIN`).
+pub const SEEN_WITHIN_S: f64 = 15.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -107,14 +111,16 @@ pub trait Policy {
         false
     }
     /// How many of the jobs after the one Slurm starts next a node that [`Policy::closes`]
-    /// and opens for it may defer, those it would decline once that job runs
-    /// ([`Policy::declines_after`]), until its daemon hears of the start ([`START_SEEN_S`]);
-    /// 0: none (`[steer] anticipate`).
+    /// and opens for it may defer, those it would decline once that job runs here or
+    /// elsewhere ([`Policy::declines_after`]), until its daemon hears of the start
+    /// ([`START_SEEN_S`]) or gives up waiting ([`SEEN_WITHIN_S`]); 0: none (`[steer]
+    /// anticipate`).
     fn anticipates(&self) -> usize {
         0
     }
     /// Which of `later` (indices into `pending`, in the order Slurm offers them) the node would
-    /// decline for now once `pending[next]` runs on it, up to the first it would take.
+    /// decline for now in the pass that starts `pending[next]`, whether it runs on this node or
+    /// another, up to the first it would take.
     fn declines_after(
         &mut self,
         _now: f64,
@@ -196,9 +202,10 @@ enum Kind {
     Weight(usize),
     /// A node's closure lapses unless its daemon renews it (the node, and which closure).
     Closure(usize, u32),
-    /// A node's daemon hears of the start it anticipated ([`Policy::declines_after`]): it
-    /// looks at the queue, then takes back the deferrals it set for that start.
-    Seen(usize),
+    /// A node's daemon may hear of the start it anticipated ([`Policy::declines_after`]): if
+    /// that job runs there, or the daemon waited [`SEEN_WITHIN_S`], it looks at the queue, then
+    /// takes back the deferrals it set for that start (the node, and when it opened).
+    Seen(usize, f64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -392,7 +399,10 @@ pub fn run(
             Kind::Arrive => {
                 w.queue.insert(e.job);
             }
-            Kind::Eligible => {}
+            Kind::Eligible => {
+                // A job comes back from a wait (after a decline or a failure).
+                w.look_open(now, policy)?;
+            }
             Kind::Closure(node, closure) => {
                 if w.closure[node] != closure || !w.closed[node] {
                     continue;
@@ -408,7 +418,12 @@ pub fn run(
                     w.steer(now, node, policy)?;
                 }
             }
-            Kind::Seen(node) => {
+            Kind::Seen(node, since) => {
+                let here = w.jobs[e.job].at.is_some_and(|(n, _)| n == node);
+                if !here && now < since + SEEN_WITHIN_S {
+                    w.push(since + SEEN_WITHIN_S, e.job, Kind::Seen(node, since));
+                    continue;
+                }
                 let lifting = std::mem::take(&mut w.anticipated[node]);
                 w.steer(now, node, policy)?;
                 for j in lifting {
@@ -421,6 +436,8 @@ pub fn run(
                         job.eligible = job.eligible.min(now);
                     }
                 }
+                // The jobs deferred for this start come back.
+                w.look_open(now, policy)?;
             }
             Kind::Complete(epoch) => {
                 let job = &w.jobs[e.job];
@@ -786,11 +803,13 @@ impl World<'_> {
                 self.jobs[j].eligible = self.jobs[j].eligible.min(now);
             }
         }
-        // Open for `h`, with a slot still free once `h` runs here: in the pass that starts it,
-        // Slurm offers that slot to the jobs after it, before the daemon hears of the start.
-        // Those the node would decline then wait until it does; it then closes, or takes them.
-        if let Some(h) = opened_for.filter(|_| self.anticipates > 0 && first && self.capacity() >= self.used[node] + 2)
-        {
+        // Open for `h`: in the pass that starts it, here or on another node Slurm prefers, Slurm
+        // offers the slots of this node still free to the jobs after it, before the daemon
+        // hears of the start (or, with `h` elsewhere, looks again). Those the node would
+        // decline either way wait until it does; it then closes, or takes them. As the daemon
+        // does, any node that opens defers them (not only the first in Slurm's order: within
+        // a pass, LLN's order changes with every start).
+        if let Some(h) = opened_for.filter(|_| self.anticipates > 0 && self.capacity() > self.used[node]) {
             // The jobs Slurm could start now, after `h` in its order (those waiting out a
             // decline are not offered in this pass, however high they stand).
             let mut offered = vec![h];
@@ -811,7 +830,22 @@ impl World<'_> {
                 self.anticipated[node].push(j);
             }
             if !self.anticipated[node].is_empty() {
-                self.push(now + START_SEEN_S, h, Kind::Seen(node));
+                self.push(now + START_SEEN_S, h, Kind::Seen(node, now));
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a job waiting out a decline, a failure or a deferral comes back: every open
+    /// node with a free slot has looked at the queue meanwhile (with `close`, a node looks
+    /// every `look_ms` while it has a free slot), and closed if it would decline the job
+    /// Slurm starts next, the one coming back among them.
+    fn look_open(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
+        if self.closes {
+            for node in 0..self.shape.nodes {
+                if !self.closed[node] {
+                    self.steer(now, node, policy)?;
+                }
             }
         }
         Ok(())
