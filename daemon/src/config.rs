@@ -650,14 +650,16 @@ pub struct SteerConfig {
     /// multiplexed jobs (a reservation of the node for `hold_s`, renewed while that lasts,
     /// deleted as soon as it would take the next job).
     pub close: bool,
-    /// Milliseconds between looks at the queue while this node is closed, or full with
-    /// `close` on (a job that arrived and that this node would take opens it within this long).
+    /// Milliseconds between looks at the queue with `close` on, whatever the node's state: a
+    /// job that arrived and that this node would take opens it within this long, and a job
+    /// coming back from a wait that it would decline closes it.
     pub look_ms: u64,
-    /// With `close`: when this node opens for the job Slurm starts next and would keep a slot
-    /// free after it, the pending jobs after it (up to this many) that it would decline once
-    /// that job runs are deferred until the daemon hears of its start, and the node closes
-    /// then if it must: in the pass that starts it, Slurm offers the slot still free to them,
-    /// one after another, before the daemon can look (0: none are).
+    /// With `close`: when this node opens for the job Slurm starts next, the pending jobs
+    /// after it (up to this many) that it would decline in the pass that starts it (here,
+    /// where a slot stays free after it, or on another node Slurm prefers) are deferred
+    /// until the daemon hears of its start or gives up waiting (15 s), and the node closes
+    /// then if it must: in that pass, Slurm offers the slots still free to them, one after
+    /// another, before the daemon can look (0: none are).
     pub anticipate: usize,
 }
 
