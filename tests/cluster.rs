@@ -1598,6 +1598,16 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
         c.show_job(ja),
         c.show_job(jb)
     );
+    // With close on, the full n1 closes ahead of a freed slot (it looks every look_ms): else
+    // slurmctld may start a on the freed slot before slurmstepd tells the daemon of the end.
+    if config.contains("close = true") {
+        let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
+        assert!(
+            wait_until(WAIT, || reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
+            "the full n1 closes ahead of a freed slot: {:?}",
+            reservation()
+        );
+    }
     std::fs::write(&release, "").unwrap();
     assert!(
         wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
