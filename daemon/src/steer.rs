@@ -647,6 +647,7 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
     // job), so that Slurm never sees it lapse in between.
     let renew_before = (hold / 4).max(HOUSEKEEPING);
     let look_every = Duration::from_millis(s.config.look_ms);
+    let mut last_look = Instant::now();
     loop {
         let (free, stop) = {
             let mut sig = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -741,7 +742,11 @@ fn run(node: &Mutex<Node>, s: &Steering, signal: &(Mutex<Signal>, Condvar)) {
         if let Some(a) = &lifting {
             anticipated_for = Some(a.for_job);
         }
-        if free || renew || s.config.close || seen {
+        // Closed or full, the node looks at every wake, as before; open, at most every
+        // `look_ms` (a wake for a raise given back or a deferral due needs no squeue).
+        let periodic = s.config.close && (closed.is_some() || full || last_look.elapsed() >= look_every);
+        if free || renew || periodic || seen {
+            last_look = Instant::now();
             let looked = steer_once(
                 node,
                 s,

@@ -43,6 +43,18 @@ fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {
     summarise(policy, &o)
 }
 
+/// The oracle's daemons steering 8 jobs ahead with `close`, anticipating `anticipate` jobs.
+fn closing_oracle(t: &Table, trace: &[TraceJob], shape: Shape, anticipate: usize) -> world::Outcome {
+    let options = policy::Options {
+        steer: 8,
+        close: true,
+        anticipate,
+        ..Default::default()
+    };
+    let mut p = policy::make_with("oracle", t, shape, 1, options).unwrap();
+    world::run(t, trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-6
 }
@@ -364,16 +376,7 @@ fn a_node_opening_for_one_job_defers_the_next_it_would_decline_until_it_hears_of
     ];
     // The oracle: the learned daemons would first learn from an out-of-memory what a beside c
     // does (the node's part is the daemon's own code, tested in multiplexd).
-    let run = |anticipate| {
-        let options = policy::Options {
-            steer: 8,
-            close: true,
-            anticipate,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();
-        world::run(&t, &trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
+    let run = |anticipate| closing_oracle(&t, &trace, shape, anticipate);
     let (opening, anticipating) = (run(0), run(8));
     let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
     // a arrives at an open node and is declined once either way; then, closed, the node takes
@@ -407,16 +410,7 @@ fn a_node_opening_for_a_job_slurm_starts_elsewhere_is_not_offered_the_next_to_de
         job(&t, "3", 1.0, "a", 100.0),
         job(&t, "4", 500.0, "b", 100.0),
     ];
-    let run = |anticipate| {
-        let options = policy::Options {
-            steer: 8,
-            close: true,
-            anticipate,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();
-        world::run(&t, &trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
+    let run = |anticipate| closing_oracle(&t, &trace, shape, anticipate);
     let (opening, anticipating) = (run(0), run(8));
     let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
     assert_eq!(opening.declines_per_job[2], 2, "{opening:?}");
