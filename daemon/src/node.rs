@@ -446,6 +446,47 @@ impl Node {
         Ok(Steering { raise, defer, take })
     }
 
+    /// The jobs this node gives back to Slurm now: those measured to deliver less beside their
+    /// partners than taking turns would ([`crate::separate`]), each at most once. The history is
+    /// only read; [`Self::separated`] records one once Slurm requeued it. Nothing in observe
+    /// mode or with `policy.separate_below` 0.
+    pub fn separations(&mut self) -> Result<Vec<crate::separate::Separation>, HistoryError> {
+        let below = self.config.policy.separate_below;
+        if self.config.policy.mode == Mode::Observe || below <= 0.0 {
+            return Ok(Vec::new());
+        }
+        let active = self.active()?;
+        if active.len() < 2 {
+            return Ok(Vec::new());
+        }
+        let states = self.gpu_states(&active)?;
+        let estimates = self.history.estimates(&crate::separate::wanted(&states))?;
+        let now = (self.clock)();
+        let mut spared = std::collections::HashSet::new();
+        for j in &active {
+            if self.history.was_separated(j.job_id, &self.config.node, now)? {
+                spared.insert(j.job_id);
+            }
+        }
+        Ok(crate::separate::separations(
+            &states,
+            &estimates,
+            below,
+            self.config.policy.unknown_pair_speed,
+            |job| spared.contains(&job),
+        ))
+    }
+
+    /// Records that Slurm requeued `job_id` (running here) to run apart (`requeued`), or would
+    /// not, and why: what its reports taught still counts, and it is not given back again on
+    /// this node.
+    pub fn separated(&mut self, job_id: u32, requeued: bool, why: &str) -> Result<(), HistoryError> {
+        if let Some(job) = self.active()?.into_iter().find(|j| j.job_id == job_id) {
+            self.history.record_separation(job.row, requeued, why)?;
+        }
+        Ok(())
+    }
+
     /// Whether `job_id` runs on this node (the daemon placed it and has not heard of its end).
     pub fn runs(&self, job_id: u32) -> Result<bool, HistoryError> {
         Ok(self.active()?.iter().any(|j| j.job_id == job_id))

@@ -39,6 +39,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let telemetry_s = config.telemetry_interval_s.max(1);
     let annotate = config.annotate;
     let steer = config.steer.clone();
+    let separate_look_ms = config.policy.separate_look_ms;
     let steer_squeue = config.reconcile.squeue.clone();
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
@@ -141,6 +142,15 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         None => None,
     };
     crate::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    // Also with `policy.separate_below` 0, which a reload may change.
+    if !config_mode_observes {
+        crate::separate::spawn(
+            Arc::clone(&node),
+            weight_scontrol.clone(),
+            Duration::from_millis(separate_look_ms),
+            Arc::clone(&shutdown),
+        );
+    }
     crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
     match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
         Ok(probe) => {

@@ -432,6 +432,117 @@ fn progress_reports_of_running_jobs_teach_their_pair_before_either_ends() {
 }
 
 #[test]
+fn a_pair_measured_to_lose_gives_its_newest_job_back_once_and_still_teaches() {
+    use multiplex_protocol::{ReportKind, ReportRequest};
+    let mut w = World::new();
+    let progress = |job_id, done| ReportRequest {
+        job_id,
+        kind: ReportKind::Progress { done },
+    };
+    // Each alone first (2 it/s and 1 it/s), so that their rates alone are known.
+    w.start(0.0, 1, "bert");
+    w.at(100.0).report(&progress(1, 200.0), 1000, false).unwrap();
+    w.end(100.0, 1, 0);
+    w.start(100.0, 2, "resnet");
+    w.at(200.0).report(&progress(2, 100.0), 1000, false).unwrap();
+    w.end(200.0, 2, 0);
+    // Together: bert at 0.3, resnet at 0.2 (0.5 of one GPU: worse than taking turns).
+    w.start(300.0, 3, "bert");
+    w.start(300.0, 4, "resnet");
+    assert!(w.at(300.0).separations().unwrap().is_empty(), "nothing measured yet");
+    w.at(400.0).report(&progress(3, 60.0), 1000, false).unwrap();
+    // Only bert's side is measured: no decision on resnet's prior.
+    assert!(w.at(400.0).separations().unwrap().is_empty());
+    w.at(400.0).report(&progress(4, 20.0), 1000, false).unwrap();
+    let s = w.at(400.0).separations().unwrap();
+    assert_eq!(s.len(), 1, "{s:?}");
+    assert_eq!(s[0].job_id, 4, "the newest job goes");
+    assert!(
+        s[0].why.contains("0.50") && s[0].why.contains("bert (job 3)"),
+        "{}",
+        s[0].why
+    );
+    // Slurm requeues it; its end arrives (killed), and what its reports taught stays.
+    w.at(401.0).separated(4, true, &s[0].why).unwrap();
+    w.end(402.0, 4, 15);
+    let (speed, _, n) = w.estimate("resnet", "bert").expect("learned from its reports");
+    assert!((speed - 0.2).abs() < 1e-3 && n >= 1, "{speed} {n}");
+    let explained = w.node.history().explain(4).unwrap();
+    assert!(
+        format!("{explained:?}").contains("requeued to run apart"),
+        "{explained:?}"
+    );
+    // Placement now declines the pair; a job that cannot wait (not requeueable) still runs
+    // beside bert. Job 4 again there is not given back twice; another job of the pair is.
+    assert!(matches!(w.start(500.0, 4, "resnet"), Response::Declined { .. }));
+    for (t, job) in [(500.0, 4), (700.0, 5)] {
+        let node = w.name.clone();
+        let placed = w
+            .at(t)
+            .place(&PlaceRequest {
+                job_id: job,
+                step_id: 0xffff_fffb,
+                uid: 1000,
+                app: "resnet".into(),
+                mem_mb: None,
+                node,
+                slurm_cuda_visible_devices: Some("0".into()),
+                slurm_job_gpus: Some("0".into()),
+                slurm_shards_on_node: Some("1".into()),
+                restarts: 1,
+                cannot_wait: true,
+                admin_comment: None,
+            })
+            .unwrap();
+        assert!(matches!(placed, Response::Placed(_)), "{placed:?}");
+        w.at(t + 100.0).report(&progress(job, 20.0), 1000, false).unwrap();
+        let given: Vec<u32> = w
+            .at(t + 100.0)
+            .separations()
+            .unwrap()
+            .iter()
+            .map(|s| s.job_id)
+            .collect();
+        assert_eq!(given, if job == 4 { vec![] } else { vec![5] });
+        w.end(t + 200.0, job, 0);
+    }
+}
+
+#[test]
+fn a_job_slurm_would_not_requeue_runs_on_and_is_not_given_back_again() {
+    use multiplex_protocol::{ReportKind, ReportRequest};
+    let progress = |job_id, done| ReportRequest {
+        job_id,
+        kind: ReportKind::Progress { done },
+    };
+    // The same losing pair as above, on a node that never separates and on one that does.
+    let losing_pair = |w: &mut World| {
+        w.start(0.0, 1, "bert");
+        w.at(100.0).report(&progress(1, 200.0), 1000, false).unwrap();
+        w.end(100.0, 1, 0);
+        w.start(100.0, 2, "resnet");
+        w.at(200.0).report(&progress(2, 100.0), 1000, false).unwrap();
+        w.end(200.0, 2, 0);
+        w.start(300.0, 3, "bert");
+        w.start(300.0, 4, "resnet");
+        w.at(400.0).report(&progress(3, 60.0), 1000, false).unwrap();
+        w.at(400.0).report(&progress(4, 20.0), 1000, false).unwrap();
+    };
+    let mut never = World::with("[policy]\nseparate_below = 0");
+    losing_pair(&mut never);
+    assert!(never.at(400.0).separations().unwrap().is_empty());
+    let mut w = World::new();
+    losing_pair(&mut w);
+    assert_eq!(w.at(400.0).separations().unwrap().len(), 1);
+    // scontrol refused (--no-requeue): recorded as such, it runs on and is not asked again.
+    w.at(401.0)
+        .separated(4, false, "not requeued to run apart (no)")
+        .unwrap();
+    assert!(w.at(500.0).separations().unwrap().is_empty());
+    w.end(600.0, 4, 0);
+}
+
+#[test]
 fn gpu_telemetry_is_kept_per_job() {
     use multiplexd::telemetry::{GpuSample, ProcSample};
     let mut w = World::new();

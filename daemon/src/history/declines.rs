@@ -58,6 +58,35 @@ impl History {
             .unwrap_or(0))
     }
 
+    /// Marks the running job `job_row` as given back to Slurm ([`crate::separate`]), or as one
+    /// Slurm would not requeue (it runs on, and is not tried again); why goes after its
+    /// placement's decision, which `explain` shows.
+    pub fn record_separation(&self, job_row: i64, requeued: bool, why: &str) -> Result<(), HistoryError> {
+        self.write_one(
+            "UPDATE jobs SET separated = ?3, decision = decision || ?2 WHERE id = ?1",
+            params![
+                job_row,
+                if requeued {
+                    format!("; then requeued to run apart: {why}")
+                } else {
+                    format!("; Slurm would not requeue it to run apart: {why}")
+                },
+                if requeued { 1 } else { 2 }
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Whether job `job_id` was given back to Slurm on `node` (or Slurm would not requeue it)
+    /// within a week of `now`.
+    pub fn was_separated(&self, job_id: u32, node: &str, now: f64) -> Result<bool, HistoryError> {
+        Ok(self.conn.row(
+            "SELECT EXISTS(SELECT 1 FROM jobs WHERE job_id = ?1 AND node = ?2 AND separated > 0 AND started_at > ?3)",
+            params![job_id, node, now - COUNT_WINDOW_S],
+            |r| r.get(0),
+        )?)
+    }
+
     /// The declines of job `job_id` on every node this history knows, latest first.
     pub fn declines(&self, job_id: u32) -> Result<Vec<Decline>, HistoryError> {
         let mut stmt = self.conn.prepare_cached(

@@ -75,7 +75,7 @@ pub(super) fn equations_of(
     // parameter is bound, which cost a sixth of a large simulation's time.)
     let window = format!(
         "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
-         AND (finished_at IS NULL OR exit_status = 0)
+         AND (finished_at IS NULL OR exit_status = 0 OR separated = 1)
          ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
     );
     let rows: Vec<(i64, IntervalRow)> = tx
@@ -96,6 +96,12 @@ pub(super) fn equations_of(
         ))?
         .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
         .collect::<Result<_, _>>()?;
+    let separated: Vec<i64> = tx
+        .prepare_cached(&format!(
+            "SELECT id FROM jobs WHERE separated = 1 AND id IN ({window}) ORDER BY id"
+        ))?
+        .query_map(params![app_id, model], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
     let reported = |job: i64| {
         let from = reports.partition_point(|r| r.0 < job);
         let to = reports.partition_point(|r| r.0 <= job);
@@ -109,6 +115,10 @@ pub(super) fn equations_of(
         let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
         let progress = reported(job[0].0);
         if progress.is_empty() {
+            // A job given back to Slurm did not do its whole work: only its reports teach.
+            if separated.binary_search(&job[0].0).is_ok() {
+                continue;
+            }
             if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
                 eq.work_s = solo;
                 whole.push(eq);

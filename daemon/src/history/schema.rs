@@ -146,6 +146,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
         retry_after_s INTEGER NOT NULL,
         PRIMARY KEY (job_id, node)
      );",
+    // 10: jobs given back to Slurm because they measured worse beside their partners than
+    // taking turns (`crate::separate`): their progress reports still teach, though they did
+    // not complete, and a job is given back at most once per node (1: requeued; 2: Slurm would
+    // not requeue it, and it ran on).
+    "ALTER TABLE jobs ADD COLUMN separated INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The migration that creates `app_effects`: an existing history's are fitted right after it.

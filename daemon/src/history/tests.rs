@@ -39,6 +39,7 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
         h.connection()
             .execute_batch(
                 "ALTER TABLE jobs DROP COLUMN learned;
+                 ALTER TABLE jobs DROP COLUMN separated;
                  INSERT INTO applications(id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c');
                  INSERT INTO jobs(job_id, node, uid, app_id, gpu, gpu_model, owner_step, decision,
                                   predicted_speed, started_at, finished_at, exit_status)

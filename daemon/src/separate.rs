@@ -1,0 +1,251 @@
+//! Separating jobs that were measured to run worse together than one after the other.
+//!
+//! Placement tries a pair it has never seen on a prior (and on what each application did
+//! beside others). A pair can turn out far worse than that: on the V100 table, resnet50 at
+//! batch 16 beside a transformer at batch 16 runs at 0.32 and 0.14 of its speed alone, so
+//! that both would finish sooner taking turns. Once both sides of every pair on a GPU are
+//! measured (progress reports give that within a report interval or two), a GPU whose jobs
+//! together deliver less than `below` times what they would without its newest job gives that
+//! job back to Slurm: it is requeued to start again elsewhere, or here once it fits better.
+//! The newest job goes: it has the least work to lose, and the others were there first.
+//!
+//! [`separations`] is pure: the daemon and the simulator call this same code. The daemon looks
+//! every `policy.separate_look_ms` on a thread of its own ([`spawn`]) and gives a job back with
+//! `scontrol requeue`: Slurm's own requeue, as a decline's. Bounds (fail-open): a job is given
+//! back at most once per node (a week, as declines are counted), only on measurements (never
+//! on a prior), never in observe mode; a job Slurm cannot requeue (`--no-requeue`, not a batch
+//! job) runs on; with the daemon down, nothing is given back.
+
+use crate::background::Trouble;
+use crate::node::Node;
+use crate::placement::{estimate, Estimates, GpuState, Wanted};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A job to give back to Slurm, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Separation {
+    pub gpu: u32,
+    pub job_id: u32,
+    pub why: String,
+}
+
+/// What [`separations`] will read: every pair on each GPU that runs more than one job.
+pub fn wanted(gpus: &[GpuState]) -> Wanted {
+    let mut w = Wanted::default();
+    for gpu in gpus.iter().filter(|g| g.residents.len() > 1) {
+        for (i, r) in gpu.residents.iter().enumerate() {
+            for o in &gpu.residents[i + 1..] {
+                w.pair(&gpu.model, &r.app, &o.app);
+            }
+        }
+    }
+    w
+}
+
+/// The summed speed of `apps` on one GPU of `model`: each one's speed is the product of its
+/// estimated speeds beside the others (1.0 alone).
+fn summed(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> f64 {
+    apps.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            apps.iter()
+                .enumerate()
+                .filter(|&(k, _)| k != i)
+                .map(|(_, o)| estimate(history, model, a, o, prior).0)
+                .product::<f64>()
+        })
+        .sum()
+}
+
+/// The jobs to give back: on each GPU whose residents (oldest first) are all measured beside
+/// its newest, that newest job when the GPU delivers less with it than `below` times what the
+/// others deliver without it. `spared` says of a job that it may not be given back (it was
+/// once already). `below` 0: never.
+pub fn separations(
+    gpus: &[GpuState],
+    history: &Estimates,
+    below: f64,
+    prior: f64,
+    spared: impl Fn(u32) -> bool,
+) -> Vec<Separation> {
+    let mut out = Vec::new();
+    if below <= 0.0 {
+        return out;
+    }
+    for gpu in gpus {
+        let Some((newest, others)) = gpu.residents.split_last() else {
+            continue;
+        };
+        if others.is_empty() || spared(newest.job_id) {
+            continue;
+        }
+        let measured = |a: &str, b: &str| {
+            history
+                .pair(&gpu.model, a, b)
+                .is_some_and(|e| e.observations > 0 && !e.oom)
+        };
+        if !others
+            .iter()
+            .all(|o| measured(&newest.app, &o.app) && measured(&o.app, &newest.app))
+        {
+            continue;
+        }
+        let without: Vec<&str> = others.iter().map(|r| r.app.as_str()).collect();
+        let mut with = without.clone();
+        with.push(&newest.app);
+        let (before, after) = (
+            summed(history, &gpu.model, &without, prior),
+            summed(history, &gpu.model, &with, prior),
+        );
+        if after < below * before {
+            let partners: Vec<String> = others.iter().map(|o| format!("{} (job {})", o.app, o.job_id)).collect();
+            out.push(Separation {
+                gpu: gpu.index,
+                job_id: newest.job_id,
+                why: format!(
+                    "measured beside {} on GPU {}, the GPU delivers {after:.2} of one job alone \
+                     against {before:.2} without it",
+                    partners.join(", "),
+                    gpu.index
+                ),
+            });
+        }
+    }
+    out
+}
+
+/// One look: the jobs to give back, each recorded as given back first (its end, which the
+/// requeue brings, may reach the daemon before `scontrol` returns), then requeued with
+/// `scontrol` outside the node's lock (a slow slurmctld delays this thread only). Returns the
+/// jobs requeued; the first failure to requeue one is the error, after the others were tried.
+pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
+    let lock = || node.lock().unwrap_or_else(|p| p.into_inner());
+    let given = lock().separations().map_err(|e| e.to_string())?;
+    let mut done = Vec::new();
+    let mut failed = None;
+    for s in given {
+        lock().separated(s.job_id, true, &s.why).map_err(|e| e.to_string())?;
+        match crate::command::run(scontrol, &["requeue".to_string(), s.job_id.to_string()], CALL_TIMEOUT) {
+            Ok(_) => {
+                tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
+                done.push(s.job_id);
+            }
+            Err(e) => {
+                // Not again: a job Slurm will not requeue runs on where it is.
+                if let Err(e) = lock().separated(s.job_id, false, &format!("{} ({e})", s.why)) {
+                    tracing::warn!(job = s.job_id, error = %e, "the history cannot record a failed requeue");
+                }
+                failed.get_or_insert(format!("cannot requeue job {} to run apart: {e}", s.job_id));
+            }
+        }
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(done),
+    }
+}
+
+/// Looks every `every` until `shutdown` (nothing with `policy.separate_below` 0 or in
+/// observe mode: [`Node::separations`] answers nothing there).
+pub fn spawn(node: Arc<Mutex<Node>>, scontrol: PathBuf, every: Duration, shutdown: Arc<AtomicBool>) {
+    let mut trouble = Trouble::default();
+    let started = crate::background::every("separate", every, shutdown, move || match once(&node, &scontrol) {
+        Ok(_) => {
+            if trouble.recovered() {
+                tracing::info!("giving jobs back to Slurm works again");
+            }
+        }
+        Err(e) => {
+            if trouble.failed(&e) {
+                tracing::warn!(error = %e, "a job measured to lose beside its partners runs on");
+            }
+        }
+    });
+    if let Err(e) = started {
+        tracing::error!("cannot start the thread that separates jobs that lose together: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{PairEstimate, Resident};
+
+    fn gpu(index: u32, apps: &[(&str, u32)]) -> GpuState {
+        GpuState {
+            index,
+            model: "v100".into(),
+            memory_mb: 16_000,
+            residents: apps
+                .iter()
+                .map(|&(app, job_id)| Resident {
+                    job_id,
+                    app: app.into(),
+                    mem_mb: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn learned(pairs: &[(&str, &str, f64, u32)]) -> Estimates {
+        let mut h = Estimates::default();
+        for &(a, b, speed, observations) in pairs {
+            h.insert_pair(
+                "v100",
+                a,
+                b,
+                PairEstimate {
+                    speed,
+                    other_speed: 0.0,
+                    observations,
+                    oom: false,
+                },
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn a_pair_measured_worse_than_taking_turns_gives_back_its_newest_job() {
+        let gpus = [
+            gpu(0, &[("resnet", 1), ("transformer", 2)]),
+            gpu(1, &[("a", 3), ("b", 4)]),
+        ];
+        let h = learned(&[
+            ("resnet", "transformer", 0.32, 1),
+            ("transformer", "resnet", 0.14, 1),
+            ("a", "b", 0.7, 2),
+            ("b", "a", 0.6, 2),
+        ]);
+        let s = separations(&gpus, &h, 1.0, 0.7, |_| false);
+        assert_eq!(s.len(), 1, "{s:?}");
+        assert_eq!((s[0].gpu, s[0].job_id), (0, 2));
+        assert!(
+            s[0].why.contains("0.46") && s[0].why.contains("resnet (job 1)"),
+            "{}",
+            s[0].why
+        );
+        // A higher bar also separates the pair that gains a little (1.30 < 1.5).
+        assert_eq!(separations(&gpus, &h, 1.5, 0.7, |_| false).len(), 2);
+        // 0: never; a job given back once is spared.
+        assert!(separations(&gpus, &h, 0.0, 0.7, |_| false).is_empty());
+        assert!(separations(&gpus, &h, 1.0, 0.7, |j| j == 2).is_empty());
+    }
+
+    #[test]
+    fn nothing_is_given_back_on_a_guess() {
+        let gpus = [gpu(0, &[("resnet", 1), ("transformer", 2)])];
+        // Only one side measured: the other is a prior's guess.
+        let one_side = learned(&[("resnet", "transformer", 0.32, 1), ("transformer", "resnet", 0.14, 0)]);
+        assert!(separations(&gpus, &one_side, 1.0, 0.7, |_| false).is_empty());
+        // A job alone, or nothing known: nothing to separate.
+        assert!(separations(&[gpu(0, &[("resnet", 1)])], &one_side, 1.0, 0.7, |_| false).is_empty());
+        assert!(separations(&gpus, &Estimates::default(), 1.0, 0.7, |_| false).is_empty());
+        assert_eq!(wanted(&gpus).pairs.len(), 2);
+    }
+}
