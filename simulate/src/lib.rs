@@ -50,6 +50,9 @@ pub struct Summary {
     pub deferred: u64,
     /// How many times a node closed itself to Slurm, or renewed its closure.
     pub closures: u64,
+    /// How many running jobs a policy gave back to Slurm (requeued) to run apart from
+    /// partners they were measured to lose beside.
+    pub separations: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -187,6 +190,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             steered: o.steered,
             deferred: o.deferred,
             closures: o.closures,
+            separations: o.separations,
         },
         jct,
         grade: None,
@@ -264,12 +268,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred,closures\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred,closures,separations\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{},{}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{},{},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -285,7 +289,8 @@ pub fn csv(runs: &[Run]) -> String {
             s.p99_wait_s,
             s.steered,
             s.deferred,
-            s.closures
+            s.closures,
+            s.separations
         ));
     }
     out

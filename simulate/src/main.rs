@@ -64,6 +64,11 @@ struct Args {
     /// declines a job takes any share that loses no throughput (0: no bound).
     #[arg(long, default_value_t = multiplexd::config::DEFAULT_MAX_DECLINES)]
     max_declines: u32,
+    /// The daemon's `policy.separate_below` for the learned policy: a GPU whose jobs were
+    /// measured to deliver less than this times what they would without the newest of them
+    /// requeues that one (0: never).
+    #[arg(long, default_value_t = multiplexd::config::DEFAULT_SEPARATE_BELOW)]
+    separate_below: f64,
     /// Queue-level choice for the learned policy and the oracle: when a slot frees, the daemon
     /// has Slurm start the best partner among this many of the first pending jobs (0: none).
     #[arg(long, default_value_t = 0)]
@@ -189,6 +194,7 @@ fn simulate(a: Args) -> Result<(), String> {
             min_gain: a.min_gain,
             decline_retry_max_s: a.decline_retry_max,
             max_declines: a.max_declines,
+            separate_below: a.separate_below,
             steer: a.steer,
             defer: a.defer,
             close: a.close,

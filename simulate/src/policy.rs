@@ -38,6 +38,9 @@ pub struct Options {
     /// The daemon's `policy.max_declines`: past this many declines a job takes any share that
     /// loses no throughput (0: no bound).
     pub max_declines: u32,
+    /// The daemon's `policy.separate_below`: a GPU whose measured jobs deliver less than this
+    /// times what they would without the newest one gives that one back (0: never).
+    pub separate_below: f64,
     /// Queue-level choice among this many of the first pending jobs ([`Policy::steer`]);
     /// 0: none.
     pub steer: usize,
@@ -59,6 +62,7 @@ impl Default for Options {
             min_gain: DEFAULT_MIN_GAIN,
             decline_retry_max_s: DEFAULT_DECLINE_RETRY_MAX_S,
             max_declines: DEFAULT_MAX_DECLINES,
+            separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
             steer: 0,
             defer: false,
             close: false,
@@ -73,8 +77,8 @@ impl Options {
     fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
         Config::parse(&format!(
             "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
-             min_gain = {}\ndecline_retry_max_s = {}\nmax_declines = {}\n",
-            self.min_gain, self.decline_retry_max_s, self.max_declines
+             min_gain = {}\ndecline_retry_max_s = {}\nmax_declines = {}\nseparate_below = {}\n",
+            self.min_gain, self.decline_retry_max_s, self.max_declines, self.separate_below
         ))
     }
 }
@@ -661,6 +665,15 @@ impl Policy for Learned<'_> {
     }
     fn out_of_memory(&mut self, now: f64, node: usize, job: JobRef) -> Result<(), String> {
         self.report(now, node, job, ReportKind::OutOfMemory)
+    }
+    fn separations(&mut self, now: f64, node: usize) -> Result<Vec<u32>, String> {
+        self.at(now)?;
+        let mut n = self.node_at(node, now)?;
+        let given = n.separations().map_err(|e| e.to_string())?;
+        for s in &given {
+            n.separated(s.job_id, true, &s.why).map_err(|e| e.to_string())?;
+        }
+        Ok(given.iter().map(|s| s.job_id).collect())
     }
     fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String> {
         self.at(now)?;

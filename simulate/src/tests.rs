@@ -421,3 +421,48 @@ fn a_node_opening_for_a_job_slurm_starts_elsewhere_is_not_offered_the_next_to_de
         assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
     }
 }
+
+#[test]
+fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
+    // x beside y runs at 0.3 and y beside x at 0.1: worse than taking turns. Each ran alone
+    // once (so its rate alone is known); the long ones then arrive together and share, the
+    // pair being new. Reports every 100 s measure the pair; the daemon gives y back, and
+    // declines it beside x until x ends.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0.3,0.1\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
+        "losing",
+    )
+    .unwrap();
+    let trace = [
+        job(&t, "1", 0.0, "x", 300.0),
+        job(&t, "2", 300.0, "y", 300.0),
+        job(&t, "3", 1000.0, "x", 10_000.0),
+        job(&t, "4", 1000.0, "y", 10_000.0),
+    ];
+    let reports = Progress {
+        every_s: 100.0,
+        noise: 0.0,
+    };
+    let run = |separate_below| {
+        let options = policy::Options {
+            separate_below,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("learned", &t, ONE_GPU, 1, options).unwrap();
+        let o = world::run(&t, &trace, ONE_GPU, reports, 1, p.as_mut()).unwrap();
+        p.settle().unwrap();
+        o
+    };
+    let (kept, separated) = (run(0.0), run(multiplexd::config::DEFAULT_SEPARATE_BELOW));
+    assert_eq!(kept.separations, 0);
+    assert_eq!(separated.separations, 1, "{separated:?}");
+    let jct = |o: &world::Outcome| o.jobs[2..].iter().map(|j| j.2 - j.0).sum::<f64>();
+    // Kept together: x needs 33,333 s; y does 3,333 s of work by then, then 6,667 s alone.
+    assert!(jct(&kept) > 70_000.0, "{kept:?}");
+    // Apart: x alone from a few hundred seconds on, then y (its work so far lost).
+    assert!(jct(&separated) < 0.5 * jct(&kept), "{separated:?}\n{kept:?}");
+    assert!(
+        separated.jobs[3].1 >= separated.jobs[2].2 - 1.0,
+        "y restarts once x ended: {separated:?}"
+    );
+}

@@ -154,6 +154,11 @@ pub trait Policy {
     fn out_of_memory(&mut self, _now: f64, _node: usize, _job: JobRef) -> Result<(), String> {
         Ok(())
     }
+    /// After a report of a job on `node`: the ids of the running jobs there the policy gives
+    /// back to Slurm (requeued, to run apart from partners they lose beside).
+    fn separations(&mut self, _now: f64, _node: usize) -> Result<Vec<u32>, String> {
+        Ok(Vec::new())
+    }
     /// A job ended: completed (`ok`) or failed.
     fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String>;
     /// After the run: finishes what the policy left in flight; an error there fails the run.
@@ -182,6 +187,8 @@ pub struct Outcome {
     /// How many times a node closed itself to Slurm, or renewed a closure that lapsed (each is
     /// one `scontrol` call of its daemon).
     pub closures: u64,
+    /// How many running jobs a policy gave back to Slurm to run apart ([`Policy::separations`]).
+    pub separations: u64,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -299,6 +306,7 @@ struct World<'a> {
     steered: u64,
     deferred: u64,
     closures: u64,
+    separations: u64,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -375,6 +383,7 @@ pub fn run(
         steered: 0,
         deferred: 0,
         closures: 0,
+        separations: 0,
         events: BinaryHeap::new(),
         seq: 0,
         oom_failures: 0,
@@ -477,7 +486,29 @@ pub fn run(
                 let reported = (done + noise).max(0.0) * rate;
                 policy.progress(now, node, w.job_ref(e.job), reported)?;
                 w.push(now + w.progress.every_s, e.job, Kind::Report(run));
-                continue; // nothing changed for Slurm
+                let given = policy.separations(now, node)?;
+                if given.is_empty() {
+                    continue; // nothing changed for Slurm
+                }
+                for id in given {
+                    let j = id as usize - 1;
+                    if w.jobs.get(j).and_then(|job| job.at).map(|(n, _)| n) != Some(node) {
+                        return Err(format!(
+                            "the policy gave back job {id}, which does not run on node {node}"
+                        ));
+                    }
+                    // Requeued by the daemon: Slurm's requeue, like a failure's.
+                    w.leave(now, j);
+                    w.separations += 1;
+                    policy.finished(now, node, w.job_ref(j), false)?;
+                    let job = &mut w.jobs[j];
+                    job.restarts += 1;
+                    job.eligible = now + OOM_REQUEUE_S;
+                    w.queue.insert(j);
+                    w.push(now + OOM_REQUEUE_S, j, Kind::Eligible);
+                }
+                w.reweigh(now, node, e.job);
+                w.steer(now, node, policy)?;
             }
             Kind::Weight(node) => {
                 w.weight_due[node] = false;
@@ -517,6 +548,7 @@ pub fn run(
         steered: w.steered,
         deferred: w.deferred,
         closures: w.closures,
+        separations: w.separations,
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
