@@ -99,7 +99,11 @@ impl std::fmt::Display for ExplanationText<'_> {
         let parts = format!("{} alone, {} beside others", secs(e.seconds_alone), secs(shared));
         match (e.finished_at, e.exit_status) {
             (None, _) => writeln!(f, "still running, for {} so far ({parts})", secs(total))?,
-            (Some(_), Some(x)) => writeln!(f, "ended after {} with {} ({parts})", secs(total), exit_text(x))?,
+            (Some(_), Some(x)) => {
+                let how = exit_text(x);
+                let with = if how.starts_with("killed") { "," } else { " with" };
+                writeln!(f, "ended after {}{with} {how} ({parts})", secs(total))?
+            }
             (Some(_), None) => writeln!(
                 f,
                 "ended after {} or less; its end was not reported ({parts})",
