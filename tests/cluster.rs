@@ -1847,3 +1847,87 @@ fn a_node_opening_for_one_job_defers_the_next_it_would_decline_then_closes_witho
     );
     assert_ne!(ra["Reason"], "BeginTime", "{ra:?}");
 }
+
+/// A job script that "trains" at `speed` of 100 iterations a second for 3 s, reports its
+/// progress to the node's daemon as a job that opts in does, then runs `rest` seconds more.
+fn training(c: &Cluster, speed: f64, rest: u32) -> String {
+    format!(
+        "t0=$(date +%s.%N); sleep 3; done=$(awk -v a=$t0 -v b=$(date +%s.%N) 'BEGIN {{ print int(100 * {speed} * (b - a)) }}'); \
+         {tool} report --progress $done; sleep {rest}",
+        tool = c.path("plugins/multiplexd").display()
+    )
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_measured_to_lose_beside_its_partner_is_requeued_to_run_apart() {
+    let c = Cluster::from_env();
+    let submit = |app: &str, mem: &str, script: String| {
+        c.submit(&[
+            &format!("--multiplex=app={app},mem={mem}"),
+            "--gres=gpu:1",
+            "-w",
+            "n1",
+            &out_arg(&c, "apart"),
+            "--wrap",
+            &script,
+        ])
+    };
+    let running = |j: u32| c.show_job(j)["JobState"] == "RUNNING";
+    // Each application alone first: its rate alone (100 it/s) is then known.
+    let solo = [
+        submit("itest-apart-x", "4G", training(&c, 1.0, 0)),
+        submit("itest-apart-y", "4G", training(&c, 1.0, 0)),
+    ];
+    for j in solo {
+        assert_eq!(c.wait(j, WAIT)["JobState"], "COMPLETED");
+    }
+    // A filler takes 12 GiB of one GPU, x the other; y (5 GiB) then fits only beside x, a pair
+    // never seen, which placement tries.
+    let filler = submit("itest-apart-filler", "12G", "sleep 90".into());
+    assert!(wait_until(WAIT, || running(filler)), "{:?}", c.show_job(filler));
+    let x = submit("itest-apart-x", "4G", training(&c, 0.3, 90));
+    assert!(wait_until(WAIT, || running(x)), "{:?}", c.show_job(x));
+    let y = submit("itest-apart-y", "5G", training(&c, 0.1, 90));
+    let _cancel = multiplex_tests::Cancel(vec![filler, x, y]);
+    // Both report after 3 s: 0.3 + 0.1 of a GPU, worse than taking turns. n1's daemon gives y
+    // back to Slurm (scontrol requeue) within its separate_look_ms.
+    assert!(
+        wait_until(WAIT, || c.show_job(y)["Restarts"] != "0"),
+        "y was requeued: {:?}",
+        c.show_job(y)
+    );
+    // The daemon says so once scontrol returned.
+    let said = || -> Vec<String> {
+        std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("requeued to run apart: ") && l.contains(&format!("job={y} ")))
+            .map(str::to_string)
+            .collect()
+    };
+    assert!(wait_until(Duration::from_secs(10), || !said().is_empty()));
+    let said = said();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains(&format!("beside itest-apart-x (job {x}) on GPU ")),
+        "{}",
+        said[0]
+    );
+    // x runs on; why y was given back is in n1's history.
+    assert!(running(x), "{:?}", c.show_job(x));
+    let (ok, text, err) = run_tool(
+        &c,
+        c.path("plugins/multiplexd").to_str().unwrap(),
+        &[
+            "explain",
+            &y.to_string(),
+            "--config",
+            c.path("multiplexd/n1/multiplexd.toml").to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}{err}");
+    assert!(text.contains("requeued to run apart"), "{text}");
+    let state = c.node_state("n1");
+    assert!(!state.starts_with("drain"), "n1 is {state}");
+}

@@ -76,16 +76,17 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 1800.0)]
     timeout: f64,
     /// The cluster's log directory: the daemons' logs (`multiplexd-*.log`) say each time they
-    /// steered, deferred or closed their node; counted at the end. Without it those counts
+    /// steered, deferred or closed their node, or gave a job back to run apart; counted at the end. Without it those counts
     /// read 0 (they are not seen from the jobs' side).
     #[arg(long)]
     daemon_logs: Option<PathBuf>,
 }
 
-/// What the daemons' logs under `dir` say they did: (steered, deferred, closures), each
-/// counted by the line its daemon logs for it (`tracing`'s message text).
-fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64), String> {
-    let mut counts = (0, 0, 0);
+/// What the daemons' logs under `dir` say they did: (steered, deferred, closures, jobs given
+/// back to run apart), each counted by the line its daemon logs for it (`tracing`'s message
+/// text).
+fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64, u64), String> {
+    let mut counts = (0, 0, 0, 0);
     let entries = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for e in entries.flatten() {
         let name = e.file_name();
@@ -101,6 +102,8 @@ fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64), String> {
                 counts.1 += 1;
             } else if line.contains(" closed: ") {
                 counts.2 += 1;
+            } else if line.contains(" requeued to run apart: ") {
+                counts.3 += 1;
             }
         }
     }
@@ -375,9 +378,9 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         }
     }
     // Not seen from the jobs' side: the daemons log each time they steer, defer or close.
-    let (steered, deferred, closures) = match &a.daemon_logs {
+    let (steered, deferred, closures, separations) = match &a.daemon_logs {
         Some(dir) => steering_in_logs(dir)?,
-        None => (0, 0, 0),
+        None => (0, 0, 0, 0),
     };
     let outcome = Outcome {
         jobs: jobs
@@ -394,6 +397,7 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
         steered,
         deferred,
         closures,
+        separations,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -487,6 +491,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             steered: get("steered") as u64,
             deferred: get("deferred") as u64,
             closures: get("closures") as u64,
+            separations: get("separations") as u64,
         },
         v,
     ))
@@ -576,6 +581,15 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 format!("{} / {}", num(sp, "steered"), num(sp, "closures")),
                 format!("{} / {}", num(sd, "steered"), num(sd, "closures"))
             );
+            println!(
+                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
+                "given back to run apart",
+                p.separations,
+                d.separations,
+                "",
+                num(sp, "separations"),
+                num(sd, "separations")
+            );
             println!("daemons vs plain shards: {:+.1}% average JCT", 100.0 * (ratio - 1.0));
             if let (Some(a), Some(b)) = (vs_sim(&p, sp), vs_sim(&d, sd)) {
                 println!(
@@ -591,9 +605,9 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                     .and_then(Value::as_f64)
                     .map_or(String::new(), |x| format!("{x:.1}"))
             };
-            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,plain_declines,daemons_declines,daemons_steered,daemons_closures");
+            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,plain_declines,daemons_declines,daemons_steered,daemons_closures,daemons_separations");
             println!(
-                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{},{},{}",
+                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{},{},{},{}",
                 p.avg_jct_s,
                 d.avg_jct_s,
                 p.p95_jct_s,
@@ -607,7 +621,8 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 p.declines,
                 d.declines,
                 d.steered,
-                d.closures
+                d.closures,
+                d.separations
             );
         }
         "words" => println!("{}", verdict(&p, &d)),
@@ -634,12 +649,13 @@ mod tests {
             line("deferred: this node would decline the job now job=7 hold_s=60"),
             line("deferral renewed: this node would still decline the job job=7"),
             line("steered: Slurm starts this pending job next job=9 nice=-1 own_nice=0"),
+            "2026-11-25T04:05:01.000000Z  INFO multiplexd::separate: requeued to run apart: measured beside a (job 3) job=4 gpu=0\n".to_string(),
         ];
         std::fs::write(dir.path().join("multiplexd-n1.log"), n1.concat()).unwrap();
         std::fs::write(dir.path().join("multiplexd-n2.log"), n2.concat()).unwrap();
         // Slurm's own logs beside them are not the daemons'.
         std::fs::write(dir.path().join("slurmctld.log"), line("steered: not a daemon's")).unwrap();
-        assert_eq!(steering_in_logs(dir.path()).unwrap(), (2, 1, 2));
+        assert_eq!(steering_in_logs(dir.path()).unwrap(), (2, 1, 2, 1));
         let e = steering_in_logs(&dir.path().join("missing")).unwrap_err();
         assert!(e.contains("missing"), "{e}");
     }
