@@ -6,8 +6,12 @@
 //! that both would finish sooner taking turns. Once both sides of every pair on a GPU are
 //! measured (progress reports give that within a report interval or two), a GPU whose jobs
 //! together deliver less than `below` times what they would without its newest job gives that
-//! job back to Slurm: it is requeued to start again elsewhere, or here once it fits better.
-//! The newest job goes: it has the least work to lose, and the others were there first.
+//! job back to Slurm, if it runs slowest there or below half its speed alone: it is requeued
+//! to start again elsewhere, or here once it fits better. The newest job goes: it has the
+//! least work to lose, and the others were there first. The second condition is for hostile
+//! users: each side of a pair is learned from what that side's jobs report, so a user who
+//! under-reports a job of theirs makes only that job look slowed; another user's newcomer is
+//! then not the slowest, and is given back only if it runs below half speed beside it.
 //!
 //! [`separations`] is pure: the daemon and the simulator call this same code. The daemon looks
 //! every `policy.separate_look_ms` on a thread of its own ([`spawn`]) and gives a job back with
@@ -47,9 +51,13 @@ pub fn wanted(gpus: &[GpuState]) -> Wanted {
     w
 }
 
-/// The summed speed of `apps` on one GPU of `model`: each one's speed is the product of its
-/// estimated speeds beside the others (1.0 alone).
-fn summed(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> f64 {
+/// A newcomer running below this share of its speed alone would finish sooner waiting for
+/// its partner to end than sharing with it, whatever its partner does.
+const HALF: f64 = 0.5;
+
+/// The speed of each of `apps` on one GPU of `model`: the product of its estimated speeds
+/// beside the others (1.0 alone).
+fn speeds(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> Vec<f64> {
     apps.iter()
         .enumerate()
         .map(|(i, a)| {
@@ -59,12 +67,12 @@ fn summed(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> f64 {
                 .map(|(_, o)| estimate(history, model, a, o, prior).0)
                 .product::<f64>()
         })
-        .sum()
+        .collect()
 }
 
 /// The jobs to give back: on each GPU whose residents (oldest first) are all measured beside
 /// its newest, that newest job when the GPU delivers less with it than `below` times what the
-/// others deliver without it. `spared` says of a job that it may not be given back (it was
+/// others deliver without it, and it runs slowest there or below half its speed alone. `spared` says of a job that it may not be given back (it was
 /// once already). `below` 0: never.
 pub fn separations(
     gpus: &[GpuState],
@@ -98,11 +106,15 @@ pub fn separations(
         let without: Vec<&str> = others.iter().map(|r| r.app.as_str()).collect();
         let mut with = without.clone();
         with.push(&newest.app);
-        let (before, after) = (
-            summed(history, &gpu.model, &without, prior),
-            summed(history, &gpu.model, &with, prior),
-        );
-        if after < below * before {
+        let before: f64 = speeds(history, &gpu.model, &without, prior).iter().sum();
+        let together = speeds(history, &gpu.model, &with, prior);
+        let after: f64 = together.iter().sum();
+        // Only a newest job that fares worst there, or badly in any case: a job's own side is
+        // what its owner reports, so a user who reports too little progress for a job of theirs
+        // can make that job look slowed, never another user's, which then is not the slowest.
+        let own = together[together.len() - 1];
+        let exposed = own < HALF || together.iter().all(|&v| own <= v);
+        if after < below * before && exposed {
             let partners: Vec<String> = others.iter().map(|o| format!("{} (job {})", o.app, o.job_id)).collect();
             out.push(Separation {
                 gpu: gpu.index,
@@ -232,6 +244,13 @@ mod tests {
         );
         // A higher bar also separates the pair that gains a little (1.30 < 1.5).
         assert_eq!(separations(&gpus, &h, 1.5, 0.7, |_| false).len(), 2);
+        // A newcomer that runs at half speed or more and faster than the job it slows stays: the
+        // other side is what that job's owner reports (a user reporting too little progress
+        // cannot evict others); one below half speed goes whatever its partner does.
+        let fast_newcomer = learned(&[("resnet", "transformer", 0.05, 1), ("transformer", "resnet", 0.6, 1)]);
+        assert!(separations(&gpus[..1], &fast_newcomer, 1.0, 0.7, |_| false).is_empty());
+        let slow_newcomer = learned(&[("resnet", "transformer", 0.05, 1), ("transformer", "resnet", 0.45, 1)]);
+        assert_eq!(separations(&gpus[..1], &slow_newcomer, 1.0, 0.7, |_| false).len(), 1);
         // 0: never; a job given back once is spared.
         assert!(separations(&gpus, &h, 0.0, 0.7, |_| false).is_empty());
         assert!(separations(&gpus, &h, 1.0, 0.7, |j| j == 2).is_empty());
