@@ -38,10 +38,10 @@ pub const DEFAULT_DECLINE_RETRY_MAX_S: u32 = 0;
 /// than 0.9 of what they would without the newest of them (the pair loses clearly against
 /// taking turns) gives that job back to Slurm (see [`crate::separate`]). The margin below 1
 /// pays for the work the requeued job loses and its wait. In `multiplex-simulate` (5 seeds,
-/// `--steer 8 --close`, docs/results.md) it cut the learned policy's average JCT by 9.5% and
-/// 6.7% on V100 at loads 1.0 and 1.5 and by 5.9% at 1.0 where few pairs gain, and moved the
-/// other tables and loads by -0.6% to +3.8%. A threshold of 1.0 gained less and lost 3.1%
-/// where few pairs gain at load 1.5; 0.8 did about as well as 0.9.
+/// `--steer 8 --close`, docs/results.md) it cut the learned policy's average JCT by 9.8% on
+/// V100 at loads 1.0 and 1.5 and by 6.1% at 1.0 where few pairs gain, and moved the other
+/// tables and loads by -0.8% to +3.8%. A threshold of 1.0 lost 3.1% where few pairs gain at
+/// load 1.5; 0.8 did about as well as 0.9.
 pub const DEFAULT_SEPARATE_BELOW: f64 = 0.9;
 
 /// Default of `policy.separate_look_ms`: measurements change at jobs' progress reports, minutes
