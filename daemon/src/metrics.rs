@@ -48,6 +48,8 @@ pub struct Metrics {
     pub prediction_error: Histogram,
     /// Config re-reads on SIGHUP, by outcome (applied, failed).
     pub config_reloads: Family<Outcome, Counter>,
+    /// Jobs given back to Slurm to run apart, by outcome (requeued, refused).
+    separations: Family<Outcome, Counter>,
     slots_used: Family<GpuLabel, Gauge>,
     slots_per_gpu: Gauge,
     jobs_by_app: Family<AppLabel, Gauge>,
@@ -75,6 +77,7 @@ impl Metrics {
             client_faults: Family::default(),
             prediction_error: speed_error(),
             config_reloads: Family::default(),
+            separations: Family::default(),
             slots_used: Family::default(),
             slots_per_gpu: Gauge::default(),
             jobs_by_app: Family::default(),
@@ -113,6 +116,11 @@ impl Metrics {
             "config_reloads",
             "Config re-reads on SIGHUP: applied, or failed (the daemon runs on with the config it had)",
             m.config_reloads.clone(),
+        );
+        r.register(
+            "separations",
+            "Jobs measured to lose beside their partners and given back to Slurm: requeued, or refused (Slurm would not requeue it; it runs on)",
+            m.separations.clone(),
         );
         r.register("slots_used", "Jobs on each shared GPU", m.slots_used.clone());
         r.register(
@@ -156,6 +164,10 @@ impl Metrics {
 
     pub fn config_reload(&self, outcome: &str) {
         count(&self.config_reloads, outcome);
+    }
+
+    pub fn separation(&self, outcome: &str) {
+        count(&self.separations, outcome);
     }
 
     pub fn fault(&self, kind: &str) {

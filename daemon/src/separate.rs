@@ -145,10 +145,12 @@ pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
         match crate::command::run(scontrol, &["requeue".to_string(), s.job_id.to_string()], CALL_TIMEOUT) {
             Ok(_) => {
                 tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
+                crate::metrics::global().separation("requeued");
                 done.push(s.job_id);
             }
             Err(e) => {
                 // Not again: a job Slurm will not requeue runs on where it is.
+                crate::metrics::global().separation("refused");
                 if let Err(e) = lock().separated(s.job_id, false, &format!("{} ({e})", s.why)) {
                     tracing::warn!(job = s.job_id, error = %e, "the history cannot record a failed requeue");
                 }
