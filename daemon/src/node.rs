@@ -448,26 +448,21 @@ impl Node {
 
     /// The jobs this node gives back to Slurm now: those measured to deliver less beside their
     /// partners than taking turns would ([`crate::separate`]), each at most once. The history is
-    /// only read; [`Self::separated`] records one once Slurm requeued it. Nothing in observe
-    /// mode or with `policy.separate_below` 0.
+    /// only read; [`Self::separating`] marks one before Slurm is asked to requeue it. Nothing in
+    /// observe mode or with `policy.separate_below` 0, and no query while no GPU is shared.
     pub fn separations(&mut self) -> Result<Vec<crate::separate::Separation>, HistoryError> {
         let below = self.config.policy.separate_below;
         if self.config.policy.mode == Mode::Observe || below <= 0.0 {
             return Ok(Vec::new());
         }
         let active = self.active()?;
-        if active.len() < 2 {
+        let shared = |j: &ActiveJob| active.iter().any(|o| o.gpu == j.gpu && o.row != j.row);
+        if !active.iter().any(shared) {
             return Ok(Vec::new());
         }
         let states = self.gpu_states(&active)?;
         let estimates = self.history.estimates(&crate::separate::wanted(&states))?;
-        let now = (self.clock)();
-        let mut spared = std::collections::HashSet::new();
-        for j in &active {
-            if self.history.was_separated(j.job_id, &self.config.node, now)? {
-                spared.insert(j.job_id);
-            }
-        }
+        let spared = self.history.separated_jobs(&self.config.node, (self.clock)())?;
         Ok(crate::separate::separations(
             &states,
             &estimates,
@@ -477,12 +472,22 @@ impl Node {
         ))
     }
 
-    /// Records that Slurm requeued `job_id` (running here) to run apart (`requeued`), or would
-    /// not, and why: what its reports taught still counts, and it is not given back again on
-    /// this node.
+    /// Marks `job_id` (running here) as being given back to Slurm, before the requeue: what its
+    /// reports taught still counts, and it is not given back again on this node. Its row, for
+    /// [`History::record_separation`] once Slurm answered; `None` if it no longer runs here.
+    pub fn separating(&mut self, job_id: u32) -> Result<Option<i64>, HistoryError> {
+        let Some(job) = self.active()?.into_iter().find(|j| j.job_id == job_id) else {
+            return Ok(None);
+        };
+        self.history.mark_separating(job.row)?;
+        Ok(Some(job.row))
+    }
+
+    /// [`Self::separating`] and its outcome at once: Slurm requeued `job_id` to run apart
+    /// (`requeued`), or would not, and why.
     pub fn separated(&mut self, job_id: u32, requeued: bool, why: &str) -> Result<(), HistoryError> {
-        if let Some(job) = self.active()?.into_iter().find(|j| j.job_id == job_id) {
-            self.history.record_separation(job.row, requeued, why)?;
+        if let Some(row) = self.separating(job_id)? {
+            self.history.record_separation(row, requeued, why)?;
         }
         Ok(())
     }

@@ -140,6 +140,15 @@ impl Wanted {
         self.apps.extend(other.apps);
     }
 
+    /// Asks for both sides of every pair of residents of `gpu`.
+    pub fn residents(&mut self, gpu: &GpuState) {
+        for (i, r) in gpu.residents.iter().enumerate() {
+            for o in &gpu.residents[i + 1..] {
+                self.pair(&gpu.model, &r.app, &o.app);
+            }
+        }
+    }
+
     /// Asks for both sides of the pair `a`, `b` on `model`, and for both applications.
     pub fn pair(&mut self, model: &str, a: &str, b: &str) {
         for (x, y) in [(a, b), (b, a)] {
@@ -154,12 +163,10 @@ impl Wanted {
 pub fn wanted(gpus: &[GpuState], job: &Newcomer, slots: u32) -> Wanted {
     let mut w = Wanted::default();
     for gpu in gpus.iter().filter(|g| (g.residents.len() as u32) < slots) {
-        for (i, r) in gpu.residents.iter().enumerate() {
+        for r in &gpu.residents {
             w.pair(&gpu.model, job.app, &r.app);
-            for o in &gpu.residents[i + 1..] {
-                w.pair(&gpu.model, &r.app, &o.app);
-            }
         }
+        w.residents(gpu);
     }
     w
 }

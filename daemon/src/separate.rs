@@ -41,12 +41,8 @@ pub struct Separation {
 /// What [`separations`] will read: every pair on each GPU that runs more than one job.
 pub fn wanted(gpus: &[GpuState]) -> Wanted {
     let mut w = Wanted::default();
-    for gpu in gpus.iter().filter(|g| g.residents.len() > 1) {
-        for (i, r) in gpu.residents.iter().enumerate() {
-            for o in &gpu.residents[i + 1..] {
-                w.pair(&gpu.model, &r.app, &o.app);
-            }
-        }
+    for gpu in gpus {
+        w.residents(gpu);
     }
     w
 }
@@ -72,8 +68,9 @@ fn speeds(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> Vec<f6
 
 /// The jobs to give back: on each GPU whose residents (oldest first) are all measured beside
 /// its newest, that newest job when the GPU delivers less with it than `below` times what the
-/// others deliver without it, and it runs slowest there or below half its speed alone. `spared` says of a job that it may not be given back (it was
-/// once already). `below` 0: never.
+/// others deliver without it, and it runs slowest there or below half its speed alone.
+/// `spared` says of a job that it may not be given back (it was once already). `below` 0:
+/// never.
 pub fn separations(
     gpus: &[GpuState],
     history: &Estimates,
@@ -141,21 +138,26 @@ pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
     let mut done = Vec::new();
     let mut failed = None;
     for s in given {
-        lock().separated(s.job_id, true, &s.why).map_err(|e| e.to_string())?;
-        match crate::command::run(scontrol, &["requeue".to_string(), s.job_id.to_string()], CALL_TIMEOUT) {
-            Ok(_) => {
-                tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
-                crate::metrics::global().separation("requeued");
-                done.push(s.job_id);
-            }
-            Err(e) => {
-                // Not again: a job Slurm will not requeue runs on where it is.
-                crate::metrics::global().separation("refused");
-                if let Err(e) = lock().separated(s.job_id, false, &format!("{} ({e})", s.why)) {
-                    tracing::warn!(job = s.job_id, error = %e, "the history cannot record a failed requeue");
+        let Some(row) = lock().separating(s.job_id).map_err(|e| e.to_string())? else {
+            continue; // it ended meanwhile
+        };
+        let (requeued, why) =
+            match crate::command::run(scontrol, &["requeue".to_string(), s.job_id.to_string()], CALL_TIMEOUT) {
+                Ok(_) => {
+                    tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
+                    crate::metrics::global().separation("requeued");
+                    done.push(s.job_id);
+                    (true, s.why)
                 }
-                failed.get_or_insert(format!("cannot requeue job {} to run apart: {e}", s.job_id));
-            }
+                Err(e) => {
+                    // Not again: a job Slurm will not requeue runs on where it is.
+                    crate::metrics::global().separation("refused");
+                    failed.get_or_insert(format!("cannot requeue job {} to run apart: {e}", s.job_id));
+                    (false, format!("{} ({e})", s.why))
+                }
+            };
+        if let Err(e) = lock().history().record_separation(row, requeued, &why) {
+            tracing::warn!(job = s.job_id, error = %e, "the history cannot record why the job was given back");
         }
     }
     match failed {

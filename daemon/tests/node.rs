@@ -2,11 +2,19 @@
 //! (a solo run sets the baseline, shared runs give pair speeds, the next placement reads them),
 //! and reconciling with what Slurm runs.
 
-use multiplex_protocol::{FinishRequest, PlaceRequest, Response};
+use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
 use multiplexd::config::{Config, GpuSpec};
 use multiplexd::node::Node;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// A job's progress report: `done` units of work since its start.
+fn progress(job_id: u32, done: f64) -> ReportRequest {
+    ReportRequest {
+        job_id,
+        kind: ReportKind::Progress { done },
+    }
+}
 
 struct World {
     node: Node,
@@ -332,7 +340,6 @@ fn nodes_sharing_a_directory_learn_from_each_other_and_skip_broken_files() {
 
 #[test]
 fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_report() {
-    use multiplex_protocol::{ReportKind, ReportRequest};
     let mut w = World::new();
     w.start(0.0, 1, "big-a");
     w.start(0.0, 2, "big-b");
@@ -395,12 +402,7 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
 
 #[test]
 fn progress_reports_of_running_jobs_teach_their_pair_before_either_ends() {
-    use multiplex_protocol::{ReportKind, ReportRequest};
     let mut w = World::new();
-    let progress = |job_id, done| ReportRequest {
-        job_id,
-        kind: ReportKind::Progress { done },
-    };
     // bert does 2 it/s alone (reports at 100 s: 200 it), then resnet joins at 100 s.
     w.start(0.0, 1, "bert");
     w.at(100.0).report(&progress(1, 200.0), 1000, false).unwrap();
@@ -433,12 +435,7 @@ fn progress_reports_of_running_jobs_teach_their_pair_before_either_ends() {
 
 #[test]
 fn a_pair_measured_to_lose_gives_its_newest_job_back_once_and_still_teaches() {
-    use multiplex_protocol::{ReportKind, ReportRequest};
     let mut w = World::new();
-    let progress = |job_id, done| ReportRequest {
-        job_id,
-        kind: ReportKind::Progress { done },
-    };
     // Each alone first (2 it/s and 1 it/s), so that their rates alone are known.
     w.start(0.0, 1, "bert");
     w.at(100.0).report(&progress(1, 200.0), 1000, false).unwrap();
@@ -510,11 +507,6 @@ fn a_pair_measured_to_lose_gives_its_newest_job_back_once_and_still_teaches() {
 
 #[test]
 fn a_job_slurm_would_not_requeue_runs_on_and_is_not_given_back_again() {
-    use multiplex_protocol::{ReportKind, ReportRequest};
-    let progress = |job_id, done| ReportRequest {
-        job_id,
-        kind: ReportKind::Progress { done },
-    };
     // The same losing pair as above, on a node that never separates and on one that does.
     let losing_pair = |w: &mut World| {
         w.start(0.0, 1, "bert");

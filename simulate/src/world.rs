@@ -470,10 +470,7 @@ pub fn run(
                 policy.out_of_memory(now, node, w.job_ref(e.job))?;
                 policy.finished(now, node, w.job_ref(e.job), false)?;
                 w.reweigh(now, node, e.job);
-                w.jobs[e.job].restarts += 1;
-                w.jobs[e.job].eligible = now + OOM_REQUEUE_S;
-                w.queue.insert(e.job);
-                w.push(now + OOM_REQUEUE_S, e.job, Kind::Eligible);
+                w.requeue(now, e.job);
                 w.steer(now, node, policy)?;
             }
             Kind::Report(run) => {
@@ -501,11 +498,7 @@ pub fn run(
                     w.leave(now, j);
                     w.separations += 1;
                     policy.finished(now, node, w.job_ref(j), false)?;
-                    let job = &mut w.jobs[j];
-                    job.restarts += 1;
-                    job.eligible = now + OOM_REQUEUE_S;
-                    w.queue.insert(j);
-                    w.push(now + OOM_REQUEUE_S, j, Kind::Eligible);
+                    w.requeue(now, j);
                 }
                 w.reweigh(now, node, e.job);
                 w.steer(now, node, policy)?;
@@ -890,6 +883,15 @@ impl World<'_> {
             self.closure[node] += 1;
             self.refile(node, self.weight[node]);
         }
+    }
+
+    /// Slurm requeues job `j` after a failure or at its daemon's request: it waits
+    /// [`OOM_REQUEUE_S`] with its place in the queue.
+    fn requeue(&mut self, now: f64, j: usize) {
+        self.jobs[j].restarts += 1;
+        self.jobs[j].eligible = now + OOM_REQUEUE_S;
+        self.queue.insert(j);
+        self.push(now + OOM_REQUEUE_S, j, Kind::Eligible);
     }
 
     /// A job's priority is Slurm's own again.

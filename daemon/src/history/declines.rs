@@ -58,9 +58,16 @@ impl History {
             .unwrap_or(0))
     }
 
-    /// Marks the running job `job_row` as given back to Slurm ([`crate::separate`]), or as one
-    /// Slurm would not requeue (it runs on, and is not tried again); why goes after its
-    /// placement's decision, which `explain` shows.
+    /// Marks the running job `job_row` as being given back to Slurm ([`crate::separate`]), before
+    /// the requeue: the end that the requeue brings may be recorded before `scontrol` returns.
+    pub fn mark_separating(&self, job_row: i64) -> Result<(), HistoryError> {
+        self.write_one("UPDATE jobs SET separated = 1 WHERE id = ?1", [job_row])?;
+        Ok(())
+    }
+
+    /// What came of giving job `job_row` back: requeued, or Slurm would not requeue it (it runs
+    /// on, and is not tried again); why goes after its placement's decision, which `explain`
+    /// shows.
     pub fn record_separation(&self, job_row: i64, requeued: bool, why: &str) -> Result<(), HistoryError> {
         self.write_one(
             "UPDATE jobs SET separated = ?3, decision = decision || ?2 WHERE id = ?1",
@@ -77,14 +84,14 @@ impl History {
         Ok(())
     }
 
-    /// Whether job `job_id` was given back to Slurm on `node` (or Slurm would not requeue it)
-    /// within a week of `now`.
-    pub fn was_separated(&self, job_id: u32, node: &str, now: f64) -> Result<bool, HistoryError> {
-        Ok(self.conn.row(
-            "SELECT EXISTS(SELECT 1 FROM jobs WHERE job_id = ?1 AND node = ?2 AND separated > 0 AND started_at > ?3)",
-            params![job_id, node, now - COUNT_WINDOW_S],
-            |r| r.get(0),
-        )?)
+    /// The jobs given back to Slurm on `node` (or that Slurm would not requeue) within a week of
+    /// `now`.
+    pub fn separated_jobs(&self, node: &str, now: f64) -> Result<std::collections::HashSet<u32>, HistoryError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT job_id FROM jobs WHERE node = ?1 AND separated > 0 AND started_at > ?2")?;
+        let rows = stmt.query_map(params![node, now - COUNT_WINDOW_S], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// The declines of job `job_id` on every node this history knows, latest first.

@@ -78,14 +78,16 @@ pub(super) fn equations_of(
          AND (finished_at IS NULL OR exit_status = 0 OR separated = 1)
          ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
     );
-    let rows: Vec<(i64, IntervalRow)> = tx
+    // Each interval with its job's row and whether that job was given back to Slurm.
+    let rows: Vec<(i64, bool, IntervalRow)> = tx
         .prepare_cached(&format!(
-            "SELECT i.job_row, i.started_at, i.ended_at, a.name FROM intervals i
+            "SELECT i.job_row, j.separated = 1, i.started_at, i.ended_at, a.name FROM intervals i
+             JOIN jobs j ON j.id = i.job_row
              LEFT JOIN applications a ON a.id = i.partner_app_id
              WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
         ))?
         .query_map(params![app_id, model], |r| {
-            Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?)))
+            Ok((r.get(0)?, r.get(1)?, (r.get(2)?, r.get(3)?, r.get(4)?)))
         })?
         .collect::<Result<_, _>>()?;
     let reports: Vec<(i64, f64, f64)> = tx
@@ -95,12 +97,6 @@ pub(super) fn equations_of(
              ORDER BY job_row, at"
         ))?
         .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-        .collect::<Result<_, _>>()?;
-    let separated: Vec<i64> = tx
-        .prepare_cached(&format!(
-            "SELECT id FROM jobs WHERE separated = 1 AND id IN ({window}) ORDER BY id"
-        ))?
-        .query_map(params![app_id, model], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     let reported = |job: i64| {
         let from = reports.partition_point(|r| r.0 < job);
@@ -112,11 +108,11 @@ pub(super) fn equations_of(
     let mut whole: Vec<crate::learn::Equation> = Vec::new();
     let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
     for job in rows.chunk_by(|a, b| a.0 == b.0) {
-        let intervals: Vec<IntervalRow> = job.iter().map(|(_, r)| r.clone()).collect();
+        let intervals: Vec<IntervalRow> = job.iter().map(|(_, _, r)| r.clone()).collect();
         let progress = reported(job[0].0);
         if progress.is_empty() {
             // A job given back to Slurm did not do its whole work: only its reports teach.
-            if separated.binary_search(&job[0].0).is_ok() {
+            if job[0].1 {
                 continue;
             }
             if let (Some(solo), Some(mut eq)) = (baseline, equation(intervals.into_iter())) {
