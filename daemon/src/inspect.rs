@@ -90,6 +90,8 @@ impl std::fmt::Display for ExplanationText<'_> {
         // One precision for every duration of the job, so that the parts add up to the whole.
         let total = e.finished_at.map_or(e.seconds_alone + shared, |end| end - e.started_at);
         let secs = |x: f64| {
+            // Never "-0.0 s": a sum of no f64 is -0.0, and clocks may step back a little.
+            let x = x.max(0.0) + 0.0;
             if total < 100.0 {
                 format!("{x:.1} s")
             } else {
@@ -306,6 +308,13 @@ mod tests {
         );
         assert!(!text.contains("declined"), "{text}");
         assert!(text.contains("\nGPU memory it asked for: 12288 MiB\n"), "{text}");
+        // Alone all along: no partner's seconds to add up (a sum of none is -0.0 in Rust).
+        let mut alone = explanation();
+        alone.partners.clear();
+        alone.seconds_alone = 28.0;
+        alone.exit_status = Some(0);
+        let text = ExplanationText(&alone).to_string();
+        assert!(text.contains("ended after 28.0 s with exit code 0 (28.0 s alone, 0.0 s beside others)"), "{text}");
     }
 
     #[test]
