@@ -160,6 +160,30 @@ fn progress_reports_teach_speeds_whatever_the_jobs_lengths() {
 }
 
 #[test]
+fn a_stretch_shared_for_a_few_seconds_teaches_nothing_of_the_pair() {
+    // `a` does 1 it/s alone (0-900). `b` arrives 4 s before a's next report, which is 5 it
+    // short of 900 (an error of half a percent of the stretch): read as a pair speed, 4 s
+    // shared would say 0.05 where the truth is 0.5.
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    let a = h.record_placement(&job(1, "a", 0, 0.0), &[]).unwrap();
+    h.record_report(a, "progress", Some(900.0), &[], 0.7, 900.0).unwrap();
+    let b = h.record_placement(&job(2, "b", 0, 1796.0), &[a]).unwrap();
+    h.record_report(a, "progress", Some(1795.0), &[b], 0.7, 1800.0).unwrap();
+    let learned = h.learn_from_progress(a, 0.7).unwrap();
+    assert!(
+        matches!(&learned, Learned::Shared { fits } if fits.is_empty()),
+        "{learned:?}"
+    );
+    assert!(pair(&h, "v100", "a", "b").is_none_or(|e| e.observations == 0));
+    // The next stretch, shared throughout at 0.5, is what teaches it.
+    h.record_report(a, "progress", Some(2245.0), &[b], 0.7, 2700.0).unwrap();
+    h.learn_from_progress(a, 0.7).unwrap();
+    let e = pair(&h, "v100", "a", "b").unwrap();
+    assert!((e.speed - 0.5).abs() < 1e-3 && e.observations == 1, "{e:?}");
+}
+
+#[test]
 fn compaction_keeps_the_latest_jobs_and_what_they_shared_with() {
     let dir = tempfile::tempdir().unwrap();
     let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
