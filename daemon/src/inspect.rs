@@ -314,7 +314,10 @@ mod tests {
         alone.seconds_alone = 28.0;
         alone.exit_status = Some(0);
         let text = ExplanationText(&alone).to_string();
-        assert!(text.contains("ended after 28.0 s with exit code 0 (28.0 s alone, 0.0 s beside others)"), "{text}");
+        assert!(
+            text.contains("ended after 28.0 s with exit code 0 (28.0 s alone, 0.0 s beside others)"),
+            "{text}"
+        );
     }
 
     #[test]
