@@ -172,7 +172,8 @@ pub fn export(config_path: &Path, file: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// `multiplexd import FILE`: merges another node's export (more observations win).
+/// `multiplexd import FILE`: merges another node's export (more observations win), into a new
+/// history where the node has none yet.
 pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     let text = if file == Path::new("-") {
         std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?
@@ -182,7 +183,17 @@ pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     let data: crate::history::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
     let config = load_config(config_path)?;
-    let mut h = history_of(&config, config_path)?;
+    // Seeding a node before its daemon first starts is what import is for: the history the
+    // config names is made (as the daemon would make it) where there is none yet.
+    let created = !config.database.exists();
+    let mut h = if created {
+        History::open(&config.database).map_err(|e| e.to_string())?
+    } else {
+        history_of(&config, config_path)?
+    };
+    if created {
+        eprintln!("multiplexd: created the history {}", config.database.display());
+    }
     let done = h
         .import(&data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;

@@ -93,10 +93,15 @@ fn history_tools_from_the_command_line() {
         ok && err.contains("exported 1 solo runtimes and 1 pair speeds"),
         "{err}"
     );
+    // A new node with no history yet: import makes it, as its daemon would, and seeds it.
     let b = config(dir.path(), "b");
-    drop(multiplexd::history::History::open(&dir.path().join("b.sqlite")).unwrap());
     let (ok, _, err) = multiplexd(&["import", file.to_str().unwrap(), "--config", &b]);
-    assert!(ok && err.contains("pair speeds 1 added"), "{err}");
+    assert!(
+        ok && err.contains("created the history") && err.contains("pair speeds 1 added"),
+        "{err}"
+    );
+    let (ok, _, err) = multiplexd(&["import", file.to_str().unwrap(), "--config", &b]);
+    assert!(ok && !err.contains("created") && err.contains("2 kept"), "{err}");
     let (_, out, _) = multiplexd(&["history", "--config", &b]);
     assert!(out.contains("0.66"), "{out}");
 
