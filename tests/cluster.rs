@@ -1928,6 +1928,36 @@ fn a_job_measured_to_lose_beside_its_partner_is_requeued_to_run_apart() {
     );
     assert!(ok, "{text}{err}");
     assert!(text.contains("requeued to run apart"), "{text}");
+    // y waits as long as a declined job (decline_retry_s, 5 s here), not Slurm's own requeue
+    // delay (121 s): once the requeue completed, n1's daemon set when it may start again.
+    let held = || {
+        std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
+            .unwrap()
+            .lines()
+            .any(|l| {
+                l.contains("given back: Slurm may start it again in 5 s")
+                    && l.split_whitespace().any(|w| w == format!("job={y}"))
+            })
+    };
+    assert!(wait_until(Duration::from_secs(40), held), "{:?}", c.show_job(y));
+    let eligible = c.show_job(y)["EligibleTime"].clone();
+    let out = std::process::Command::new("date")
+        .args(["-d", &eligible, "+%s"])
+        .output()
+        .unwrap();
+    let at: i64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{eligible:?}"));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        at - now <= 45,
+        "y may start again only in {} s (EligibleTime {eligible}): Slurm's requeue delay, not the daemon's",
+        at - now
+    );
     let state = c.node_state("n1");
     assert!(!state.starts_with("drain"), "n1 is {state}");
 }

@@ -351,6 +351,8 @@ impl Node {
             } else {
                 policy.min_gain_after(restarts)
             },
+            // Nor is it refused a share the separation look would undo: it cannot be given back.
+            separate_below: if req.cannot_wait { 0.0 } else { policy.separate_below },
         };
         let newcomer = Newcomer {
             app: &req.app,
@@ -566,6 +568,7 @@ impl Node {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
             min_gain: self.config.policy.min_gain,
+            separate_below: self.config.policy.separate_below,
         }
     }
 

@@ -262,6 +262,9 @@ pub struct Knobs {
     /// The least predicted gain (jobs' worth of throughput) worth sharing a GPU for: below
     /// it the job is declined and waits for a better partner or a free GPU (0: never).
     pub min_gain: f64,
+    /// `policy.separate_below`: a share that the separation look would give back at once,
+    /// measured as it is, is never made ([`crate::separate::separations`]; 0: no such check).
+    pub separate_below: f64,
 }
 
 /// The policy's answer.
@@ -656,6 +659,21 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             None => format!("beside {} (job {}): {why}", r.app, r.job_id),
         });
     }
+    // A share whose every pair was measured and that the separation look would undo on its
+    // first look (the newcomer given back, its work lost) is no share to make; the estimates
+    // above may disagree with that look, which reads each side from its own measurements.
+    if knobs.separate_below > 0.0 {
+        let mut with = gpu.clone();
+        with.residents.push(Resident {
+            job_id: u32::MAX,
+            app: job.app.to_string(),
+            mem_mb: job.mem_mb,
+        });
+        if let Some(s) = crate::separate::separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
+            let why = s.why.replace(&format!(" (job {})", u32::MAX), "");
+            return Err(format!("{why}: a share given back as soon as measured"));
+        }
+    }
     gain += speed;
     // A pair never tried may fail: expected gain, less what a failure costs.
     let risk = 1.0 - safe;
@@ -722,6 +740,7 @@ mod tests {
     }
 
     const KNOBS: Knobs = Knobs {
+        separate_below: 0.0,
         slots: 2,
         unknown_pair_speed: 0.7,
         min_gain: 0.0,
@@ -875,6 +894,68 @@ mod tests {
             1
         );
         assert_eq!(chosen(&place(&[gpu(0, &[(1, "other")])], &new, &h, knobs)), 0);
+    }
+
+    #[test]
+    fn a_share_the_separation_look_would_undo_is_not_made() {
+        // new beside old was measured 16 times from new's side (0.31; old's side in that row
+        // still the prior, 0.70), old beside new 3 times from old's own reports (0.40). The
+        // newcomer's row promises 1.01 of a GPU; the separation look, which reads each side
+        // from its own row, would give new back as soon as it ran: 0.71 against 1.00.
+        let mut h = Table::default();
+        for (a, b, speed, other_speed, observations) in [("new", "old", 0.31, 0.70, 16), ("old", "new", 0.40, 0.70, 3)]
+        {
+            h.insert_pair(
+                "v100",
+                a,
+                b,
+                PairEstimate {
+                    speed,
+                    other_speed,
+                    observations,
+                    oom: false,
+                },
+            );
+        }
+        let new = Newcomer {
+            app: "new",
+            mem_mb: None,
+        };
+        let looks = Knobs {
+            separate_below: 0.9,
+            ..KNOBS
+        };
+        match place(&[gpu(0, &[(1, "old")])], &new, &h, looks) {
+            Decision::Decline { reason, may_retry } => {
+                assert!(may_retry, "{reason}");
+                assert!(
+                    reason.contains("GPU 0: measured beside old (job 1) on GPU 0, the GPU delivers 0.71 of one job alone against 1.00")
+                        && reason.ends_with("a share given back as soon as measured"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A free GPU is taken instead; without the look (min_gain 0) the share is made.
+        assert_eq!(
+            chosen(&place(&[gpu(0, &[(1, "old")]), gpu(1, &[])], &new, &h, looks)),
+            1
+        );
+        assert_eq!(chosen(&place(&[gpu(0, &[(1, "old")])], &new, &h, KNOBS)), 0);
+        // Old's side never measured: nothing is refused on a guess.
+        let mut once = Table::default();
+        once.insert_pair(
+            "v100",
+            "new",
+            "old",
+            PairEstimate {
+                speed: 0.31,
+                other_speed: 0.40,
+                observations: 16,
+                oom: false,
+            },
+        );
+        assert_eq!(chosen(&place(&[gpu(0, &[(1, "old")])], &new, &once, looks)), 0);
     }
 
     #[test]

@@ -22,6 +22,9 @@ pub struct Setup {
     pub progress: Progress,
     /// The daemon's settings for the learned policy and the oracle.
     pub options: policy::Options,
+    /// What the learned policy's nodes start from, as `multiplexd import` of a site's earlier
+    /// export gives them (None: an empty history, a site's first day).
+    pub history: Option<multiplexd::history::Export>,
 }
 
 /// One policy's results. The field names are the JSON and CSV keys scripts rely on.
@@ -63,6 +66,8 @@ pub struct Run {
     pub jct: Vec<f64>,
     /// What the policy learned, graded against the table (learned policy only).
     pub grade: Option<String>,
+    /// What the policy learned, as `multiplexd export` writes it (learned policy only).
+    pub history: Option<multiplexd::history::Export>,
 }
 
 /// Checks what the command line cannot: the cluster, the policies.
@@ -141,7 +146,14 @@ pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
 }
 
 fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
-    let mut p = policy::make_with(name, &setup.table, setup.shape, setup.seed, setup.options)?;
+    let mut p = policy::make_from(
+        name,
+        &setup.table,
+        setup.shape,
+        setup.seed,
+        setup.options,
+        setup.history.as_ref(),
+    )?;
     let outcome = world::run(
         &setup.table,
         &setup.trace,
@@ -154,6 +166,7 @@ fn run_one(setup: &Setup, name: &str) -> Result<Run, String> {
     let mut run = summarise(name, &outcome);
     p.settle()?;
     run.grade = p.grade();
+    run.history = p.history().transpose()?;
     Ok(run)
 }
 
@@ -194,6 +207,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
         },
         jct,
         grade: None,
+        history: None,
     }
 }
 

@@ -97,6 +97,19 @@ struct Args {
     /// elsewhere (e.g. tests/emulate/run on a real local cluster).
     #[arg(long)]
     write_trace: Option<PathBuf>,
+    /// Start the learned policy's nodes from this history (a `multiplexd export` file, as a
+    /// site imports one into a new node) instead of an empty one: a site's later day.
+    #[arg(long)]
+    history: Option<PathBuf>,
+    /// Also write what the learned policy's nodes learned, merged, as `multiplexd export`
+    /// writes it: the history a site has after this trace (for --history, or `multiplexd
+    /// import` into a real daemon).
+    #[arg(long)]
+    write_history: Option<PathBuf>,
+    /// With --write-history, divide the solo runtimes written by this: for daemons whose jobs
+    /// run this many times faster than the trace says (tests/emulate/run's --time-scale).
+    #[arg(long, default_value_t = 1.0)]
+    history_time_scale: f64,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -107,6 +120,11 @@ enum Format {
 }
 
 fn main() -> ExitCode {
+    // Output cut short (`multiplex-simulate --format csv | head`) ends the tool quietly, as
+    // command-line tools do, instead of a panic on the closed pipe.
+    // SAFETY: signal() with SIG_DFL only changes this process's disposition of SIGPIPE,
+    // before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     match simulate(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -179,6 +197,22 @@ fn simulate(a: Args) -> Result<(), String> {
         table.apps.len(),
         table.model
     );
+    let history = match &a.history {
+        Some(path) => Some(
+            serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
+                .map_err(|e| format!("{}: not a multiplexd history export: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    if !(a.history_time_scale.is_finite() && a.history_time_scale > 0.0) {
+        return Err(format!(
+            "--history-time-scale {}: must be more than 0",
+            a.history_time_scale
+        ));
+    }
+    if a.write_history.is_some() && !policies.iter().any(|p| p == "learned") {
+        return Err("--write-history: writes what the learned policy learned; add --policy learned".into());
+    }
     let setup = multiplex_simulate::Setup {
         table,
         trace,
@@ -200,6 +234,7 @@ fn simulate(a: Args) -> Result<(), String> {
             close: a.close,
             anticipate: a.anticipate,
         },
+        history,
     };
     let started = std::time::Instant::now();
     let runs = multiplex_simulate::run(&setup)?;
@@ -214,6 +249,17 @@ fn simulate(a: Args) -> Result<(), String> {
             println!("{}", serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?);
         }
         Format::Csv => print!("{}", multiplex_simulate::csv(&runs)),
+    }
+    if let Some(path) = &a.write_history {
+        let learned = runs.iter().find_map(|r| r.history.as_ref());
+        let mut data = learned
+            .ok_or("--write-history: the learned policy did not run")?
+            .clone();
+        for solo in &mut data.solo {
+            solo.runtime_s /= a.history_time_scale;
+        }
+        let text = serde_json::to_string_pretty(&data).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.plot {
         std::fs::write(path, multiplex_simulate::plot::svg(&runs, &heading))

@@ -10,7 +10,7 @@ use multiplexd::config::{
     Config, GpuSpec, PolicyConfig, DEFAULT_ANTICIPATE, DEFAULT_DECLINE_RETRY_MAX_S, DEFAULT_MAX_DECLINES,
     DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED,
 };
-use multiplexd::history::ActiveJob;
+use multiplexd::history::{ActiveJob, Export};
 use multiplexd::node::{Node, NodeLoad, PendingJob};
 use multiplexd::placement::{
     self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, Offer, PairEstimate, Resident, Wanted,
@@ -96,6 +96,19 @@ pub fn make_with<'a>(
     seed: u64,
     options: Options,
 ) -> Result<Box<dyn Policy + 'a>, String> {
+    make_from(name, table, shape, seed, options, None)
+}
+
+/// [`make_with`], the learned policy's nodes starting from `history` (what `multiplexd
+/// import` of a site's earlier export gives each node) instead of an empty one.
+pub fn make_from<'a>(
+    name: &str,
+    table: &'a Table,
+    shape: Shape,
+    seed: u64,
+    options: Options,
+    history: Option<&Export>,
+) -> Result<Box<dyn Policy + 'a>, String> {
     let k = shape.jobs_per_gpu as usize;
     Ok(match name {
         "exclusive" => Box::new(Exclusive),
@@ -103,7 +116,15 @@ pub fn make_with<'a>(
         "least-loaded" => Box::new(LeastLoaded(k)),
         "random" => Box::new(Random(Rng::new(seed ^ 0x7a4d), k)),
         "oracle" => Box::new(Oracle::new(table, shape, options)?),
-        "learned" => Box::new(Learned::new(table, shape, options)?),
+        "learned" => {
+            let learned = Learned::new(table, shape, options)?;
+            if let Some(h) = history {
+                for n in 0..shape.nodes {
+                    learned.node(n)?.import(h)?;
+                }
+            }
+            Box::new(learned)
+        }
         other => return Err(format!("unknown policy {other:?}: choose from {}", ALL.join(", "))),
     })
 }
@@ -228,6 +249,7 @@ impl<'a> Oracle<'a> {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
             min_gain: self.policy.min_gain,
+            separate_below: self.policy.separate_below,
         }
     }
 
@@ -316,6 +338,7 @@ impl Policy for Oracle<'_> {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
             min_gain: self.policy.min_gain_after(job.restarts),
+            separate_below: self.policy.separate_below,
         };
         let newcomer = Newcomer {
             app: &self.table.apps[job.app],
@@ -604,6 +627,12 @@ impl Policy for Learned<'_> {
     }
     fn grade(&self) -> Option<String> {
         Some(Learned::grade(self))
+    }
+    fn history(&mut self) -> Option<Result<Export, String>> {
+        let merged = self
+            .share()
+            .and_then(|()| self.node(0)?.history().export().map_err(|e| e.to_string()));
+        Some(merged)
     }
     fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
         self.at(now)?;

@@ -152,6 +152,7 @@ fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
             noise: 0.05,
         },
         options: policy::Options::default(),
+        history: None,
     }
 }
 
@@ -465,4 +466,43 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
         separated.jobs[3].1 >= separated.jobs[2].2 - 1.0,
         "y restarts once x ended: {separated:?}"
     );
+}
+
+#[test]
+fn a_sites_history_carries_what_it_learned_into_a_later_trace() {
+    // A first trace teaches the nodes, the pairs that ran out of memory among them.
+    let first = run(&generated_setup(3, &["learned"])).unwrap().remove(0);
+    let history = first.history.expect("the learned policy hands back what it learned");
+    assert!(!history.pairs.is_empty() && history.pairs.iter().any(|p| p.oom));
+    // Another trace, once from empty histories and once from the first one's: starting from
+    // what was learned, fewer jobs run out of memory beside partners known not to fit.
+    let later = |history| {
+        let setup = Setup {
+            history,
+            ..generated_setup(5, &["learned"])
+        };
+        run(&setup).unwrap().remove(0)
+    };
+    let (cold, warm) = (later(None), later(Some(history.clone())));
+    assert!(
+        warm.summary.oom_failures < cold.summary.oom_failures,
+        "from the history {} out-of-memory failures, from nothing {}",
+        warm.summary.oom_failures,
+        cold.summary.oom_failures
+    );
+    // And what it learns adds to what it started from.
+    let after = warm.history.unwrap();
+    assert!(after.pairs.len() >= history.pairs.len());
+    for p in history.pairs.iter().filter(|p| p.oom) {
+        assert!(
+            after
+                .pairs
+                .iter()
+                .any(|q| q.app == p.app && q.other == p.other && q.oom),
+            "{p:?}"
+        );
+    }
+    // Other policies learn nothing to hand on.
+    let ff = run(&generated_setup(3, &["first-fit"])).unwrap().remove(0);
+    assert!(ff.history.is_none());
 }

@@ -169,6 +169,11 @@ pub trait Policy {
     fn grade(&self) -> Option<String> {
         None
     }
+    /// After the run, what the policy learned as `multiplexd export` writes it, its nodes'
+    /// histories merged (learned policy only).
+    fn history(&mut self) -> Option<Result<multiplexd::history::Export, String>> {
+        None
+    }
 }
 
 /// What happened to every job, and the counters.
@@ -494,11 +499,12 @@ pub fn run(
                             "the policy gave back job {id}, which does not run on node {node}"
                         ));
                     }
-                    // Requeued by the daemon: Slurm's requeue, like a failure's.
+                    // Requeued by the daemon, which then holds it back as long as a
+                    // declined job (its default `decline_retry_s`), not Slurm's requeue delay.
                     w.leave(now, j);
                     w.separations += 1;
                     policy.finished(now, node, w.job_ref(j), false)?;
-                    w.requeue(now, j);
+                    w.requeue_for(now, j, DECLINE_RETRY_S);
                 }
                 w.reweigh(now, node, e.job);
                 w.steer(now, node, policy)?;
@@ -888,10 +894,15 @@ impl World<'_> {
     /// Slurm requeues job `j` after a failure or at its daemon's request: it waits
     /// [`OOM_REQUEUE_S`] with its place in the queue.
     fn requeue(&mut self, now: f64, j: usize) {
+        self.requeue_for(now, j, OOM_REQUEUE_S);
+    }
+
+    /// A job requeued to wait `wait_s` with its place in the queue.
+    fn requeue_for(&mut self, now: f64, j: usize, wait_s: f64) {
         self.jobs[j].restarts += 1;
-        self.jobs[j].eligible = now + OOM_REQUEUE_S;
+        self.jobs[j].eligible = now + wait_s;
         self.queue.insert(j);
-        self.push(now + OOM_REQUEUE_S, j, Kind::Eligible);
+        self.push(now + wait_s, j, Kind::Eligible);
     }
 
     /// A job's priority is Slurm's own again.
