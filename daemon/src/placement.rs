@@ -669,9 +669,9 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             app: job.app.to_string(),
             mem_mb: job.mem_mb,
         });
+        // Its text names the partners only, never the newcomer's stand-in id.
         if let Some(s) = crate::separate::separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
-            let why = s.why.replace(&format!(" (job {})", u32::MAX), "");
-            return Err(format!("{why}: a share given back as soon as measured"));
+            return Err(format!("{}: a share given back as soon as measured", s.why));
         }
     }
     gain += speed;

@@ -189,24 +189,23 @@ fn hold(scontrol: &Path, job_id: u32, retry_s: u32) {
         job_id.to_string(),
     ];
     let started = std::time::Instant::now();
-    let pending = loop {
+    loop {
         match crate::command::run(scontrol, &show, CALL_TIMEOUT) {
-            Ok(out) if out.split_whitespace().any(|w| w == "JobState=PENDING") => break true,
+            Ok(out) if out.split_whitespace().any(|w| w == "JobState=PENDING") => break,
             Ok(_) if started.elapsed() < REQUEUE_WITHIN => std::thread::sleep(REQUEUE_LOOK),
-            Ok(_) => break false,
+            Ok(_) => {
+                tracing::warn!(
+                    job = job_id,
+                    "the requeue did not complete within {} s: the job waits Slurm's own requeue delay",
+                    REQUEUE_WITHIN.as_secs()
+                );
+                return;
+            }
             Err(e) => {
                 tracing::warn!(job = job_id, error = %e, "cannot see whether the requeue completed");
-                break false;
+                return;
             }
         }
-    };
-    if !pending {
-        tracing::warn!(
-            job = job_id,
-            "the requeue did not complete within {} s: the job waits Slurm's own requeue delay",
-            REQUEUE_WITHIN.as_secs()
-        );
-        return;
     }
     let update = [
         "update".to_string(),
