@@ -111,6 +111,11 @@ fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64, u64), String> {
 }
 
 fn main() -> ExitCode {
+    // Output cut short (`multiplex-emulate compare ... | head`) ends the tool quietly, as
+    // multiplex-simulate does, instead of a panic on the closed pipe.
+    // SAFETY: signal() with SIG_DFL only changes this process's disposition of SIGPIPE,
+    // before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     let r = match cli.command {
         Cmd::Replay(a) => replay(&a),
