@@ -185,15 +185,13 @@ pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     let config = load_config(config_path)?;
     // Seeding a node before its daemon first starts is what import is for: the history the
     // config names is made (as the daemon would make it) where there is none yet.
-    let created = !config.database.exists();
-    let mut h = if created {
-        History::open(&config.database).map_err(|e| e.to_string())?
-    } else {
+    let mut h = if config.database.exists() {
         history_of(&config, config_path)?
-    };
-    if created {
+    } else {
+        let h = History::open(&config.database).map_err(|e| e.to_string())?;
         eprintln!("multiplexd: created the history {}", config.database.display());
-    }
+        h
+    };
     let done = h
         .import(&data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;

@@ -891,8 +891,8 @@ impl World<'_> {
         }
     }
 
-    /// Slurm requeues job `j` after a failure or at its daemon's request: it waits
-    /// [`OOM_REQUEUE_S`] with its place in the queue.
+    /// Slurm requeues job `j` after a failure: it waits [`OOM_REQUEUE_S`] with its place in
+    /// the queue (a job its daemon gives back waits as a declined job, [`Self::requeue_for`]).
     fn requeue(&mut self, now: f64, j: usize) {
         self.requeue_for(now, j, OOM_REQUEUE_S);
     }
