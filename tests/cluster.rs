@@ -13,6 +13,15 @@ const WAIT: Duration = Duration::from_secs(60);
 const REQUEUE_HOLD: Duration = Duration::from_secs(125);
 const ENV_DUMP: &str = "env | grep -E '^(CUDA_|MULTIPLEX_|SLURM_JOB_GPUS|SLURM_SHARDS|SLURMD_NODENAME)' | sort";
 
+/// `ENV_DUMP`, then stays (30 s at most) until the daemon's note of where the job runs is in
+/// its admin comment. slurmctld refuses updates to a finished job, and the note is written off
+/// the launch path: a job that ends at once may end before it arrives, on a busy machine.
+fn env_dump_until_noted() -> String {
+    format!(
+        "{ENV_DUMP}; for i in $(seq 150); do scontrol show job $SLURM_JOB_ID | grep -q ' | multiplex: runs on GPU ' && break; sleep 0.2; done"
+    )
+}
+
 fn out_arg(c: &Cluster, tag: &str) -> String {
     format!("--output={}", c.output_path(tag).display())
 }
@@ -41,7 +50,7 @@ fn multiplexed_job_runs_where_the_daemon_decided() {
         "--gres=gpu:1",
         &out_arg(&c, "placed"),
         "--wrap",
-        ENV_DUMP,
+        &env_dump_until_noted(),
     ]);
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
@@ -1450,7 +1459,7 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
         "--gres=gpu:1",
         &out_arg(&c, "sacct"),
         "--wrap",
-        ENV_DUMP,
+        &env_dump_until_noted(),
     ]);
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");

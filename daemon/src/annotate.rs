@@ -1,7 +1,9 @@
 //! Where a job runs, told to Slurm: after the tag in the job's admin comment, so that
 //! `scontrol show job` and `sacct -o JobID,AdminComment` show the GPU the daemon chose and who
 //! shares it (Slurm's own `GRES` shows the GPU it took the shard from). It runs on a thread of
-//! its own, fed by the placements: `scontrol update` is never on a step's launch path.
+//! its own, fed by the placements: `scontrol update` is never on a step's launch path. So a
+//! job that ends before the update reaches slurmctld (which refuses updates to finished jobs)
+//! keeps only its tag, and the log says so.
 
 use crate::node::Placed;
 use multiplex_protocol::spec::{with_note, TAG_PREFIX};
@@ -85,11 +87,17 @@ fn write_all(rx: Receiver<Placed>, scontrol: &std::path::Path, private_jobs: &At
             format!("JobId={}", p.job_id),
             format!("AdminComment={text}"),
         ];
-        if let Err(e) = crate::command::run(scontrol, &args, CALL_TIMEOUT) {
-            tracing::warn!(
+        match crate::command::run(scontrol, &args, CALL_TIMEOUT) {
+            Ok(_) => {}
+            // slurmctld's ESLURM_JOB_FINISHED: a job of a second or two, not a fault.
+            Err(e) if e.contains("Job has already finished") => tracing::info!(
+                job = p.job_id,
+                "the job ended before its note reached slurmctld; its admin comment keeps only the tag"
+            ),
+            Err(e) => tracing::warn!(
                 job = p.job_id,
                 "cannot write where the job runs into its admin comment: {e}"
-            );
+            ),
         }
     }
 }
