@@ -197,6 +197,14 @@ fn simulate(a: Args) -> Result<(), String> {
         table.apps.len(),
         table.model
     );
+    if !policies.iter().any(|p| p == "learned") {
+        if a.write_history.is_some() {
+            return Err("--write-history: writes what the learned policy learned; add --policy learned".into());
+        }
+        if a.history.is_some() {
+            return Err("--history: only the learned policy starts from a history; add --policy learned".into());
+        }
+    }
     let history = match &a.history {
         Some(path) => Some(
             serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
@@ -209,9 +217,6 @@ fn simulate(a: Args) -> Result<(), String> {
             "--history-time-scale {}: must be more than 0",
             a.history_time_scale
         ));
-    }
-    if a.write_history.is_some() && !policies.iter().any(|p| p == "learned") {
-        return Err("--write-history: writes what the learned policy learned; add --policy learned".into());
     }
     let setup = multiplex_simulate::Setup {
         table,

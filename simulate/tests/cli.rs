@@ -81,7 +81,7 @@ fn simulate_compares_every_policy_and_refuses_bad_input() {
     // Bad input: one clear line each, exit status 1.
     std::fs::write(&trace, "job_id,submit_s,app,solo_runtime_s\nx,0,a,100\ny,5,gpt,100\n").unwrap();
     let bad_trace = ["--table", table.to_str().unwrap(), "--trace", trace.to_str().unwrap()];
-    let cases: [(Vec<&str>, &str); 5] = [
+    let cases: [(Vec<&str>, &str); 7] = [
         (bad_trace.to_vec(), "line 3: app \"gpt\" is not in the pair table"),
         (vec!["--nodes", "0"], "--nodes must be at least 1"),
         (vec!["--policy", "best"], "unknown policy \"best\""),
@@ -92,6 +92,14 @@ fn simulate_compares_every_policy_and_refuses_bad_input() {
         (
             vec!["--trace", "/nonexistent/trace.csv"],
             "cannot read /nonexistent/trace.csv",
+        ),
+        (
+            vec!["--policy", "first-fit", "--history", "/nonexistent/h.json"],
+            "--history: only the learned policy starts from a history; add --policy learned",
+        ),
+        (
+            vec!["--policy", "oracle", "--write-history", "/nonexistent/h.json"],
+            "--write-history: writes what the learned policy learned; add --policy learned",
         ),
     ];
     for (args, expect) in cases {
