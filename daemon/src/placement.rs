@@ -634,10 +634,10 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
             untried = true;
         }
-        let theirs = match est {
-            Some(e) => e.other_speed,
-            None => estimate(history, &gpu.model, &r.app, job.app, prior).0,
-        };
+        // The resident's side from its own row: the newcomer's row holds it as `other_speed`
+        // only once it was learned (the prior until then), where the resident's row falls
+        // back on what is known of each application instead.
+        let theirs = estimate(history, &gpu.model, &r.app, job.app, prior).0;
         speed *= mine;
         // The resident's speed now, from its pairs with the other residents.
         let now: f64 = gpu
@@ -894,6 +894,45 @@ mod tests {
             1
         );
         assert_eq!(chosen(&place(&[gpu(0, &[(1, "other")])], &new, &h, knobs)), 0);
+    }
+
+    #[test]
+    fn the_residents_side_comes_from_what_is_known_of_it_not_from_the_prior() {
+        // new beside old was learned (0.90, 5 times); old's side never was, so new's row still
+        // holds the prior (0.70) for it. What is known of old says it runs at 0.30 beside
+        // others: sharing gains 0.90 + 0.30 - 1 = 0.20, not 0.60, and min_gain 0.25 declines.
+        let mut h = Table::default();
+        h.insert_pair(
+            "v100",
+            "new",
+            "old",
+            PairEstimate {
+                speed: 0.9,
+                other_speed: 0.7,
+                observations: 5,
+                oom: false,
+            },
+        );
+        h.insert_app(
+            "v100",
+            "old",
+            AppProfile {
+                base: Some((0.3, 6)),
+                ..AppProfile::default()
+            },
+        );
+        let new = Newcomer {
+            app: "new",
+            mem_mb: None,
+        };
+        let knobs = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        match place(&[gpu(0, &[(1, "old")])], &new, &h, knobs) {
+            Decision::Decline { reason, .. } => assert!(reason.contains("would gain 0.20"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
