@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod node;
 pub mod placement;
 pub mod reconcile;
+pub mod requeued;
 pub mod separate;
 pub mod serve;
 pub mod server;

@@ -16,7 +16,7 @@
 //! [`separations`] is pure: the daemon and the simulator call this same code. The daemon looks
 //! every `policy.separate_look_ms` on a thread of its own ([`spawn`]) and gives a job back with
 //! `scontrol requeue`: Slurm's own requeue, as a decline's, and then holds it back as long as a
-//! declined job (`policy.decline_retry_s`, [`hold`]). Bounds (fail-open): a job is given
+//! declined job (`policy.decline_retry_s`, [`crate::requeued::hold`]). Bounds (fail-open): a job is given
 //! back at most once per node (a week, as declines are counted), only on measurements (never
 //! on a prior), never in observe mode; a job Slurm cannot requeue (`--no-requeue`, not a batch
 //! job) runs on; with the daemon down, nothing is given back.
@@ -162,59 +162,12 @@ pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
         }
         if requeued {
             let retry = lock().config().policy.decline_retry_s;
-            hold(scontrol, s.job_id, retry);
+            crate::requeued::hold(scontrol, s.job_id, retry);
         }
     }
     match failed {
         Some(e) => Err(e),
         None => Ok(done),
-    }
-}
-
-/// How long [`hold`] waits for a requeue to complete, and how often it looks.
-const REQUEUE_WITHIN: Duration = Duration::from_secs(30);
-const REQUEUE_LOOK: Duration = Duration::from_millis(250);
-
-/// A job given back waits `retry_s` before Slurm may start it again, as a declined job does,
-/// not Slurm's own requeue delay (its credential lifetime and a second, 121 s by default,
-/// which Slurm applies when the requeue completes unless a later start time is set). The
-/// start time is set once the requeue has completed (the job pends again), so that Slurm
-/// keeps it; until then, or if the requeue does not complete within [`REQUEUE_WITHIN`], the
-/// job waits Slurm's delay, as before. Runs on the separation thread, outside the node's lock.
-fn hold(scontrol: &Path, job_id: u32, retry_s: u32) {
-    let show = [
-        "show".to_string(),
-        "job".to_string(),
-        "-o".to_string(),
-        job_id.to_string(),
-    ];
-    let started = std::time::Instant::now();
-    loop {
-        match crate::command::run(scontrol, &show, CALL_TIMEOUT) {
-            Ok(out) if out.split_whitespace().any(|w| w == "JobState=PENDING") => break,
-            Ok(_) if started.elapsed() < REQUEUE_WITHIN => std::thread::sleep(REQUEUE_LOOK),
-            Ok(_) => {
-                tracing::warn!(
-                    job = job_id,
-                    "the requeue did not complete within {} s: the job waits Slurm's own requeue delay",
-                    REQUEUE_WITHIN.as_secs()
-                );
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(job = job_id, error = %e, "cannot see whether the requeue completed");
-                return;
-            }
-        }
-    }
-    let update = [
-        "update".to_string(),
-        format!("JobId={job_id}"),
-        format!("StartTime=now+{retry_s}"),
-    ];
-    match crate::command::run(scontrol, &update, CALL_TIMEOUT) {
-        Ok(_) => tracing::info!(job = job_id, "given back: Slurm may start it again in {retry_s} s"),
-        Err(e) => tracing::warn!(job = job_id, error = %e, "cannot set when the job given back may start again"),
     }
 }
 

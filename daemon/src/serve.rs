@@ -90,6 +90,12 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     if let Some(poke) = steer_poke.as_ref().filter(|_| steer.defer || steer.close) {
         let poke = poke.clone();
         node.on_declined(Box::new(move |job_id, wait_s| poke.declined(job_id, wait_s)));
+    } else if !config_mode_observes {
+        // Otherwise it waits what its SPANK plugin set, even where completing the requeue
+        // takes longer than that (Slurm would apply its own delay).
+        let keeper = crate::requeued::Keeper::start(weight_scontrol.clone())
+            .map_err(|e| format!("cannot start the thread that keeps declined jobs' waits: {e}"))?;
+        node.on_declined(Box::new(move |job_id, wait_s| keeper.declined(job_id, wait_s)));
     }
     if annotate {
         let annotator = crate::annotate::Annotator::start(weight_scontrol.clone(), Arc::clone(&access.private_jobs))
