@@ -939,8 +939,8 @@ mod tests {
     fn a_share_the_separation_look_would_undo_is_not_made() {
         // new beside old was measured 16 times from new's side (0.31; old's side in that row
         // still the prior, 0.70), old beside new 3 times from old's own reports (0.40). The
-        // newcomer's row promises 1.01 of a GPU; the separation look, which reads each side
-        // from its own row, would give new back as soon as it ran: 0.71 against 1.00.
+        // separation look would give new back as soon as it ran (0.71 against 1.00): that is
+        // the reason given, whatever min_gain says.
         let mut h = Table::default();
         for (a, b, speed, other_speed, observations) in [("new", "old", 0.31, 0.70, 16), ("old", "new", 0.40, 0.70, 3)]
         {
