@@ -5,7 +5,7 @@
 //! `tests/run` runs them with `--ignored`.
 
 use multiplex_tests::{env_of, wait_until, Cluster};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
 /// How long Slurm itself may hold a requeued batch job back: its requeue delay (the credential
@@ -405,6 +405,50 @@ fn a_declined_job_is_requeued_says_why_and_runs_later() {
     }
     let state = c.node_state("n1");
     assert!(!state.starts_with("drain"), "n1 is {state}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_declined_job_whose_requeue_completes_late_waits_what_the_daemon_asked_not_slurms_delay() {
+    let c = Cluster::from_env();
+    // The daemon's defaults (no closing): what keeps a declined job's wait is then the daemon's
+    // requeue keeper. A wait of 1 s, and an epilog of 3 s: each requeue completes in slurmctld
+    // after the start time the plugin set, and slurmctld replaces a start time that has passed
+    // by its own, 121 s ahead.
+    let _daemon = c.daemon_config("n1", |toml| {
+        toml.replace("close = true\n", "")
+            .replace("decline_retry_s = 5\n", "decline_retry_s = 1\n")
+    });
+    let _epilog = c.epilog_seconds(3);
+    let (jobs, _cancel) = submit_at_once(&c, 3, |_| {
+        vec![
+            "--multiplex=app=itest-kept,mem=12G".into(),
+            "--gres=gpu:1".into(),
+            "-w".into(),
+            "n1".into(),
+            out_arg(&c, "kept"),
+            "--wrap".into(),
+            "sleep 8".into(),
+        ]
+    });
+    let requeued = || jobs.iter().copied().find(|&j| c.show_job(j)["Restarts"] != "0");
+    assert!(
+        wait_until(WAIT, || requeued().is_some()),
+        "one of them was declined and requeued: {:?}",
+        jobs.iter().map(|&j| c.show_job(j)).collect::<Vec<_>>()
+    );
+    let declined = Instant::now();
+    let job = requeued().unwrap();
+    let rec = c.wait(job, WAIT + REQUEUE_HOLD);
+    let took = declined.elapsed();
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    // Its partners run 8 s and end in 3 s more; each decline costs a second and an epilog.
+    // Slurm's own delay alone would be 121 s.
+    assert!(
+        took < Duration::from_secs(60),
+        "the declined job ended {took:?} after its first decline: {rec:?}"
+    );
+    assert!(rec["Restarts"] != "0", "{rec:?}");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! job output files, and the daemons' SQLite histories.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -156,26 +156,38 @@ impl Cluster {
     /// Stops node `node`'s multiplexd (SIGTERM, by its pid file) until the guard is dropped,
     /// which starts it again the way tests/cluster/up does.
     pub fn stop_daemon(&self, node: &str) -> DaemonStopped {
-        let pid_file = self.path(&format!("run/multiplexd-{node}.pid"));
-        let pid = std::fs::read_to_string(&pid_file).expect("multiplexd pid file");
-        let pid: libc::pid_t = pid.trim().parse().expect("a pid in the pid file");
-        // Not the kill(1) binary: a minimal Debian has no procps.
-        // SAFETY: kill(2) with a pid read from the daemon's own pid file and a plain signal.
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(
-            rc,
-            0,
-            "kill multiplexd {node} ({pid}): {}",
-            std::io::Error::last_os_error()
-        );
-        let socket = self.path(&format!("multiplexd/{node}.sock"));
-        assert!(
-            wait_until(Duration::from_secs(5), || !socket.exists()),
-            "multiplexd {node} removed its socket on SIGTERM"
-        );
-        DaemonStopped {
+        stop_daemon(&self.state, node)
+    }
+
+    /// Runs node `node`'s multiplexd with the configuration `edit` makes of its own until the
+    /// guard is dropped, which runs it with its own again. Panics if `edit` changes nothing:
+    /// a test would otherwise pass on a configuration it did not mean.
+    pub fn daemon_config(&self, node: &str, edit: impl FnOnce(&str) -> String) -> DaemonConfig {
+        let path = self.path(&format!("multiplexd/{node}/multiplexd.toml"));
+        let original = std::fs::read_to_string(&path).expect("read the daemon's configuration");
+        let changed = edit(&original);
+        assert_ne!(changed, original, "the edit changes {}", path.display());
+        let stopped = self.stop_daemon(node);
+        std::fs::write(&path, changed).expect("write the daemon's configuration");
+        drop(stopped);
+        DaemonConfig {
             state: self.state.clone(),
             node: node.to_string(),
+            path,
+            original,
+        }
+    }
+
+    /// Makes the nodes' epilog (tests/cluster/up's) take `seconds` until the guard is dropped:
+    /// a job's end, and so a requeue, then completes that much later in slurmctld.
+    pub fn epilog_seconds(&self, seconds: u32) -> Restore {
+        let path = self.path("etc/epilog-seconds");
+        let original = std::fs::read_to_string(&path).expect("read etc/epilog-seconds");
+        std::fs::write(&path, format!("{seconds}\n")).expect("write etc/epilog-seconds");
+        Restore {
+            path,
+            original,
+            settle: Duration::ZERO,
         }
     }
 
@@ -255,6 +267,61 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
             return false;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Stops node `node`'s multiplexd of the cluster in `state` (SIGTERM, by its pid file).
+fn stop_daemon(state: &Path, node: &str) -> DaemonStopped {
+    let pid_file = state.join(format!("run/multiplexd-{node}.pid"));
+    let pid = std::fs::read_to_string(&pid_file).expect("multiplexd pid file");
+    let pid: libc::pid_t = pid.trim().parse().expect("a pid in the pid file");
+    // Not the kill(1) binary: a minimal Debian has no procps.
+    // SAFETY: kill(2) with a pid read from the daemon's own pid file and a plain signal.
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(
+        rc,
+        0,
+        "kill multiplexd {node} ({pid}): {}",
+        std::io::Error::last_os_error()
+    );
+    let socket = state.join(format!("multiplexd/{node}.sock"));
+    assert!(
+        wait_until(Duration::from_secs(5), || !socket.exists()),
+        "multiplexd {node} removed its socket on SIGTERM"
+    );
+    // It holds its metrics port until it exits: a daemon started again before then cannot
+    // listen there, and stops. (One this process started and never waited for stays a zombie.)
+    let exited = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
+            .unwrap_or(true)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), exited),
+        "multiplexd {node} ({pid}) exited after SIGTERM"
+    );
+    DaemonStopped {
+        state: state.to_path_buf(),
+        node: node.to_string(),
+    }
+}
+
+/// A multiplexd running with a configuration changed for a test; dropping this runs it with
+/// its own again.
+pub struct DaemonConfig {
+    state: PathBuf,
+    node: String,
+    path: PathBuf,
+    original: String,
+}
+
+impl Drop for DaemonConfig {
+    fn drop(&mut self) {
+        let stopped = stop_daemon(&self.state, &self.node);
+        if let Err(e) = std::fs::write(&self.path, &self.original) {
+            eprintln!("could not restore {}: {e}", self.path.display());
+        }
+        drop(stopped);
     }
 }
 
