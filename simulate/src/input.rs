@@ -187,18 +187,40 @@ pub const RUNTIME_SIGMA: f64 = 1.0;
 
 /// Generates `jobs` jobs: Poisson arrivals offering `load` times the work `gpus` GPUs do one
 /// job each, applications drawn uniformly, log-normal solo runtimes (median one hour).
-pub fn generate(jobs: usize, load: f64, gpus: usize, table: &Table, rng: &mut Rng) -> Vec<TraceJob> {
+///
+/// `same_app_sigma` (0 to 1) is how much of the runtimes' spread ([`RUNTIME_SIGMA`], of their
+/// logarithm) lies between the jobs of one application: at 1 a job's length says nothing of its
+/// application (the trace the simulator always made); below it, each application has a median
+/// of its own, spread by the rest, and its jobs differ by `same_app_sigma` around it, as runs of
+/// one training script with one configuration do. The total spread, and so the load, stay.
+pub fn generate(
+    jobs: usize,
+    load: f64,
+    gpus: usize,
+    table: &Table,
+    rng: &mut Rng,
+    same_app_sigma: f64,
+) -> Vec<TraceJob> {
     let mean_runtime = MEDIAN_RUNTIME_S * (RUNTIME_SIGMA * RUNTIME_SIGMA / 2.0).exp();
     let rate = load * gpus as f64 / mean_runtime;
+    let within = same_app_sigma.clamp(0.0, 1.0);
+    let between = (1.0 - within * within).sqrt();
+    // The applications' medians from a stream of their own, so that the jobs' draws (and so
+    // the trace at 1) are the same whatever `same_app_sigma` is.
+    let mut apps = Rng::new(rng.clone().next_u64() ^ 0x0000_005e_ed0f_a995_u64);
+    let medians: Vec<f64> = (0..table.apps.len())
+        .map(|_| MEDIAN_RUNTIME_S * (RUNTIME_SIGMA * between * apps.normal()).exp())
+        .collect();
     let mut t = 0.0;
     (0..jobs)
         .map(|k| {
             t += rng.exponential(rate);
+            let app = rng.below(table.apps.len());
             TraceJob {
                 id: (k + 1).to_string(),
                 submit_s: t,
-                app: rng.below(table.apps.len()),
-                solo_runtime_s: MEDIAN_RUNTIME_S * (RUNTIME_SIGMA * rng.normal()).exp(),
+                app,
+                solo_runtime_s: medians[app] * (RUNTIME_SIGMA * within * rng.normal()).exp(),
             }
         })
         .collect()
@@ -314,9 +336,9 @@ mod tests {
     #[test]
     fn generated_traces_follow_the_seed_and_the_load() {
         let t = Table::parse(GAVEL_V100, "gavel").unwrap();
-        let a = generate(5000, 0.5, 16, &t, &mut Rng::new(7));
-        assert_eq!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(7)));
-        assert_ne!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(8)));
+        let a = generate(5000, 0.5, 16, &t, &mut Rng::new(7), 1.0);
+        assert_eq!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(7), 1.0));
+        assert_ne!(a, generate(5000, 0.5, 16, &t, &mut Rng::new(8), 1.0));
         // Offered work over the arrival span is about load x GPUs (within sampling noise).
         let work: f64 = a.iter().map(|j| j.solo_runtime_s).sum();
         let offered = work / a.last().unwrap().submit_s / 16.0;
@@ -325,5 +347,43 @@ mod tests {
         runtimes.sort_by(f64::total_cmp);
         let median = runtimes[runtimes.len() / 2];
         assert!((3000.0..4300.0).contains(&median), "{median}");
+    }
+
+    #[test]
+    fn runs_of_one_application_differ_by_what_is_asked_and_the_rest_lies_between_applications() {
+        let t = Table::parse(GAVEL_V100, "gavel").unwrap();
+        // The spread of the runtimes' logarithm within each application, and over all jobs.
+        let spreads = |jobs: &[TraceJob]| {
+            let sd = |x: &[f64]| {
+                let m = x.iter().sum::<f64>() / x.len() as f64;
+                (x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (x.len() - 1) as f64).sqrt()
+            };
+            let logs = |app: Option<usize>| -> Vec<f64> {
+                jobs.iter()
+                    .filter(|j| app.is_none_or(|a| j.app == a))
+                    .map(|j| j.solo_runtime_s.ln())
+                    .collect()
+            };
+            let within: f64 = (0..t.apps.len()).map(|a| sd(&logs(Some(a)))).sum::<f64>() / t.apps.len() as f64;
+            (within, sd(&logs(None)))
+        };
+        let one = generate(20_000, 1.0, 16, &t, &mut Rng::new(3), 1.0);
+        let (within, all) = spreads(&one);
+        assert!(
+            (0.9..1.1).contains(&within) && (0.9..1.1).contains(&all),
+            "{within} {all}"
+        );
+        let tight = generate(20_000, 1.0, 16, &t, &mut Rng::new(3), 0.2);
+        let (within, all) = spreads(&tight);
+        // Between 26 applications' medians the spread is a sample of 26: loosely about 1.
+        assert!(
+            (0.18..0.22).contains(&within) && (0.6..1.4).contains(&all),
+            "{within} {all}"
+        );
+        // The same arrivals and applications: only the lengths moved.
+        assert!(one
+            .iter()
+            .zip(&tight)
+            .all(|(a, b)| a.submit_s == b.submit_s && a.app == b.app));
     }
 }

@@ -99,6 +99,7 @@ pub fn generated_trace(
     load: f64,
     shape: &Shape,
     seed: u64,
+    same_app_sigma: f64,
 ) -> Result<Vec<TraceJob>, String> {
     if jobs == 0 {
         return Err("--jobs must be at least 1".into());
@@ -106,12 +107,18 @@ pub fn generated_trace(
     if !(load.is_finite() && load > 0.0) {
         return Err(format!("--load {load}: must be a positive number"));
     }
+    if !(0.0..=1.0).contains(&same_app_sigma) {
+        return Err(format!(
+            "--same-app-runtime-sigma {same_app_sigma}: must be from 0 to 1"
+        ));
+    }
     Ok(input::generate(
         jobs,
         load,
         shape.nodes * shape.gpus_per_node,
         table,
         &mut Rng::new(seed),
+        same_app_sigma,
     ))
 }
 

@@ -41,6 +41,11 @@ struct Args {
     /// job per GPU.
     #[arg(long, default_value_t = 1.0)]
     load: f64,
+    /// How much of the generated runtimes' spread lies between jobs of one application (0 to
+    /// 1; that of their logarithm is 1): 1, a job's length says nothing of its application;
+    /// 0.2, an application's runs differ by about 20%, and applications by the rest.
+    #[arg(long, default_value_t = 1.0)]
+    same_app_runtime_sigma: f64,
     /// Seconds between the progress reports each job sends (0: none, the daemon learns from
     /// start and end times alone).
     #[arg(long, default_value_t = 900.0)]
@@ -180,7 +185,7 @@ fn simulate(a: Args) -> Result<(), String> {
             (trace, format!("trace {}", path.display()))
         }
         None => (
-            multiplex_simulate::generated_trace(&table, a.jobs, a.load, &shape, a.seed)?,
+            multiplex_simulate::generated_trace(&table, a.jobs, a.load, &shape, a.seed, a.same_app_runtime_sigma)?,
             format!("generated trace: load {}, seed {}", a.load, a.seed),
         ),
     };

@@ -52,7 +52,7 @@ const TRACES: [&str; 3] = [
 fn trace(kind: usize, table: &Table, shape: &Shape, rng: &mut Rng) -> Vec<TraceJob> {
     let jobs = 10 + rng.below(14);
     if kind == 0 {
-        return super::input::generate(jobs, 1.5, shape.nodes * shape.gpus_per_node, table, rng);
+        return super::input::generate(jobs, 1.5, shape.nodes * shape.gpus_per_node, table, rng, 1.0);
     }
     (0..jobs)
         .map(|k| {

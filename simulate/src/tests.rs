@@ -140,7 +140,7 @@ fn a_burst_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
 
 fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
     let table = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let trace = generated_trace(&table, 150, 1.0, &TWO_BY_TWO, seed).unwrap();
+    let trace = generated_trace(&table, 150, 1.0, &TWO_BY_TWO, seed, 1.0).unwrap();
     Setup {
         table,
         trace,
@@ -194,13 +194,13 @@ fn bad_setups_are_refused_clearly() {
         "{e}"
     );
     let t = small_table();
-    assert!(generated_trace(&t, 0, 1.0, &s(1, 1, 2), 1)
+    assert!(generated_trace(&t, 0, 1.0, &s(1, 1, 2), 1, 1.0)
         .unwrap_err()
         .contains("--jobs"));
-    assert!(generated_trace(&t, 10, 0.0, &s(1, 1, 2), 1)
+    assert!(generated_trace(&t, 10, 0.0, &s(1, 1, 2), 1, 1.0)
         .unwrap_err()
         .contains("--load 0"));
-    assert!(generated_trace(&t, 10, f64::NAN, &s(1, 1, 2), 1)
+    assert!(generated_trace(&t, 10, f64::NAN, &s(1, 1, 2), 1, 1.0)
         .unwrap_err()
         .contains("--load"));
 }
@@ -208,7 +208,7 @@ fn bad_setups_are_refused_clearly() {
 #[test]
 fn a_written_trace_reads_back_as_the_same_trace() {
     let t = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let trace = generated_trace(&t, 25, 1.0, &TWO_BY_TWO, 7).unwrap();
+    let trace = generated_trace(&t, 25, 1.0, &TWO_BY_TWO, 7, 1.0).unwrap();
     let back = input::parse_trace(&input::trace_csv(&trace, &t), "written", &t).unwrap();
     assert_eq!(back.len(), trace.len());
     for (a, b) in trace.iter().zip(&back) {
@@ -222,7 +222,7 @@ fn the_demo_trace_is_the_generators_seed_1() {
     // tests/demo says its trace is `--seed 1 --jobs 20 --load 1.0 --nodes 2 --gpus-per-node 2`
     // of this generator: a changed generator or an edited file must not make that untrue.
     let table = Table::parse(GAVEL_V100, "gavel").unwrap();
-    let trace = generated_trace(&table, 20, 1.0, &TWO_BY_TWO, 1).unwrap();
+    let trace = generated_trace(&table, 20, 1.0, &TWO_BY_TWO, 1, 1.0).unwrap();
     let file = include_str!("../../tests/emulate/gavel-20.csv");
     assert_eq!(input::trace_csv(&trace, &table), file);
 }
