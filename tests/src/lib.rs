@@ -163,7 +163,7 @@ impl Cluster {
     /// guard is dropped, which runs it with its own again. Panics if `edit` changes nothing:
     /// a test would otherwise pass on a configuration it did not mean.
     pub fn daemon_config(&self, node: &str, edit: impl FnOnce(&str) -> String) -> DaemonConfig {
-        let path = self.path(&format!("multiplexd/{node}/multiplexd.toml"));
+        let path = config_path(&self.state, node);
         let original = std::fs::read_to_string(&path).expect("read the daemon's configuration");
         let changed = edit(&original);
         assert_ne!(changed, original, "the edit changes {}", path.display());
@@ -173,7 +173,6 @@ impl Cluster {
         DaemonConfig {
             state: self.state.clone(),
             node: node.to_string(),
-            path,
             original,
         }
     }
@@ -270,6 +269,11 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Node `node`'s multiplexd configuration in the cluster in `state`, as tests/cluster/up writes it.
+fn config_path(state: &Path, node: &str) -> PathBuf {
+    state.join(format!("multiplexd/{node}/multiplexd.toml"))
+}
+
 /// Stops node `node`'s multiplexd of the cluster in `state` (SIGTERM, by its pid file).
 fn stop_daemon(state: &Path, node: &str) -> DaemonStopped {
     let pid_file = state.join(format!("run/multiplexd-{node}.pid"));
@@ -311,15 +315,15 @@ fn stop_daemon(state: &Path, node: &str) -> DaemonStopped {
 pub struct DaemonConfig {
     state: PathBuf,
     node: String,
-    path: PathBuf,
     original: String,
 }
 
 impl Drop for DaemonConfig {
     fn drop(&mut self) {
         let stopped = stop_daemon(&self.state, &self.node);
-        if let Err(e) = std::fs::write(&self.path, &self.original) {
-            eprintln!("could not restore {}: {e}", self.path.display());
+        let path = config_path(&self.state, &self.node);
+        if let Err(e) = std::fs::write(&path, &self.original) {
+            eprintln!("could not restore {}: {e}", path.display());
         }
         drop(stopped);
     }
@@ -343,7 +347,7 @@ impl Drop for DaemonStopped {
         #[allow(clippy::zombie_processes)]
         let child = Command::new(self.state.join("plugins/multiplexd"))
             .args(["serve", "--config"])
-            .arg(self.state.join(format!("multiplexd/{node}/multiplexd.toml")))
+            .arg(config_path(&self.state, node))
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log)
             .stdin(std::process::Stdio::null())
