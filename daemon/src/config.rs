@@ -18,6 +18,14 @@ pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
 /// default `unknown_pair_speed`) stops the daemon from trying new pairs at all.
 pub const DEFAULT_MIN_GAIN: f64 = 0.25;
 
+/// Default of `busy_record_s`: every 5 minutes the daemon records each running job's busy GPU
+/// time, which NVML's per-process SM utilisation adds up to on a time-sliced GPU; each record
+/// ends a stretch that measures the job's speed beside its partners, as a progress report
+/// does, so that a job that reports nothing is measured within minutes of a new pair, not when
+/// a job of the pair ends (`docs/results.md`, "Busy GPU time instead of progress reports").
+/// Not under MPS, where a job's utilisation no longer tells its share of the GPU's time.
+pub const DEFAULT_BUSY_RECORD_S: u64 = 300;
+
 /// The longest `reconcile.grace_s` (a day).
 const MAX_GRACE_S: f64 = 86_400.0;
 
@@ -68,6 +76,7 @@ struct RawConfig {
     database: Option<PathBuf>,
     jobs_per_gpu: Option<u32>,
     telemetry_interval_s: Option<u64>,
+    busy_record_s: Option<u64>,
     slurm_user: Option<String>,
     mps: Option<bool>,
     annotate: Option<bool>,
@@ -245,6 +254,9 @@ pub struct Config {
     pub database: PathBuf,
     pub jobs_per_gpu: u32,
     pub telemetry_interval_s: u64,
+    /// How often a job's busy GPU time is recorded, seconds (0: never; see
+    /// [`DEFAULT_BUSY_RECORD_S`]).
+    pub busy_record_s: u64,
     /// The user slurmstepd runs as besides root; may place and finish tasks.
     pub slurm_user: String,
     pub mps: bool,
@@ -470,6 +482,7 @@ impl Config {
             node,
             jobs_per_gpu,
             telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(10),
+            busy_record_s: raw.busy_record_s.unwrap_or(DEFAULT_BUSY_RECORD_S),
             slurm_user: raw.slurm_user.unwrap_or_else(|| "slurm".into()),
             mps: raw.mps.unwrap_or(false),
             annotate: raw.annotate.unwrap_or(true),
@@ -510,6 +523,7 @@ impl Config {
             database,
             jobs_per_gpu,
             telemetry_interval_s,
+            busy_record_s,
             slurm_user,
             mps,
             annotate,
@@ -535,6 +549,7 @@ impl Config {
             *telemetry_interval_s != self.telemetry_interval_s,
             "telemetry_interval_s",
         );
+        restart_if(*busy_record_s != self.busy_record_s, "busy_record_s");
         restart_if(*slurm_user != self.slurm_user, "slurm_user");
         restart_if(*mps != self.mps, "mps");
         restart_if(*annotate != self.annotate, "annotate");

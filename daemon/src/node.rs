@@ -86,6 +86,20 @@ pub struct Node {
     unrecorded: Vec<UnrecordedEnd>,
     /// Queue-level choice's starvation bound.
     bypasses: Bypasses,
+    /// Per running job (its row), the busy GPU time counted so far (`busy_record_s`).
+    busy: std::collections::HashMap<i64, BusyCount>,
+    /// When the latest round of GPU telemetry was recorded.
+    last_round: Option<f64>,
+}
+
+/// A running job's busy GPU time since its count began.
+#[derive(Debug, Clone, Copy)]
+struct BusyCount {
+    /// Seconds busy since the count began (at 0, recorded).
+    busy_s: f64,
+    /// When the count was last brought up to date, and last recorded.
+    counted: f64,
+    recorded: f64,
 }
 
 /// A job's end the history has not recorded yet.
@@ -114,6 +128,8 @@ impl Node {
             learner: None,
             unrecorded: Vec::new(),
             bypasses: Bypasses::default(),
+            busy: Default::default(),
+            last_round: None,
         };
         node.teacher.compact(&mut node.history);
         for job in node.history.active_jobs(&node.config.node)? {
@@ -872,12 +888,14 @@ impl Node {
 
     /// Records one round of GPU telemetry: each process on a shared GPU is mapped to its
     /// Slurm job by `job_of(pid)`; the jobs running here get their processes' memory and SM
-    /// utilisation added up. Processes of other jobs (or none) are ignored.
+    /// utilisation added up. Processes of other jobs (or none) are ignored. Where MPS is off,
+    /// each job's busy GPU time is counted too ([`crate::config::DEFAULT_BUSY_RECORD_S`]).
     pub fn record_telemetry(
         &mut self,
         samples: &[crate::gpus::GpuSample],
         job_of: &dyn Fn(u32) -> Option<u32>,
     ) -> Result<(), HistoryError> {
+        let now = (self.clock)();
         let active = self.active()?;
         let mut per_job: std::collections::BTreeMap<i64, (Option<u64>, Option<u32>)> = Default::default();
         for gpu in samples {
@@ -894,8 +912,73 @@ impl Node {
                 }
             }
         }
-        for (row, (mem, util)) in per_job {
+        for (&row, &(mem, util)) in &per_job {
             self.history.record_job_sample(row, mem, util)?;
+        }
+        // Under MPS the jobs of a GPU run at once, and a job's SM utilisation no longer tells
+        // its share of the GPU's time.
+        if !self.config.mps && self.config.busy_record_s > 0 {
+            let util = |row: i64| per_job.get(&row).and_then(|e| e.1);
+            self.count_busy(&active, &util, now)?;
+        }
+        self.last_round = Some(now);
+        Ok(())
+    }
+
+    /// Brings each running job's busy GPU time up to `now` (`util(row)`: its SM utilisation in
+    /// this round, percent) and records it every `busy_record_s`. A job's count begins at the
+    /// first round that measures it: from its start if it started since the previous round,
+    /// else from now (the daemon was not counting before). A round that measures a counted job
+    /// not at all counts it idle.
+    fn count_busy(
+        &mut self,
+        active: &[ActiveJob],
+        util: &dyn Fn(i64) -> Option<u32>,
+        now: f64,
+    ) -> Result<(), HistoryError> {
+        self.busy.retain(|row, _| active.iter().any(|j| j.row == *row));
+        let prior = self.config.policy.unknown_pair_speed;
+        for job in active {
+            let pct = util(job.row);
+            let count = match self.busy.get(&job.row) {
+                Some(&c) => c,
+                None => {
+                    if pct.is_none() {
+                        continue;
+                    }
+                    let begun = match self.last_round {
+                        Some(t) if job.started_at >= t => job.started_at.min(now),
+                        _ => now,
+                    };
+                    self.history
+                        .record_report(job.row, crate::history::BUSY, Some(0.0), &[], prior, begun)?;
+                    BusyCount {
+                        busy_s: 0.0,
+                        counted: begun,
+                        recorded: begun,
+                    }
+                }
+            };
+            let share = f64::from(pct.unwrap_or(0).min(100)) / 100.0;
+            let mut count = BusyCount {
+                busy_s: count.busy_s + share * (now - count.counted).max(0.0),
+                counted: now,
+                ..count
+            };
+            if now - count.recorded >= self.config.busy_record_s as f64 {
+                let partners: Vec<i64> = active
+                    .iter()
+                    .filter(|o| o.gpu == job.gpu && o.row != job.row)
+                    .map(|o| o.row)
+                    .collect();
+                self.history
+                    .record_report(job.row, crate::history::BUSY, Some(count.busy_s), &partners, prior, now)?;
+                count.recorded = now;
+                if !partners.is_empty() {
+                    self.teach(Lesson::Progress(job.into()));
+                }
+            }
+            self.busy.insert(job.row, count);
         }
         Ok(())
     }

@@ -60,11 +60,19 @@ impl Probe for NvmlProbe {
                 .collect();
             // Per-process utilisation is not supported everywhere (pre-Maxwell, some vGPU):
             // then processes carry memory only.
+            // NVML keeps a sample per process and sampling period since `last_seen`: a
+            // process's utilisation is their mean, so that the daemon's count of its busy time
+            // covers the whole interval, not the latest instant.
             if let Ok(stats) = dev.process_utilization_stats(self.last_seen[k]) {
+                let mut sums: std::collections::HashMap<u32, (u64, u64)> = Default::default();
                 for s in stats {
                     self.last_seen[k] = self.last_seen[k].max(s.timestamp);
-                    if let Some(p) = processes.iter_mut().find(|p| p.pid == s.pid) {
-                        p.sm_util_pct = Some(s.sm_util);
+                    let e = sums.entry(s.pid).or_default();
+                    *e = (e.0 + u64::from(s.sm_util), e.1 + 1);
+                }
+                for p in &mut processes {
+                    if let Some(&(sum, n)) = sums.get(&p.pid) {
+                        p.sm_util_pct = Some((sum as f64 / n as f64).round() as u32);
                     }
                 }
             }

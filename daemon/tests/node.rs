@@ -860,3 +860,52 @@ fn a_step_that_cannot_wait_takes_a_poor_partner_but_never_one_it_cannot_fit_besi
         other => panic!("{other:?}"),
     }
 }
+
+/// A round of telemetry on GPU 0: `(pid, SM utilisation)`; pid 100 is job 1's, 200 job 2's.
+fn busy_round(w: &mut World, t: f64, procs: &[(u32, u32)]) {
+    use multiplexd::telemetry::{GpuSample, ProcSample};
+    let sample = vec![GpuSample {
+        index: 0,
+        processes: procs
+            .iter()
+            .map(|&(pid, sm)| ProcSample {
+                pid,
+                mem_mb: None,
+                sm_util_pct: Some(sm),
+            })
+            .collect(),
+    }];
+    w.at(t).record_telemetry(&sample, &|pid| Some(pid / 100)).unwrap();
+}
+
+/// `a` (job 1) runs alone at 80% SM utilisation from 0 to 600 s, then beside `b` (job 2) at
+/// 40%: on a time-sliced GPU, half its speed. Rounds every 60 s.
+fn a_slowed_by_b_reporting_nothing(w: &mut World) {
+    w.start(0.0, 1, "a");
+    for k in 0..=10 {
+        busy_round(w, 60.0 * f64::from(k), &[(100, 80)]);
+    }
+    w.start(600.0, 2, "b");
+    for k in 11..=15 {
+        busy_round(w, 60.0 * f64::from(k), &[(100, 40), (200, 60)]);
+    }
+}
+
+#[test]
+fn a_job_that_reports_nothing_is_measured_by_its_busy_gpu_time_while_it_shares() {
+    let mut w = World::new();
+    a_slowed_by_b_reporting_nothing(&mut w);
+    // Neither job ended nor reported: the daemon's own record at 900 s (600-900 s beside b,
+    // busy 120 s where alone it is busy 0.8 s a second) says a runs at 0.5 beside b.
+    let (speed, _, n) = w.estimate("a", "b").expect("learned before either job ended");
+    assert!((speed - 0.5).abs() < 0.01 && n >= 1, "{speed} from {n}");
+}
+
+#[test]
+fn under_mps_or_with_busy_records_off_sm_utilisation_measures_no_speed() {
+    for extra in ["mps = true", "busy_record_s = 0"] {
+        let mut w = World::with(extra);
+        a_slowed_by_b_reporting_nothing(&mut w);
+        assert!(w.estimate("a", "b").is_none_or(|(_, _, n)| n == 0), "{extra}");
+    }
+}

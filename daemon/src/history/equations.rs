@@ -30,19 +30,38 @@ pub(super) fn intervals_of(tx: &rusqlite::Transaction, job_row: i64) -> rusqlite
 /// learned from the next stretch instead, one report later.
 pub const MIN_SHARED_SHARE: f64 = 0.25;
 
+/// The kind of observation that holds a job's GPU time busy, in seconds from the first such
+/// record of its count (which is 0): what NVML's per-process SM utilisation adds up to while
+/// the job runs, recorded by the daemon itself ([`crate::node::Node::record_telemetry`]). On
+/// a time-sliced GPU a job runs only in its own slices, so its busy time grows with the work
+/// it does and measures its speed where it reports no progress.
+pub const BUSY: &str = "busy";
+
 /// The equations of a job's stretches between progress reports (`(at, done)` in time order;
-/// the job's start counts as done 0): the progress made in each, and the time alone and beside
-/// each partner within it (`work_s` is left for the caller, who knows the rate alone).
-/// Stretches with several partners at once, or shared for less than [`MIN_SHARED_SHARE`] of
-/// their length, are left out.
-fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) -> Vec<(f64, crate::learn::Equation)> {
+/// the job's start counts as done 0 when `from_start`, else the first report starts the count):
+/// the progress made in each, and the time alone and beside each partner within it (`work_s`
+/// is left for the caller, who knows the rate alone). Stretches with several partners at once,
+/// or shared for less than [`MIN_SHARED_SHARE`] of their length, are left out; where the count
+/// goes back (it started again), a new count starts there.
+fn progress_stretches(
+    intervals: &[IntervalRow],
+    reports: &[(i64, f64, f64)],
+    from_start: bool,
+) -> Vec<(f64, crate::learn::Equation)> {
     let Some(&(start, _, _)) = intervals.first() else {
         return Vec::new();
     };
     let mut out = Vec::new();
-    let (mut t0, mut d0) = (start, 0.0);
-    for &(_, t1, d1) in reports {
+    let mut reports = reports.iter().map(|&(_, t, d)| (t, d));
+    let Some((mut t0, mut d0)) = (if from_start { Some((start, 0.0)) } else { reports.next() }) else {
+        return Vec::new();
+    };
+    for (t1, d1) in reports {
         if t1 <= t0 {
+            continue;
+        }
+        if d1 < d0 {
+            (t0, d0) = (t1, d1);
             continue;
         }
         let clipped = intervals.iter().filter_map(|(s, e, p)| {
@@ -59,6 +78,26 @@ fn progress_stretches(intervals: &[IntervalRow], reports: &[(i64, f64, f64)]) ->
         (t0, d0) = (t1, d1);
     }
     out
+}
+
+/// Each stretch's progress in seconds of work alone, by the rate alone its own stretches
+/// alone give (none: no stretch ran alone, and none of them teaches).
+fn at_rate_alone(stretches: Vec<(f64, crate::learn::Equation)>) -> Vec<crate::learn::Equation> {
+    let (done_alone, secs_alone) = stretches
+        .iter()
+        .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
+        .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
+    if secs_alone <= 0.0 || done_alone <= 0.0 {
+        return Vec::new();
+    }
+    let rate = done_alone / secs_alone;
+    stretches
+        .into_iter()
+        .map(|(done, mut e)| {
+            e.work_s = done / rate;
+            e
+        })
+        .collect()
 }
 
 /// The learning equations of application `app_id` on `model` from its latest jobs (finished
@@ -103,27 +142,38 @@ pub(super) fn equations_of(
             Ok((r.get(0)?, r.get(1)?, (r.get(2)?, r.get(3)?, r.get(4)?)))
         })?
         .collect::<Result<_, _>>()?;
-    let reports: Vec<(i64, f64, f64)> = tx
+    // Each job's progress reports, and the GPU time NVML measured it busy ([`BUSY`]: the daemon
+    // records it itself where MPS is off), each in time order.
+    let reports: Vec<(i64, bool, f64, f64)> = tx
         .prepare_cached(&format!(
-            "SELECT job_row, at, value FROM observations
-             WHERE kind = 'progress' AND value IS NOT NULL AND job_row IN ({window})
-             ORDER BY job_row, at"
+            "SELECT job_row, kind = '{BUSY}', at, value FROM observations
+             WHERE kind IN ('progress', '{BUSY}') AND value IS NOT NULL AND job_row IN ({window})
+             ORDER BY job_row, kind = '{BUSY}', at"
         ))?
-        .query_map(params![app_id, model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .query_map(params![app_id, model], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })?
         .collect::<Result<_, _>>()?;
-    let reported = |job: i64| {
-        let from = reports.partition_point(|r| r.0 < job);
-        let to = reports.partition_point(|r| r.0 <= job);
-        &reports[from..to]
+    let of = |job: i64, busy: bool| -> Vec<(i64, f64, f64)> {
+        let from = reports.partition_point(|r| (r.0, r.1) < (job, busy));
+        let to = reports.partition_point(|r| (r.0, r.1) <= (job, busy));
+        reports[from..to].iter().map(|r| (r.0, r.2, r.3)).collect()
     };
     // Jobs that report progress give one equation per stretch between reports (their
-    // total work need not be the solo runtime); the others one equation each.
+    // total work need not be the solo runtime); jobs that do not, one per stretch between the
+    // daemon's records of their busy GPU time, where it has them; the others one each.
     let mut whole: Vec<crate::learn::Equation> = Vec::new();
     let mut stretches: Vec<(f64, crate::learn::Equation)> = Vec::new();
+    let mut busy: Vec<(f64, crate::learn::Equation)> = Vec::new();
     for job in rows.chunk_by(|a, b| a.0 == b.0) {
         let intervals: Vec<IntervalRow> = job.iter().map(|(_, _, r)| r.clone()).collect();
-        let progress = reported(job[0].0);
-        if progress.is_empty() {
+        let progress = of(job[0].0, false);
+        let measured = of(job[0].0, true);
+        if !progress.is_empty() {
+            stretches.extend(progress_stretches(&intervals, &progress, true));
+        } else if measured.len() > 1 {
+            busy.extend(progress_stretches(&intervals, &measured, false));
+        } else {
             // A job given back to Slurm did not do its whole work: only its reports teach.
             if job[0].1 {
                 continue;
@@ -132,27 +182,16 @@ pub(super) fn equations_of(
                 eq.work_s = solo;
                 whole.push(eq);
             }
-        } else {
-            stretches.extend(progress_stretches(&intervals, progress));
         }
     }
-    // The application's rate alone, in its own unit, from the stretches it ran alone.
-    let (done_alone, secs_alone) = stretches
-        .iter()
-        .filter(|(_, e)| e.shared.is_empty() && e.alone_s > 0.0)
-        .fold((0.0, 0.0), |(d, t), (done, e)| (d + done, t + e.alone_s));
-    let rate = (secs_alone > 0.0 && done_alone > 0.0).then(|| done_alone / secs_alone);
-    if baseline.is_none() && rate.is_none() {
+    let mut equations = whole;
+    equations.extend(at_rate_alone(stretches));
+    equations.extend(at_rate_alone(busy));
+    if baseline.is_none() && equations.is_empty() {
         return Ok(None);
     }
-    let mut equations = whole;
-    if let Some(rate) = rate {
-        equations.extend(stretches.into_iter().map(|(done, mut e)| {
-            e.work_s = done / rate;
-            e
-        }));
-    }
-    Ok(Some((equations, !reported(job_row).is_empty())))
+    let reported = !of(job_row, false).is_empty() || of(job_row, true).len() > 1;
+    Ok(Some((equations, reported)))
 }
 
 /// The learning equation of a finished job from its intervals in time order: seconds alone

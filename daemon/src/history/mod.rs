@@ -27,6 +27,7 @@ mod telemetry;
 mod upkeep;
 
 pub use declines::Decline;
+pub use equations::BUSY;
 pub use exchange::{Export, Imported, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};
 pub use jobs::{ActiveJob, NewJob};

@@ -401,3 +401,45 @@ fn a_new_history_and_its_directory_are_not_readable_by_other_users() {
         }
     }
 }
+
+#[test]
+fn busy_gpu_time_measures_a_job_that_reports_nothing_and_a_count_begun_again_starts_anew() {
+    use crate::history::BUSY;
+    // `a` is busy 0.8 s a second alone (0-600 s), then shares with `b`. The daemon restarted
+    // at 900 s and began a's count again at 0; from there a is busy 0.4 s a second: speed 0.5.
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    let a = h.record_placement(&job(1, "a", 0, 0.0), &[]).unwrap();
+    for (busy, at) in [(0.0, 0.0), (240.0, 300.0), (480.0, 600.0)] {
+        h.record_report(a, BUSY, Some(busy), &[], 0.7, at).unwrap();
+    }
+    let b = h.record_placement(&job(2, "b", 0, 600.0), &[a]).unwrap();
+    h.record_report(a, BUSY, Some(0.0), &[b], 0.7, 900.0).unwrap();
+    // The stretch 600-900 s has no measure (the count went back): read as one, a would
+    // have done negative work beside b.
+    let learned = h.learn_from_progress(a, 0.7).unwrap();
+    assert!(
+        pair(&h, "v100", "a", "b").is_none_or(|e| e.observations == 0),
+        "{learned:?}"
+    );
+    h.record_report(a, BUSY, Some(120.0), &[b], 0.7, 1200.0).unwrap();
+    h.learn_from_progress(a, 0.7).unwrap();
+    let e = pair(&h, "v100", "a", "b").unwrap();
+    assert!((e.speed - 0.5).abs() < 1e-3 && e.observations == 1, "{e:?}");
+    // Its progress reports, where a job sends them, are what measures it: here they say 0.25.
+    let a2 = h.record_placement(&job(3, "a", 0, 2000.0), &[]).unwrap();
+    h.record_report(a2, "progress", Some(100.0), &[], 0.7, 2100.0).unwrap();
+    h.record_report(a2, BUSY, Some(0.0), &[], 0.7, 2000.0).unwrap();
+    h.record_report(a2, BUSY, Some(80.0), &[], 0.7, 2100.0).unwrap();
+    let b2 = h.record_placement(&job(4, "b", 0, 2100.0), &[a2]).unwrap();
+    h.record_report(a2, "progress", Some(125.0), &[b2], 0.7, 2200.0)
+        .unwrap();
+    h.record_report(a2, BUSY, Some(120.0), &[b2], 0.7, 2200.0).unwrap();
+    let Learned::Shared { fits } = h.learn_from_progress(a2, 0.7).unwrap() else {
+        panic!("nothing learned")
+    };
+    let f = fits.iter().find(|f| f.partner == "b").unwrap();
+    // 300 s at 0.5 from a's busy time and 100 s at 0.25 from a2's reports: below 0.5. Had
+    // a2's busy time counted instead (0.4 a second beside b), both would say 0.5.
+    assert!(f.speed > 0.3 && f.speed < 0.49, "{fits:?}");
+}
