@@ -53,6 +53,14 @@ struct Args {
     /// Noise of each progress report, as a fraction of one interval's work (standard deviation).
     #[arg(long, default_value_t = 0.05)]
     progress_noise: f64,
+    /// Seconds between rounds of GPU telemetry (0: none, as on a node without NVML): the
+    /// learned policy's daemons then measure each job's busy GPU time, as they do through NVML
+    /// on a time-sliced GPU, whether the job reports progress or not.
+    #[arg(long, default_value_t = 0.0)]
+    busy_every: f64,
+    /// Noise of each round's utilisation of a job, relative (standard deviation).
+    #[arg(long, default_value_t = 0.1)]
+    busy_noise: f64,
     /// Seconds between merges of the learned policy's node histories, as a site's cron job of
     /// `multiplexd export` and `import` would do (0: never, each node learns alone).
     #[arg(long, default_value_t = 0.0)]
@@ -169,6 +177,15 @@ fn simulate(a: Args) -> Result<(), String> {
             a.progress_every
         ));
     }
+    if !(a.busy_every.is_finite() && (a.busy_every == 0.0 || a.busy_every >= 1.0)) {
+        return Err(format!(
+            "--busy-every {}: must be 0 (no telemetry) or at least 1 second",
+            a.busy_every
+        ));
+    }
+    if !(a.busy_noise.is_finite() && a.busy_noise >= 0.0) {
+        return Err(format!("--busy-noise {}: must be 0 or more", a.busy_noise));
+    }
     if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
         return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
     }
@@ -232,6 +249,8 @@ fn simulate(a: Args) -> Result<(), String> {
         progress: world::Progress {
             every_s: a.progress_every,
             noise: a.progress_noise,
+            busy_every_s: a.busy_every,
+            busy_noise: a.busy_noise,
         },
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,

@@ -420,6 +420,8 @@ enum Work {
     Learn(ActiveJob),
     /// Record a job's report at the simulated time given.
     Report(f64, ReportRequest),
+    /// Record a round of GPU telemetry at the simulated time given (processes are jobs).
+    Telemetry(f64, Vec<multiplexd::gpus::GpuSample>),
 }
 
 impl Work {
@@ -436,6 +438,10 @@ impl Work {
                     Response::Reported { .. } => Ok(()),
                     other => Err(unexpected(other)),
                 }
+            }
+            Work::Telemetry(now, samples) => {
+                clock.store(now.to_bits(), Ordering::Relaxed);
+                node.record_telemetry(&samples, &Some).map_err(|e| e.to_string())
             }
         }
     }
@@ -694,6 +700,26 @@ impl Policy for Learned<'_> {
     }
     fn out_of_memory(&mut self, now: f64, node: usize, job: JobRef) -> Result<(), String> {
         self.report(now, node, job, ReportKind::OutOfMemory)
+    }
+    fn telemetry(&mut self, now: f64, node: usize, jobs: &[(usize, JobRef, u32)]) -> Result<(), String> {
+        use multiplexd::gpus::{GpuSample, ProcSample};
+        self.at(now)?;
+        let mut samples: Vec<GpuSample> = Vec::new();
+        for &(gpu, job, util) in jobs {
+            let process = ProcSample {
+                pid: job.id,
+                mem_mb: None,
+                sm_util_pct: Some(util),
+            };
+            match samples.iter_mut().find(|s| s.index == gpu as u32) {
+                Some(s) => s.processes.push(process),
+                None => samples.push(GpuSample {
+                    index: gpu as u32,
+                    processes: vec![process],
+                }),
+            }
+        }
+        self.hand(node, Work::Telemetry(now, samples))
     }
     fn separations(&mut self, now: f64, node: usize) -> Result<Vec<u32>, String> {
         self.at(now)?;

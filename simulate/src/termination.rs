@@ -105,9 +105,12 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                     jobs_per_gpu: 2 + rng.below(2) as u32,
                 };
                 let jobs = trace(trace_kind, &t, &shape, &mut rng);
+                // Round 0: no signal but start and end times; round 1: reports and telemetry.
                 let progress = Progress {
                     every_s: if round == 0 { 0.0 } else { 900.0 },
                     noise: 0.05,
+                    busy_every_s: if round == 0 { 0.0 } else { 300.0 },
+                    busy_noise: 0.1,
                 };
                 // The daemon's policies also steer the queue and close their nodes (round 1).
                 let closing = policy::Options {
@@ -167,6 +170,8 @@ fn a_job_that_cannot_share_with_itself_does_not_doom_the_next_one_forever() {
     let none = Progress {
         every_s: 0.0,
         noise: 0.0,
+        busy_every_s: 0.0,
+        busy_noise: 0.0,
     };
     let o = world::run(&t, &jobs, shape, none, 1, p.as_mut()).unwrap();
     check_outcome(&o, &jobs, &shape, "self-clashing first fit");
@@ -219,6 +224,8 @@ fn the_watchdog_stops_a_policy_that_declines_for_ever() {
     let none = Progress {
         every_s: 0.0,
         noise: 0.0,
+        busy_every_s: 0.0,
+        busy_noise: 0.0,
     };
     let e = world::run(&t, &jobs, shape, none, 1, &mut Never).unwrap_err();
     assert!(
@@ -238,6 +245,8 @@ fn the_watchdog_stops_a_clock_that_stands_still() {
     let instant = Progress {
         every_s: 1e-300,
         noise: 0.0,
+        busy_every_s: 0.0,
+        busy_noise: 0.0,
     };
     let mut p = policy::make("first-fit", &t, shape, 1).unwrap();
     let e = world::run(&t, &jobs, shape, instant, 1, p.as_mut()).unwrap_err();

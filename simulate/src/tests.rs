@@ -35,6 +35,8 @@ const ONE_GPU: Shape = Shape {
 const NO_REPORTS: Progress = Progress {
     every_s: 0.0,
     noise: 0.0,
+    busy_every_s: 0.0,
+    busy_noise: 0.0,
 };
 
 fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {
@@ -150,6 +152,7 @@ fn generated_setup(seed: u64, policies: &[&str]) -> Setup {
         progress: Progress {
             every_s: 600.0,
             noise: 0.05,
+            ..NO_REPORTS
         },
         options: policy::Options::default(),
         history: None,
@@ -442,7 +445,7 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
     ];
     let reports = Progress {
         every_s: 100.0,
-        noise: 0.0,
+        ..NO_REPORTS
     };
     let run = |separate_below| {
         let options = policy::Options {
@@ -466,6 +469,44 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
         separated.jobs[3].1 >= separated.jobs[2].2 - 1.0,
         "y restarts once x ended: {separated:?}"
     );
+}
+
+#[test]
+fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
+    // As above, without reports: x beside y runs at 0.3 and y beside x at 0.1. Each ran alone
+    // once, long enough for the daemon to record its busy time alone. With GPU telemetry the
+    // daemon measures the pair from the jobs' busy time and gives y back; without, it knows
+    // nothing of the pair until a job of it ends, and splits nothing.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0.3,0.1\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
+        "losing",
+    )
+    .unwrap();
+    let trace = [
+        job(&t, "1", 0.0, "x", 1000.0),
+        job(&t, "2", 1000.0, "y", 1000.0),
+        job(&t, "3", 2500.0, "x", 10_000.0),
+        job(&t, "4", 2500.0, "y", 10_000.0),
+    ];
+    let run = |busy_every_s| {
+        let progress = Progress {
+            busy_every_s,
+            ..NO_REPORTS
+        };
+        let options = policy::Options {
+            separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
+            ..Default::default()
+        };
+        let mut p = policy::make_with("learned", &t, ONE_GPU, 1, options).unwrap();
+        let o = world::run(&t, &trace, ONE_GPU, progress, 1, p.as_mut()).unwrap();
+        p.settle().unwrap();
+        o
+    };
+    let (blind, measured) = (run(0.0), run(100.0));
+    assert_eq!(blind.separations, 0, "{blind:?}");
+    assert_eq!(measured.separations, 1, "{measured:?}");
+    // Given back within a few records of the pair's start, not after x's 33,000 s.
+    assert!(measured.jobs[2].2 < 15_000.0, "{measured:?}");
 }
 
 #[test]

@@ -44,6 +44,13 @@ pub struct Progress {
     pub every_s: f64,
     /// Relative noise of each report (standard deviation, as a fraction of one interval's work).
     pub noise: f64,
+    /// Seconds between rounds of GPU telemetry on every node, which give the daemon each
+    /// running job's SM utilisation over the round as NVML would on a time-sliced GPU (its
+    /// utilisation alone times its speed); 0: no GPU telemetry (the default: a simulated node
+    /// has no NVML).
+    pub busy_every_s: f64,
+    /// Relative noise of each round's utilisation of a job (standard deviation).
+    pub busy_noise: f64,
 }
 
 /// A job as a policy sees it: its id (as Slurm would number it), application, and how many
@@ -150,6 +157,11 @@ pub trait Policy {
     fn progress(&mut self, _now: f64, _node: usize, _job: JobRef, _done: f64) -> Result<(), String> {
         Ok(())
     }
+    /// A round of GPU telemetry of `node`: each running job's GPU and its SM utilisation over
+    /// the round, percent.
+    fn telemetry(&mut self, _now: f64, _node: usize, _jobs: &[(usize, JobRef, u32)]) -> Result<(), String> {
+        Ok(())
+    }
     /// A job ran out of GPU memory beside its partners (it reports so, then ends).
     fn out_of_memory(&mut self, _now: f64, _node: usize, _job: JobRef) -> Result<(), String> {
         Ok(())
@@ -210,6 +222,8 @@ enum Kind {
     Complete(u32),
     OutOfMemory(u32),
     Report(u32),
+    /// A round of GPU telemetry on every node (the event's job means nothing).
+    Telemetry,
     /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
     Weight(usize),
     /// A node's closure lapses unless its daemon renews it (the node, and which closure).
@@ -255,6 +269,10 @@ struct Job {
     done: f64,
     last: f64,
     speed: f64,
+    /// Work done at the latest round of GPU telemetry of this run, and when that was (its start
+    /// before the first).
+    counted: f64,
+    counted_at: f64,
     /// Bumped whenever the completion time changes, and per run (stale events are skipped).
     epoch: u32,
     run: u32,
@@ -282,6 +300,9 @@ struct World<'a> {
     slots: u32,
     progress: Progress,
     noise: Rng,
+    /// Each application's SM utilisation alone (0.5 to 1), and the noise of telemetry.
+    app_util: Vec<f64>,
+    busy_noise: Rng,
     jobs: Vec<Job>,
     gpus: Vec<Gpu>,
     used: Vec<u32>,
@@ -336,12 +357,16 @@ pub fn run(
     let app_rate: Vec<f64> = (0..table.apps.len())
         .map(|_| 0.5 * 40f64.powf(rates.uniform()))
         .collect();
+    let mut utils = Rng::new(seed ^ 0x0005_1111);
+    let app_util: Vec<f64> = (0..table.apps.len()).map(|_| 0.5 + 0.5 * utils.uniform()).collect();
     let mut w = World {
         table,
         shape,
         slots,
         progress,
         noise: Rng::new(seed ^ 0x0bad_5eed),
+        app_util,
+        busy_noise: Rng::new(seed ^ 0x00b5_ed00),
         jobs: trace
             .iter()
             .map(|t| Job {
@@ -355,6 +380,8 @@ pub fn run(
                 done: 0.0,
                 last: 0.0,
                 speed: 0.0,
+                counted: 0.0,
+                counted_at: 0.0,
                 epoch: 0,
                 run: 0,
                 doomed: false,
@@ -402,6 +429,12 @@ pub fn run(
     }
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
+    }
+    if w.progress.busy_every_s > 0.0 {
+        let first = trace.iter().map(|t| t.submit_s).fold(f64::INFINITY, f64::min);
+        if first.is_finite() {
+            w.push(first + w.progress.busy_every_s, 0, Kind::Telemetry);
+        }
     }
     let mut watchdog = Watchdog::new(trace.len());
     while let Some(e) = w.events.pop() {
@@ -488,26 +521,19 @@ pub fn run(
                 let reported = (done + noise).max(0.0) * rate;
                 policy.progress(now, node, w.job_ref(e.job), reported)?;
                 w.push(now + w.progress.every_s, e.job, Kind::Report(run));
-                let given = policy.separations(now, node)?;
-                if given.is_empty() {
-                    continue; // nothing changed for Slurm
-                }
-                for id in given {
-                    let j = id as usize - 1;
-                    if w.jobs.get(j).and_then(|job| job.at).map(|(n, _)| n) != Some(node) {
-                        return Err(format!(
-                            "the policy gave back job {id}, which does not run on node {node}"
-                        ));
+                w.give_back(now, node, policy)?;
+            }
+            Kind::Telemetry => {
+                for node in 0..w.shape.nodes {
+                    let round = w.telemetry_round(now, node);
+                    if !round.is_empty() {
+                        policy.telemetry(now, node, &round)?;
+                        w.give_back(now, node, policy)?;
                     }
-                    // Requeued by the daemon, which then holds it back as long as a
-                    // declined job (its default `decline_retry_s`), not Slurm's requeue delay.
-                    w.leave(now, j);
-                    w.separations += 1;
-                    policy.finished(now, node, w.job_ref(j), false)?;
-                    w.requeue_for(now, j, DECLINE_RETRY_S);
                 }
-                w.reweigh(now, node, e.job);
-                w.steer(now, node, policy)?;
+                if w.jobs.iter().any(|j| j.finished.is_none()) {
+                    w.push(now + w.progress.busy_every_s, 0, Kind::Telemetry);
+                }
             }
             Kind::Weight(node) => {
                 w.weight_due[node] = false;
@@ -959,6 +985,8 @@ impl World<'_> {
         job.at = Some((node, g));
         job.start = now;
         job.done = 0.0;
+        job.counted = 0.0;
+        job.counted_at = now;
         job.last = now;
         job.doomed = doomed;
         job.run += 1;
@@ -972,6 +1000,56 @@ impl World<'_> {
             self.push(now + self.progress.every_s, j, Kind::Report(run));
         }
         self.respeed(now, gi);
+    }
+
+    /// After a report or telemetry on `node`: the running jobs the policy gives back to Slurm
+    /// there leave and are requeued.
+    fn give_back(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
+        let given = policy.separations(now, node)?;
+        let Some(&first) = given.first() else {
+            return Ok(()); // nothing changed for Slurm
+        };
+        for &id in &given {
+            let j = id as usize - 1;
+            if self.jobs.get(j).and_then(|job| job.at).map(|(n, _)| n) != Some(node) {
+                return Err(format!(
+                    "the policy gave back job {id}, which does not run on node {node}"
+                ));
+            }
+            // Requeued by the daemon, which then holds it back as long as a declined job
+            // (its default `decline_retry_s`), not Slurm's requeue delay.
+            self.leave(now, j);
+            self.separations += 1;
+            policy.finished(now, node, self.job_ref(j), false)?;
+            self.requeue_for(now, j, DECLINE_RETRY_S);
+        }
+        self.reweigh(now, node, first as usize - 1);
+        self.steer(now, node, policy)
+    }
+
+    /// One round of GPU telemetry of `node`: each running job's GPU and its SM utilisation since
+    /// the previous round (or its start), as NVML gives it on a time-sliced GPU: its
+    /// application's utilisation alone times the work it did per second, with noise.
+    fn telemetry_round(&mut self, now: f64, node: usize) -> Vec<(usize, JobRef, u32)> {
+        let mut round = Vec::new();
+        for g in 0..self.shape.gpus_per_node {
+            let gi = node * self.shape.gpus_per_node + g;
+            for k in 0..self.gpus[gi].jobs.len() {
+                let j = self.gpus[gi].jobs[k];
+                let noise = self.progress.busy_noise * self.busy_noise.normal();
+                let job = &mut self.jobs[j];
+                let done = job.done + job.speed * (now - job.last);
+                let secs = now - job.counted_at;
+                let util = if secs > 0.0 {
+                    self.app_util[job.app] * (done - job.counted) / secs * (1.0 + noise)
+                } else {
+                    0.0
+                };
+                (job.counted, job.counted_at) = (done, now);
+                round.push((g, self.job_ref(j), (100.0 * util.clamp(0.0, 1.0)).round() as u32));
+            }
+        }
+        round
     }
 
     /// Takes a job off its GPU; returns its (node, gpu).
