@@ -5,6 +5,8 @@ progress, tells the daemon it finished, and prints its own measured rate.
 
     workload.py SOCKET NODE JOB_ID APP ITERATIONS
 APP is "matmul" (bf16 8192^3 products, compute bound) or "stream" (large copies, memory bound).
+With REPORTS=0 in its environment it sends no progress reports: the daemon then measures it
+by its busy GPU time alone.
 """
 import json, os, socket, struct, sys, time
 
@@ -40,10 +42,11 @@ def main():
                          "mem_mb": None, "node": node, "slurm_cuda_visible_devices": None,
                          "slurm_job_gpus": None, "slurm_shards_on_node": None})
     print(f"job {job} ({app}) placed: {json.dumps(placed)}", flush=True)
+    reports = os.environ.get("REPORTS", "1") != "0"
     t0 = time.monotonic()
     for i in range(1, iters + 1):
         step()
-        if i % (iters // 10) == 0:
+        if reports and i % (iters // 10) == 0:
             torch.cuda.synchronize()
             call(path, {"type": "report", "job_id": job, "kind": {"kind": "progress", "done": float(i)}})
     torch.cuda.synchronize()
