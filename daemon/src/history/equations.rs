@@ -41,8 +41,9 @@ pub const BUSY: &str = "busy";
 /// the job's start counts as done 0 when `from_start`, else the first report starts the count):
 /// the progress made in each, and the time alone and beside each partner within it (`work_s`
 /// is left for the caller, who knows the rate alone). Stretches with several partners at once,
-/// or shared for less than [`MIN_SHARED_SHARE`] of their length, are left out; where the count
-/// goes back (it started again), a new count starts there.
+/// or shared for less than [`MIN_SHARED_SHARE`] of their length, are left out. Where a count
+/// that does not start at the job's start goes back (the daemon's, begun again), a new count
+/// starts there.
 fn progress_stretches(
     intervals: &[IntervalRow],
     reports: &[(i64, f64, f64)],
@@ -60,7 +61,10 @@ fn progress_stretches(
         if t1 <= t0 {
             continue;
         }
-        if d1 < d0 {
+        // A count of the daemon's own never goes back but where it began again (it
+        // restarted). A job's reports may: a noisy report below the last one is an error the
+        // next stretch makes up for, and dropping only those would make the job look faster.
+        if !from_start && d1 < d0 {
             (t0, d0) = (t1, d1);
             continue;
         }
