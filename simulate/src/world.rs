@@ -521,18 +521,24 @@ pub fn run(
                 let reported = (done + noise).max(0.0) * rate;
                 policy.progress(now, node, w.job_ref(e.job), reported)?;
                 w.push(now + w.progress.every_s, e.job, Kind::Report(run));
-                w.give_back(now, node, policy)?;
+                if !w.give_back(now, node, policy)? {
+                    continue; // nothing changed for Slurm
+                }
             }
             Kind::Telemetry => {
+                let mut changed = false;
                 for node in 0..w.shape.nodes {
                     let round = w.telemetry_round(now, node);
                     if !round.is_empty() {
                         policy.telemetry(now, node, &round)?;
-                        w.give_back(now, node, policy)?;
+                        changed |= w.give_back(now, node, policy)?;
                     }
                 }
                 if w.jobs.iter().any(|j| j.finished.is_none()) {
                     w.push(now + w.progress.busy_every_s, 0, Kind::Telemetry);
+                }
+                if !changed {
+                    continue; // nothing changed for Slurm
                 }
             }
             Kind::Weight(node) => {
@@ -1003,11 +1009,11 @@ impl World<'_> {
     }
 
     /// After a report or telemetry on `node`: the running jobs the policy gives back to Slurm
-    /// there leave and are requeued.
-    fn give_back(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
+    /// there leave and are requeued. Whether there were any.
+    fn give_back(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<bool, String> {
         let given = policy.separations(now, node)?;
         let Some(&first) = given.first() else {
-            return Ok(()); // nothing changed for Slurm
+            return Ok(false);
         };
         for &id in &given {
             let j = id as usize - 1;
@@ -1024,7 +1030,8 @@ impl World<'_> {
             self.requeue_for(now, j, DECLINE_RETRY_S);
         }
         self.reweigh(now, node, first as usize - 1);
-        self.steer(now, node, policy)
+        self.steer(now, node, policy)?;
+        Ok(true)
     }
 
     /// One round of GPU telemetry of `node`: each running job's GPU and its SM utilisation since
