@@ -61,6 +61,10 @@ struct Args {
     /// Noise of each round's utilisation of a job, relative (standard deviation).
     #[arg(long, default_value_t = 0.1)]
     busy_noise: f64,
+    /// The most by which telemetry overstates a shared job's speed: each application draws a
+    /// bias b between 0 and this and shows s + b (1 - s) at speed s.
+    #[arg(long, default_value_t = 0.0)]
+    busy_bias: f64,
     /// Seconds between merges of the learned policy's node histories, as a site's cron job of
     /// `multiplexd export` and `import` would do (0: never, each node learns alone).
     #[arg(long, default_value_t = 0.0)]
@@ -186,6 +190,9 @@ fn simulate(a: Args) -> Result<(), String> {
     if !(a.busy_noise.is_finite() && a.busy_noise >= 0.0) {
         return Err(format!("--busy-noise {}: must be 0 or more", a.busy_noise));
     }
+    if !(0.0..=1.0).contains(&a.busy_bias) {
+        return Err(format!("--busy-bias {}: must be between 0 and 1", a.busy_bias));
+    }
     if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
         return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
     }
@@ -251,6 +258,7 @@ fn simulate(a: Args) -> Result<(), String> {
             noise: a.progress_noise,
             busy_every_s: a.busy_every,
             busy_noise: a.busy_noise,
+            busy_bias: a.busy_bias,
         },
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,

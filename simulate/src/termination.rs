@@ -111,6 +111,7 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                     noise: 0.05,
                     busy_every_s: if round == 0 { 0.0 } else { 300.0 },
                     busy_noise: 0.1,
+                    busy_bias: 0.2,
                 };
                 // The daemon's policies also steer the queue and close their nodes (round 1).
                 let closing = policy::Options {
@@ -172,6 +173,7 @@ fn a_job_that_cannot_share_with_itself_does_not_doom_the_next_one_forever() {
         noise: 0.0,
         busy_every_s: 0.0,
         busy_noise: 0.0,
+        busy_bias: 0.0,
     };
     let o = world::run(&t, &jobs, shape, none, 1, p.as_mut()).unwrap();
     check_outcome(&o, &jobs, &shape, "self-clashing first fit");
@@ -226,6 +228,7 @@ fn the_watchdog_stops_a_policy_that_declines_for_ever() {
         noise: 0.0,
         busy_every_s: 0.0,
         busy_noise: 0.0,
+        busy_bias: 0.0,
     };
     let e = world::run(&t, &jobs, shape, none, 1, &mut Never).unwrap_err();
     assert!(
@@ -247,6 +250,7 @@ fn the_watchdog_stops_a_clock_that_stands_still() {
         noise: 0.0,
         busy_every_s: 0.0,
         busy_noise: 0.0,
+        busy_bias: 0.0,
     };
     let mut p = policy::make("first-fit", &t, shape, 1).unwrap();
     let e = world::run(&t, &jobs, shape, instant, 1, p.as_mut()).unwrap_err();

@@ -37,6 +37,7 @@ const NO_REPORTS: Progress = Progress {
     noise: 0.0,
     busy_every_s: 0.0,
     busy_noise: 0.0,
+    busy_bias: 0.0,
 };
 
 fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {

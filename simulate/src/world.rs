@@ -51,6 +51,10 @@ pub struct Progress {
     pub busy_every_s: f64,
     /// Relative noise of each round's utilisation of a job (standard deviation).
     pub busy_noise: f64,
+    /// The most by which a shared job's utilisation overstates its speed: each application
+    /// draws a bias b between 0 and this, and shows `s + b (1 - s)` of its utilisation alone
+    /// at speed s (alone, s = 1, unbiased).
+    pub busy_bias: f64,
 }
 
 /// A job as a policy sees it: its id (as Slurm would number it), application, and how many
@@ -300,8 +304,10 @@ struct World<'a> {
     slots: u32,
     progress: Progress,
     noise: Rng,
-    /// Each application's SM utilisation alone (0.5 to 1), and the noise of telemetry.
+    /// Each application's SM utilisation alone (0.5 to 1), how much its utilisation overstates
+    /// its speed when shared ([`Progress::busy_bias`]), and the noise of telemetry.
     app_util: Vec<f64>,
+    app_bias: Vec<f64>,
     busy_noise: Rng,
     jobs: Vec<Job>,
     gpus: Vec<Gpu>,
@@ -359,6 +365,9 @@ pub fn run(
         .collect();
     let mut utils = Rng::new(seed ^ 0x0005_1111);
     let app_util: Vec<f64> = (0..table.apps.len()).map(|_| 0.5 + 0.5 * utils.uniform()).collect();
+    let app_bias: Vec<f64> = (0..table.apps.len())
+        .map(|_| progress.busy_bias * utils.uniform())
+        .collect();
     let mut w = World {
         table,
         shape,
@@ -366,6 +375,7 @@ pub fn run(
         progress,
         noise: Rng::new(seed ^ 0x0bad_5eed),
         app_util,
+        app_bias,
         busy_noise: Rng::new(seed ^ 0x00b5_ed00),
         jobs: trace
             .iter()
@@ -1036,7 +1046,8 @@ impl World<'_> {
 
     /// One round of GPU telemetry of `node`: each running job's GPU and its SM utilisation since
     /// the previous round (or its start), as NVML gives it on a time-sliced GPU: its
-    /// application's utilisation alone times the work it did per second, with noise.
+    /// application's utilisation alone times the work it did per second (overstated by its
+    /// bias), with noise.
     fn telemetry_round(&mut self, now: f64, node: usize) -> Vec<(usize, JobRef, u32)> {
         let mut round = Vec::new();
         for g in 0..self.shape.gpus_per_node {
@@ -1048,7 +1059,9 @@ impl World<'_> {
                 let done = job.done + job.speed * (now - job.last);
                 let secs = now - job.counted_at;
                 let util = if secs > 0.0 {
-                    self.app_util[job.app] * (done - job.counted) / secs * (1.0 + noise)
+                    let speed = (done - job.counted) / secs;
+                    let shown = speed + self.app_bias[job.app] * (1.0 - speed).max(0.0);
+                    self.app_util[job.app] * shown * (1.0 + noise)
                 } else {
                     0.0
                 };
