@@ -861,6 +861,7 @@ mod tests {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.jobs_per_gpu, 2);
+        assert_eq!(c.busy_record_s, DEFAULT_BUSY_RECORD_S, "the example shows the default");
         // The same node as etc/slurm.conf.example's gpu01 and etc/gres.conf.example.
         assert!(matches!(c.gpus, GpuSource::Listed(ref g) if g.len() == 4));
         let conf = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/slurm.conf.example")).unwrap();
