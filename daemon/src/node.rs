@@ -928,8 +928,8 @@ impl Node {
     /// Brings each running job's busy GPU time up to `now` (`util(row)`: its SM utilisation in
     /// this round, percent) and records it every `busy_record_s`. A job's count begins at the
     /// first round that measures it: from its start if it started since the previous round,
-    /// else from now (the daemon was not counting before). A round that measures a counted job
-    /// not at all counts it idle.
+    /// else from now (the daemon was not counting before, or its telemetry failed for longer
+    /// than two records). A round that measures a counted job not at all counts it idle.
     fn count_busy(
         &mut self,
         active: &[ActiveJob],
@@ -940,7 +940,10 @@ impl Node {
         let prior = self.config.policy.unknown_pair_speed;
         for job in active {
             let pct = util(job.row);
-            let count = match self.busy.get(&job.row) {
+            // Telemetry that failed for longer than two records knows nothing of the gap: the
+            // count begins again rather than spread this round over it.
+            let gap = 2.0 * self.config.busy_record_s as f64;
+            let count = match self.busy.get(&job.row).filter(|c| now - c.counted <= gap) {
                 Some(&c) => c,
                 None => {
                     if pct.is_none() {

@@ -879,14 +879,19 @@ fn busy_round(w: &mut World, t: f64, procs: &[(u32, u32)]) {
 }
 
 /// `a` (job 1) runs alone at 80% SM utilisation from 0 to 600 s, then beside `b` (job 2) at
-/// 40%: on a time-sliced GPU, half its speed. Rounds every 60 s.
+/// 40%: on a time-sliced GPU, half its speed. Rounds every 60 s, to 900 s.
 fn a_slowed_by_b_reporting_nothing(w: &mut World) {
+    a_slowed_by_b_reporting_nothing_until(w, 15);
+}
+
+/// As [`a_slowed_by_b_reporting_nothing`], the last round at `60 * last` s.
+fn a_slowed_by_b_reporting_nothing_until(w: &mut World, last: u32) {
     w.start(0.0, 1, "a");
     for k in 0..=10 {
         busy_round(w, 60.0 * f64::from(k), &[(100, 80)]);
     }
     w.start(600.0, 2, "b");
-    for k in 11..=15 {
+    for k in 11..=last {
         busy_round(w, 60.0 * f64::from(k), &[(100, 40), (200, 60)]);
     }
 }
@@ -908,4 +913,20 @@ fn under_mps_or_with_busy_records_off_sm_utilisation_measures_no_speed() {
         a_slowed_by_b_reporting_nothing(&mut w);
         assert!(w.estimate("a", "b").is_none_or(|(_, _, n)| n == 0), "{extra}");
     }
+}
+
+#[test]
+fn busy_time_is_not_guessed_over_a_gap_in_telemetry() {
+    let mut w = World::new();
+    // a alone at 80% from 0 to 600 s, then beside b at 40% (speed 0.5). Telemetry fails from
+    // 660 to 1800 s, and its first round after reads a at 10% (a moment's stall): spread over
+    // the gap, that would make 1,200 s beside b look like speed 0.14.
+    a_slowed_by_b_reporting_nothing_until(&mut w, 11);
+    busy_round(&mut w, 1800.0, &[(100, 10), (200, 60)]);
+    for k in 1..=10 {
+        busy_round(&mut w, 1800.0 + 60.0 * f64::from(k), &[(100, 40), (200, 60)]);
+    }
+    // Counted again from 1800 s: shared throughout at 0.5.
+    let (speed, _, n) = w.estimate("a", "b").expect("learned");
+    assert!((speed - 0.5).abs() < 0.01 && n >= 1, "{speed} from {n}");
 }
