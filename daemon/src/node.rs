@@ -886,21 +886,25 @@ impl Node {
         Ok(Response::Reported { message })
     }
 
-    /// Records one round of GPU telemetry: each process on a shared GPU is mapped to its
-    /// Slurm job by `job_of(pid)`; the jobs running here get their processes' memory and SM
-    /// utilisation added up. Processes of other jobs (or none) are ignored. Where MPS is off,
+    /// Records one round of GPU telemetry: each process on a shared GPU is mapped to the
+    /// Slurm job it claims and the uid it runs as by `job_of(pid)`; the jobs running here get
+    /// the memory and SM utilisation of their processes that run as their user added up.
+    /// Processes of other jobs (or none), and processes of another user claiming a job, are
+    /// ignored. Where MPS is off,
     /// each job's busy GPU time is counted too ([`crate::config::DEFAULT_BUSY_RECORD_S`]).
     pub fn record_telemetry(
         &mut self,
         samples: &[crate::gpus::GpuSample],
-        job_of: &dyn Fn(u32) -> Option<u32>,
+        job_of: &dyn Fn(u32) -> Option<(u32, u32)>,
     ) -> Result<(), HistoryError> {
         let now = (self.clock)();
         let active = self.active()?;
         let mut per_job: std::collections::BTreeMap<i64, (Option<u64>, Option<u32>)> = Default::default();
         for gpu in samples {
             for p in &gpu.processes {
-                let Some(job) = job_of(p.pid).and_then(|id| active.iter().find(|j| j.job_id == id)) else {
+                let Some(job) =
+                    job_of(p.pid).and_then(|(id, uid)| active.iter().find(|j| j.job_id == id && j.uid == uid))
+                else {
                     continue;
                 };
                 let e = per_job.entry(job.row).or_default();

@@ -82,17 +82,33 @@ impl Probe for NvmlProbe {
     }
 }
 
-/// The Slurm job of a process, from its cgroup path (`.../job_1234/step_0/...`, cgroup v1 and
-/// v2 alike) or else its environment (`SLURM_JOB_ID`).
-pub fn job_of_pid(pid: u32) -> Option<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+/// The Slurm job a process claims and the uid it runs as: the job from its cgroup path
+/// (`.../job_1234/step_0/...`, cgroup v1 and v2 alike) or else its environment
+/// (`SLURM_JOB_ID`), the uid from `/proc/PID/status`. Neither names the job on Slurm's word
+/// alone (a user may name a cgroup of their own `job_N`, or set `SLURM_JOB_ID` in any
+/// process), so [`Node::record_telemetry`] counts a process for a job only where it runs as
+/// the job's user: a user's processes can only ever be counted for that user's own jobs.
+pub fn job_of_pid(pid: u32) -> Option<(u32, u32)> {
+    let job = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
         .ok()
         .and_then(|c| job_from_cgroup(&c))
         .or_else(|| {
             std::fs::read(format!("/proc/{pid}/environ"))
                 .ok()
                 .and_then(|e| job_from_environ(&e))
-        })
+        })?;
+    let uid = uid_from_status(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)?;
+    Some((job, uid))
+}
+
+/// The real uid in a `/proc/PID/status` text.
+pub fn uid_from_status(text: &str) -> Option<u32> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The job id in a `/proc/PID/cgroup` text, if Slurm put the process in a job cgroup.
@@ -153,5 +169,16 @@ mod tests {
         assert_eq!(job_from_environ(b"HOME=/root\0SLURM_JOB_ID=42\0X=1\0"), Some(42));
         assert_eq!(job_from_environ(b"SLURM_JOB_ID=x\0"), None);
         assert_eq!(job_from_environ(b""), None);
+    }
+
+    #[test]
+    fn the_uid_a_process_runs_as() {
+        let status = "Name:\tpython3\nUmask:\t0022\nState:\tR (running)\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\t100\t100\t100\n";
+        assert_eq!(uid_from_status(status), Some(1000));
+        assert_eq!(uid_from_status("Name:\tx\n"), None);
+        // This process, through the real file.
+        let mine = job_of_pid(std::process::id());
+        let uid = uid_from_status(&std::fs::read_to_string("/proc/self/status").unwrap()).unwrap();
+        assert!(mine.is_none_or(|(_, u)| u == uid), "{mine:?}");
     }
 }

@@ -540,11 +540,13 @@ fn gpu_telemetry_is_kept_per_job() {
     let mut w = World::new();
     w.start(0.0, 1, "bert");
     w.start(0.0, 2, "resnet");
-    // pid 100 and 101 belong to job 1, pid 200 to job 2, pid 300 to a job not placed here.
+    // pid 100 and 101 belong to job 1, pid 200 to job 2, pid 300 to a job not placed here;
+    // pid 666 runs as another user and claims job 1 (its environment says SLURM_JOB_ID=1).
     let job_of = |pid: u32| match pid {
-        100 | 101 => Some(1),
-        200 => Some(2),
-        300 => Some(99),
+        100 | 101 => Some((1, 1000)),
+        200 => Some((2, 1000)),
+        300 => Some((99, 1000)),
+        666 => Some((1, 2000)),
         _ => None,
     };
     let proc = |pid, mem_mb: Option<u64>, sm: Option<u32>| ProcSample {
@@ -566,6 +568,7 @@ fn gpu_telemetry_is_kept_per_job() {
                 proc(200, Some(2000), None),
                 proc(300, Some(5000), Some(90)),
                 proc(4242, Some(7), Some(1)),
+                proc(666, Some(9000), Some(99)),
             ]),
             &job_of,
         )
@@ -598,7 +601,7 @@ fn measured_memory_stands_in_for_a_missing_hint() {
         }],
     }];
     w.node
-        .record_telemetry(&sample, &|pid| (pid == 4000).then_some(1))
+        .record_telemetry(&sample, &|pid| (pid == 4000).then_some((1, 1000)))
         .unwrap();
     w.end(100.0, 1, 0);
     // Two more runs without a hint: the second cannot fit beside the first on a 16 GiB GPU.
@@ -875,7 +878,9 @@ fn busy_round(w: &mut World, t: f64, procs: &[(u32, u32)]) {
             })
             .collect(),
     }];
-    w.at(t).record_telemetry(&sample, &|pid| Some(pid / 100)).unwrap();
+    w.at(t)
+        .record_telemetry(&sample, &|pid| Some((pid / 100, 1000)))
+        .unwrap();
 }
 
 /// `a` (job 1) runs alone at 80% SM utilisation from 0 to 600 s, then beside `b` (job 2) at

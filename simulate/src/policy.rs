@@ -441,7 +441,9 @@ impl Work {
             }
             Work::Telemetry(now, samples) => {
                 clock.store(now.to_bits(), Ordering::Relaxed);
-                node.record_telemetry(&samples, &Some).map_err(|e| e.to_string())
+                // Every process is its job's, run as the job's user (the simulator's uid 0).
+                node.record_telemetry(&samples, &|pid| Some((pid, 0)))
+                    .map_err(|e| e.to_string())
             }
         }
     }
