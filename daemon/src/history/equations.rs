@@ -105,8 +105,9 @@ fn at_rate_alone(stretches: Vec<(f64, crate::learn::Equation)>) -> Vec<crate::le
 }
 
 /// The learning equations of application `app_id` on `model` from its latest jobs (finished
-/// and completed, or still running), and whether the job `job_row` reported progress; `None`
-/// when there is nothing to measure work by yet (no solo runtime, no stretch run alone).
+/// and completed, or still running), and whether the job `job_row` was measured while it ran
+/// (it reported progress, or the daemon recorded its busy GPU time); `None` when there is
+/// nothing to measure work by yet (no solo runtime, no stretch run alone).
 pub(super) fn equations_of(
     tx: &rusqlite::Transaction,
     app_id: i64,

@@ -87,8 +87,8 @@ impl History {
             self.store(&model, app_id, solo, None, Some(job_row))?;
             return Ok(Learned::NoBaseline);
         };
-        // A new solo runtime or rate alone changes every speed; a shared run without reports
-        // only those linked to its partners.
+        // A new solo runtime or rate alone changes every speed; a shared run not measured while
+        // it ran (no reports, no busy records) only those linked to its partners.
         let partners: Option<Vec<String>> = match (&solo, &this) {
             (None, Some(eq)) if !reported => Some(eq.shared.iter().map(|(p, _)| p.clone()).collect()),
             _ => None,
