@@ -427,17 +427,35 @@ fn a_node_opening_for_a_job_slurm_starts_elsewhere_is_not_offered_the_next_to_de
     }
 }
 
+/// x beside y runs at 0.3 and y beside x at 0.1: worse than taking turns.
+fn losing_pair() -> Table {
+    Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0.3,0.1\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
+        "losing",
+    )
+    .unwrap()
+}
+
+/// The learned policy's run of `trace` on one GPU, with `progress` and the daemon's
+/// `policy.separate_below`.
+fn learned_on_one_gpu(t: &Table, trace: &[TraceJob], progress: Progress, separate_below: f64) -> world::Outcome {
+    let options = policy::Options {
+        separate_below,
+        ..Default::default()
+    };
+    let mut p = policy::make_with("learned", t, ONE_GPU, 1, options).unwrap();
+    let o = world::run(t, trace, ONE_GPU, progress, 1, p.as_mut()).unwrap();
+    p.settle().unwrap();
+    o
+}
+
 #[test]
 fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
     // x beside y runs at 0.3 and y beside x at 0.1: worse than taking turns. Each ran alone
     // once (so its rate alone is known); the long ones then arrive together and share, the
     // pair being new. Reports every 100 s measure the pair; the daemon gives y back, and
     // declines it beside x until x ends.
-    let t = Table::parse(
-        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0.3,0.1\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
-        "losing",
-    )
-    .unwrap();
+    let t = losing_pair();
     let trace = [
         job(&t, "1", 0.0, "x", 300.0),
         job(&t, "2", 300.0, "y", 300.0),
@@ -448,16 +466,7 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
         every_s: 100.0,
         ..NO_REPORTS
     };
-    let run = |separate_below| {
-        let options = policy::Options {
-            separate_below,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("learned", &t, ONE_GPU, 1, options).unwrap();
-        let o = world::run(&t, &trace, ONE_GPU, reports, 1, p.as_mut()).unwrap();
-        p.settle().unwrap();
-        o
-    };
+    let run = |separate_below| learned_on_one_gpu(&t, &trace, reports, separate_below);
     let (kept, separated) = (run(0.0), run(multiplexd::config::DEFAULT_SEPARATE_BELOW));
     assert_eq!(kept.separations, 0);
     assert_eq!(separated.separations, 1, "{separated:?}");
@@ -478,11 +487,7 @@ fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
     // once, long enough for the daemon to record its busy time alone. With GPU telemetry the
     // daemon measures the pair from the jobs' busy time and gives y back; without, it knows
     // nothing of the pair until a job of it ends, and splits nothing.
-    let t = Table::parse(
-        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0.3,0.1\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
-        "losing",
-    )
-    .unwrap();
+    let t = losing_pair();
     let trace = [
         job(&t, "1", 0.0, "x", 1000.0),
         job(&t, "2", 1000.0, "y", 1000.0),
@@ -494,14 +499,7 @@ fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
             busy_every_s,
             ..NO_REPORTS
         };
-        let options = policy::Options {
-            separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("learned", &t, ONE_GPU, 1, options).unwrap();
-        let o = world::run(&t, &trace, ONE_GPU, progress, 1, p.as_mut()).unwrap();
-        p.settle().unwrap();
-        o
+        learned_on_one_gpu(&t, &trace, progress, multiplexd::config::DEFAULT_SEPARATE_BELOW)
     };
     let (blind, measured) = (run(0.0), run(100.0));
     assert_eq!(blind.separations, 0, "{blind:?}");
