@@ -537,14 +537,17 @@ fn a_job_slurm_would_not_requeue_runs_on_and_is_not_given_back_again() {
 #[test]
 fn gpu_telemetry_is_kept_per_job() {
     use multiplexd::telemetry::{GpuSample, ProcSample};
-    let mut w = World::new();
+    let mut w = World::with_gpus("", 2);
     w.start(0.0, 1, "bert");
     w.start(0.0, 2, "resnet");
+    w.start(0.0, 3, "vgg");
     // pid 100 and 101 belong to job 1, pid 200 to job 2, pid 300 to a job not placed here;
     // pid 666 runs as another user and claims job 1 (its environment says SLURM_JOB_ID=1).
+    // Job 3's process (pid 400) is one whose memory the driver does not report.
     let job_of = |pid: u32| match pid {
         100 | 101 => Some((1, 1000)),
         200 => Some((2, 1000)),
+        400 => Some((3, 1000)),
         300 => Some((99, 1000)),
         666 => Some((1, 2000)),
         _ => None,
@@ -569,13 +572,18 @@ fn gpu_telemetry_is_kept_per_job() {
                 proc(300, Some(5000), Some(90)),
                 proc(4242, Some(7), Some(1)),
                 proc(666, Some(9000), Some(99)),
+                proc(400, None, Some(50)),
             ]),
             &job_of,
         )
         .unwrap();
     w.node
         .record_telemetry(
-            &round(vec![proc(100, Some(3500), Some(30)), proc(200, None, None)]),
+            &round(vec![
+                proc(100, Some(3500), Some(30)),
+                proc(200, None, None),
+                proc(400, None, Some(60)),
+            ]),
             &job_of,
         )
         .unwrap();
@@ -584,6 +592,10 @@ fn gpu_telemetry_is_kept_per_job() {
     assert_eq!(e1.sm_util_mean_pct, Some(40.0), "(50 + 30) / 2");
     let e2 = w.node.history().explain(2).unwrap().unwrap();
     assert_eq!((e2.gpu_mem_peak_mb, e2.sm_util_mean_pct), (Some(2000), None));
+    // Memory never measured is unknown, not 0 MiB: 0 would pass for a measured need that fits
+    // beside anything.
+    let e3 = w.node.history().explain(3).unwrap().unwrap();
+    assert_eq!((e3.gpu_mem_peak_mb, e3.sm_util_mean_pct), (None, Some(55.0)));
 }
 
 #[test]

@@ -151,6 +151,10 @@ pub(super) const MIGRATIONS: &[&str] = &[
     // not complete, and a job is given back at most once per node (1: requeued; 2: Slurm would
     // not requeue it, and it ran on).
     "ALTER TABLE jobs ADD COLUMN separated INTEGER NOT NULL DEFAULT 0;",
+    // 11: memory the driver never reported was kept as a peak of 0 MiB, which placement read
+    // as a job that fits beside anything; it is unknown. (No GPU process of a job uses none.)
+    "UPDATE job_telemetry SET mem_peak_mb = NULL WHERE mem_peak_mb = 0;
+     DELETE FROM app_memory WHERE peak_mb = 0;",
 ];
 
 /// The migration that creates `app_effects`: an existing history's are fitted right after it.

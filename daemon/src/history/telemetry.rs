@@ -5,7 +5,8 @@ use rusqlite::{params, OptionalExtension};
 
 impl History {
     /// Adds one telemetry sample of a job: the memory of its GPU processes together, and
-    /// their SM utilisation together when the driver reports it.
+    /// their SM utilisation together, each when the driver reports it (memory never reported
+    /// stays unknown: a peak of 0 MiB would read as a job that fits beside anything).
     pub fn record_job_sample(
         &mut self,
         job_row: i64,
@@ -16,7 +17,7 @@ impl History {
             "INSERT INTO job_telemetry(job_row, samples, mem_peak_mb, sm_util_sum, sm_util_samples)
              VALUES (?1, 1, ?2, coalesce(?3, 0), ?3 IS NOT NULL)
              ON CONFLICT(job_row) DO UPDATE SET samples = samples + 1,
-               mem_peak_mb = max(coalesce(mem_peak_mb, 0), coalesce(?2, 0)),
+               mem_peak_mb = CASE WHEN ?2 IS NULL THEN mem_peak_mb ELSE max(coalesce(mem_peak_mb, 0), ?2) END,
                sm_util_sum = sm_util_sum + coalesce(?3, 0),
                sm_util_samples = sm_util_samples + (?3 IS NOT NULL)",
             params![job_row, mem_mb.map(|m| m as i64), sm_util_pct],

@@ -67,6 +67,33 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
 }
 
 #[test]
+fn memory_a_history_kept_as_zero_becomes_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let version = {
+        // Schema 10 kept a job whose driver reported no memory at 0 MiB; job 2's 3,000 stands.
+        let mut h = History::open(&path).unwrap();
+        let a = h.record_placement(&job(1, "bert", 0, 0.0), &[]).unwrap();
+        let b = h.record_placement(&job(2, "resnet", 0, 0.0), &[]).unwrap();
+        h.connection()
+            .execute_batch(&format!(
+                "INSERT INTO job_telemetry(job_row, samples, mem_peak_mb, sm_util_sum, sm_util_samples)
+                 VALUES ({a}, 1, 0, 50, 1), ({b}, 1, 3000, 50, 1);
+                 INSERT INTO app_memory(app_id, peak_mb)
+                 SELECT id, CASE name WHEN 'bert' THEN 0 ELSE 3000 END FROM applications;
+                 PRAGMA user_version = 10;"
+            ))
+            .unwrap();
+        h.schema_version().unwrap()
+    };
+    assert_eq!(version, 10);
+    let h = History::open(&path).unwrap();
+    assert_eq!(h.schema_version().unwrap(), MIGRATIONS.len() as i64);
+    assert_eq!(h.app_mem_peak("bert").unwrap(), None);
+    assert_eq!(h.app_mem_peak("resnet").unwrap(), Some(3000));
+}
+
+#[test]
 fn placement_finish_and_intervals() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("h.sqlite");
