@@ -13,6 +13,16 @@ pub struct Table {
     pub apps: Vec<String>,
     /// `speed[a][b]`: speed of app `a` beside app `b`; `None`: they cannot share.
     speed: Vec<Vec<Option<f64>>>,
+    /// The GPU memory of each application and of the GPU, MiB, where the table has them
+    /// ([`Table::with_memory`]): jobs whose memory together exceeds the GPU's cannot share.
+    memory: Option<Memory>,
+}
+
+/// What each application's processes peak at on the GPU, and the GPU's memory (MiB).
+#[derive(Debug, Clone)]
+struct Memory {
+    gpu_mb: u64,
+    apps: Vec<u64>,
 }
 
 impl Table {
@@ -92,7 +102,70 @@ impl Table {
                 *cell = (s > 0.0).then_some(s);
             }
         }
-        Ok(Table { model, apps, speed })
+        Ok(Table {
+            model,
+            apps,
+            speed,
+            memory: None,
+        })
+    }
+
+    /// Adds each application's GPU memory (CSV `app,mem_mb`, every application of the table
+    /// once) on GPUs of `gpu_mb` MiB: a pair whose memory together exceeds the GPU's cannot
+    /// share, whatever its speeds say. This is the world where memory decides which pairs
+    /// fit, as on real GPUs, and what NVML telemetry shows the daemon (`--busy-every`).
+    pub fn with_memory(mut self, text: &str, name: &str, gpu_mb: u64) -> Result<Table, String> {
+        let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+        let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
+        if header != "app,mem_mb" {
+            return Err(format!(
+                "{name}: the first line must be the header app,mem_mb, not {header:?}"
+            ));
+        }
+        let mut mem: Vec<Option<u64>> = vec![None; self.apps.len()];
+        for (n, line) in lines {
+            let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
+            let f: Vec<&str> = line.split(',').map(str::trim).collect();
+            let [app, mb] = f[..] else {
+                return Err(at(format!("expected 2 fields, found {}", f.len())));
+            };
+            let i = self
+                .app_index(app)
+                .ok_or_else(|| at(format!("{app:?} is not an application of the pair table")))?;
+            let mb: u64 = mb
+                .parse()
+                .map_err(|_| at(format!("memory {mb:?} is not a whole number of MiB")))?;
+            if mb > gpu_mb {
+                return Err(at(format!("{app} needs {mb} MiB, more than the GPU's {gpu_mb} MiB")));
+            }
+            if mem[i].replace(mb).is_some() {
+                return Err(at(format!("{app} is listed twice")));
+            }
+        }
+        let apps = mem
+            .iter()
+            .zip(&self.apps)
+            .map(|(m, app)| m.ok_or_else(|| format!("{name}: no memory for {app}")))
+            .collect::<Result<Vec<u64>, String>>()?;
+        for (a, row) in self.speed.iter_mut().enumerate() {
+            for (b, cell) in row.iter_mut().enumerate() {
+                if apps[a] + apps[b] > gpu_mb {
+                    *cell = None;
+                }
+            }
+        }
+        self.memory = Some(Memory { gpu_mb, apps });
+        Ok(self)
+    }
+
+    /// The GPU memory of application `a`, MiB, where the table has memory.
+    pub fn memory_of(&self, a: usize) -> Option<u64> {
+        self.memory.as_ref().map(|m| m.apps[a])
+    }
+
+    /// The GPUs' memory, MiB, where the table has memory.
+    pub fn gpu_memory(&self) -> Option<u64> {
+        self.memory.as_ref().map(|m| m.gpu_mb)
     }
 
     /// Speed of `a` beside `b`, or `None` when they cannot share.
@@ -310,6 +383,38 @@ mod tests {
         let (a, b, c) = (0, 1, 2);
         assert_eq!((t.speed(a, b), t.speed(b, a)), (Some(0.5), Some(0.8)));
         assert_eq!((t.speed(a, c), t.speed(a, a), t.speed(c, c)), (None, None, Some(0.6)));
+    }
+
+    #[test]
+    fn memory_decides_which_pairs_fit() {
+        let h = "gpu,job_a,job_b,speed_a,speed_b\n";
+        let t = || {
+            Table::parse(
+                &format!("{h}v100,a,b,0.5,0.8\nv100,a,a,0.6,0.6\nv100,b,b,0.7,0.7\n"),
+                "t",
+            )
+            .unwrap()
+        };
+        assert_eq!((t().memory_of(0), t().gpu_memory()), (None, None));
+        let m = t().with_memory("app,mem_mb\na,6000\nb,11000\n", "m", 16000).unwrap();
+        let (a, b) = (0, 1);
+        assert_eq!(
+            (m.memory_of(a), m.memory_of(b), m.gpu_memory()),
+            (Some(6000), Some(11000), Some(16000))
+        );
+        // 6,000 + 6,000 and 6,000 + 11,000 MiB: the pair fits or not whatever its speeds say.
+        assert_eq!(
+            (m.speed(a, a), m.speed(a, b), m.speed(b, a), m.speed(b, b)),
+            (Some(0.6), None, None, None)
+        );
+        let err = |text: &str| t().with_memory(text, "m.csv", 16000).unwrap_err();
+        assert!(err("a,b\n").contains("header app,mem_mb"), "{}", err("a,b\n"));
+        assert!(err("app,mem_mb\na,1,2\n").contains("m.csv line 2: expected 2 fields"));
+        assert!(err("app,mem_mb\nc,1\n").contains("\"c\" is not an application"));
+        assert!(err("app,mem_mb\na,lots\n").contains("not a whole number"));
+        assert!(err("app,mem_mb\na,17000\n").contains("more than the GPU's 16000 MiB"));
+        assert!(err("app,mem_mb\na,1\na,2\n").contains("listed twice"));
+        assert!(err("app,mem_mb\na,1\n").contains("no memory for b"));
     }
 
     #[test]

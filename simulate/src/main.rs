@@ -18,6 +18,16 @@ struct Args {
     /// Pair table, CSV `gpu,job_a,job_b,speed_a,speed_b` (default: the embedded Gavel V100 table).
     #[arg(long)]
     table: Option<PathBuf>,
+    /// Each application's GPU memory, CSV `app,mem_mb` (every application of the table): a
+    /// pair whose memory together exceeds the GPU's (--gpu-memory-mb) cannot share, and the
+    /// learned policy's daemons see each job's memory in their GPU telemetry (--busy-every),
+    /// as through NVML. Default: none, only the table's 0,0 pairs cannot share, and the
+    /// daemons see no memory.
+    #[arg(long)]
+    app_memory: Option<PathBuf>,
+    /// The GPUs' memory, MiB, with --app-memory (16 GiB, a V100's).
+    #[arg(long, default_value_t = 16384)]
+    gpu_memory_mb: u64,
     /// Job trace, CSV `job_id,submit_s,app,solo_runtime_s` (default: generated, see --jobs, --load).
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -162,6 +172,13 @@ fn simulate(a: Args) -> Result<(), String> {
             input::Table::parse(input::GAVEL_V100, "gavel-v100")?,
             "gavel-v100 (embedded)".to_string(),
         ),
+    };
+    let (table, table_name) = match &a.app_memory {
+        Some(path) => (
+            table.with_memory(&read(path)?, &path.display().to_string(), a.gpu_memory_mb)?,
+            format!("{table_name} with the memory of {}", path.display()),
+        ),
+        None => (table, table_name),
     };
     let shape = world::Shape {
         nodes: a.nodes,

@@ -253,13 +253,14 @@ impl<'a> Oracle<'a> {
         }
     }
 
-    /// Pending jobs as placement reads them (the oracle needs no memory hint: it knows).
+    /// Pending jobs as placement reads them (the oracle knows each one's memory, where the
+    /// table has memory).
     fn newcomers(&self, pending: &[JobRef]) -> Vec<Newcomer<'a>> {
         pending
             .iter()
             .map(|j| Newcomer {
                 app: &self.table.apps[j.app],
-                mem_mb: None,
+                mem_mb: self.table.memory_of(j.app),
             })
             .collect()
     }
@@ -271,13 +272,13 @@ impl<'a> Oracle<'a> {
             .map(|(i, g)| GpuState {
                 index: i as u32,
                 model: self.table.model.clone(),
-                memory_mb: u64::MAX,
+                memory_mb: self.table.gpu_memory().unwrap_or(u64::MAX),
                 residents: g
                     .iter()
                     .map(|r| Resident {
                         job_id: r.id,
                         app: self.table.apps[r.app].clone(),
-                        mem_mb: None,
+                        mem_mb: self.table.memory_of(r.app),
                     })
                     .collect(),
             })
@@ -342,7 +343,7 @@ impl Policy for Oracle<'_> {
         };
         let newcomer = Newcomer {
             app: &self.table.apps[job.app],
-            mem_mb: None,
+            mem_mb: self.table.memory_of(job.app),
         };
         Ok(match placement::place(&states, &newcomer, &self.truth, knobs) {
             Decision::Place { gpu, .. } => {
@@ -504,7 +505,8 @@ impl<'a> Learned<'a> {
             .map(|index| GpuSpec {
                 index,
                 model: table.model.clone(),
-                memory_mb: 1 << 40,
+                // Where the table has no memory, memory never decides.
+                memory_mb: table.gpu_memory().unwrap_or(1 << 40),
                 uuid: None,
             })
             .collect();
@@ -710,7 +712,7 @@ impl Policy for Learned<'_> {
         for &(gpu, job, util) in jobs {
             let process = ProcSample {
                 pid: job.id,
-                mem_mb: None,
+                mem_mb: self.table.memory_of(job.app),
                 sm_util_pct: Some(util),
             };
             match samples.iter_mut().find(|s| s.index == gpu as u32) {

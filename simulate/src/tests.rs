@@ -508,6 +508,67 @@ fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
     assert!(measured.jobs[2].2 < 15_000.0, "{measured:?}");
 }
 
+/// `big` needs 10,000 MiB and `small` 5,000 on GPUs of 16,384: two bigs do not fit together;
+/// every other pair does, at 0.8 each side.
+fn memory_table() -> Table {
+    Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,big,big,0.8,0.8\nv100,big,small,0.8,0.8\nv100,small,small,0.8,0.8\n",
+        "memory",
+    )
+    .unwrap()
+    .with_memory("app,mem_mb\nbig,10000\nsmall,5000\n", "memory", 16_384)
+    .unwrap()
+}
+
+#[test]
+fn memory_that_fits_pair_by_pair_may_not_fit_three_together() {
+    // Jobs of 6,000 MiB fit two by two (12,000 of 16,384) but not three together (18,000).
+    // First-fit puts all three on the GPU; the third fails.
+    let t = Table::parse("gpu,job_a,job_b,speed_a,speed_b\nv100,s,s,0.5,0.5\n", "s")
+        .unwrap()
+        .with_memory("app,mem_mb\ns,6000\n", "s", 16_384)
+        .unwrap();
+    let shape = Shape {
+        jobs_per_gpu: 3,
+        ..ONE_GPU
+    };
+    let trace = [
+        job(&t, "1", 0.0, "s", 100.0),
+        job(&t, "2", 0.0, "s", 100.0),
+        job(&t, "3", 0.0, "s", 100.0),
+    ];
+    let first_fit = |trace: &[TraceJob]| {
+        let mut p = policy::make("first-fit", &t, shape, 1).unwrap();
+        world::run(&t, trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
+    };
+    let (three, two) = (first_fit(&trace), first_fit(&trace[..2]));
+    assert_eq!(three.oom_failures, 1, "{three:?}");
+    assert_eq!(two.oom_failures, 0, "{two:?}");
+}
+
+#[test]
+fn gpu_telemetry_shows_the_daemon_what_memory_a_job_needs() {
+    // A big ran alone; two more arrive together. With telemetry the daemon measured the first
+    // one's memory, so it keeps the second beside nothing but a small (here: waits for the
+    // GPU); without, the pair is never tried and looks like any other, and one of them fails.
+    let t = memory_table();
+    let trace = [
+        job(&t, "1", 0.0, "big", 1000.0),
+        job(&t, "2", 1500.0, "big", 1000.0),
+        job(&t, "3", 1500.0, "big", 1000.0),
+    ];
+    let run = |busy_every_s| {
+        let progress = Progress {
+            busy_every_s,
+            ..NO_REPORTS
+        };
+        learned_on_one_gpu(&t, &trace, progress, 0.0)
+    };
+    let (blind, measured) = (run(0.0), run(100.0));
+    assert_eq!(blind.oom_failures, 1, "{blind:?}");
+    assert_eq!(measured.oom_failures, 0, "{measured:?}");
+}
+
 #[test]
 fn a_sites_history_carries_what_it_learned_into_a_later_trace() {
     // A first trace teaches the nodes, the pairs that ran out of memory among them.

@@ -984,12 +984,23 @@ impl World<'_> {
 
     /// Whether job `j` cannot share with one of the jobs on GPU `gi` that hold their memory
     /// for good: those not doomed themselves (a doomed job is about to fail and free it).
+    /// Where the table has memory, also when their memory together exceeds the GPU's (each
+    /// pair may fit, three may not).
     fn clashes(&self, j: usize, gi: usize) -> bool {
         let app = self.jobs[j].app;
-        self.gpus[gi]
-            .jobs
-            .iter()
-            .any(|&o| o != j && !self.jobs[o].doomed && self.table.speed(app, self.jobs[o].app).is_none())
+        let holding = || self.gpus[gi].jobs.iter().filter(|&&o| o != j && !self.jobs[o].doomed);
+        if holding().any(|&o| self.table.speed(app, self.jobs[o].app).is_none()) {
+            return true;
+        }
+        match (self.table.memory_of(app), self.table.gpu_memory()) {
+            (Some(mine), Some(gpu)) => {
+                mine + holding()
+                    .filter_map(|&o| self.table.memory_of(self.jobs[o].app))
+                    .sum::<u64>()
+                    > gpu
+            }
+            _ => false,
+        }
     }
 
     fn start(&mut self, now: f64, j: usize, node: usize, g: usize) {
