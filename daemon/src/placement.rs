@@ -616,6 +616,11 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             reason: format!("GPU {} is free: runs alone", gpu.index),
         });
     }
+    // Where the newcomer's memory and every resident's are known (a hint, or measured through
+    // NVML) and fit together, as checked above, a pair never tried carries no risk from how
+    // often its applications ran out of memory with others: those rates stand in for memory
+    // where nothing measures it, and memory is what runs out.
+    let memory_known = job.mem_mb.is_some() && gpu.residents.iter().all(|r| r.mem_mb.is_some());
     let prior = knobs.unknown_pair_speed;
     let mut speed = 1.0;
     let mut gain = 0.0;
@@ -631,7 +636,9 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             ));
         }
         if est.is_none_or(|e| e.observations == 0) {
-            safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
+            if !memory_known {
+                safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
+            }
             untried = true;
         }
         // The resident's side from its own row: the newcomer's row holds it as `other_speed`
@@ -1315,6 +1322,48 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn memory_known_to_fit_takes_the_place_of_a_failure_rate() {
+        // `big` ran out of memory with 6 of its 7 partners, but here both jobs' memory is
+        // known (measured or hinted) and fits: the pair is no gamble, and with `min_gain` it
+        // is taken (the prior's 0.70 each side gains 0.40) instead of declined at 67% risk.
+        let h = profiles(&[("big", (6, 7))], |ooms| AppProfile {
+            ooms,
+            ..Default::default()
+        });
+        let knobs = Knobs {
+            min_gain: 0.25,
+            ..KNOBS
+        };
+        let with_memory = |resident: Option<u64>| {
+            let mut g = gpu(0, &[(1, "big")]);
+            g.residents[0].mem_mb = resident;
+            [g, gpu(1, &[(2, "x"), (3, "y")])]
+        };
+        let new = |mem_mb| Newcomer { app: "new", mem_mb };
+        match place(&with_memory(Some(9000)), &new(Some(6000)), &h, knobs) {
+            Decision::Place { gpu, reason, .. } => {
+                assert_eq!(gpu, 0);
+                assert!(!reason.contains("risk"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Either side's memory unknown: the rate stands in for it, as before.
+        for (resident, newcomer) in [(None, Some(6000)), (Some(9000), None)] {
+            let d = place(&with_memory(resident), &new(newcomer), &h, knobs);
+            assert!(
+                matches!(&d, Decision::Decline { reason, .. } if reason.contains("67% risk")),
+                "{d:?}"
+            );
+        }
+        // Known not to fit: ruled out by memory, whatever the rates.
+        let d = place(&with_memory(Some(11000)), &new(Some(6000)), &h, knobs);
+        assert!(
+            matches!(&d, Decision::Decline { reason, .. } if reason.contains("memory: 6000 MiB asked")),
+            "{d:?}"
+        );
     }
 
     #[test]
