@@ -1632,6 +1632,7 @@ mod tests {
                 .iter()
                 .flat_map(|&(a, b, speed)| [row(a, b, speed), row(b, a, speed)])
                 .collect(),
+            memory: vec![],
         };
         node.import(&export).unwrap();
     }

@@ -196,12 +196,15 @@ pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
         .import(&data, config.policy.unknown_pair_speed)
         .map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!(
-        "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; {} kept (ours had as many observations)",
+        "multiplexd: imported {}: solo runtimes {} added, {} replaced; pair speeds {} added, {} replaced; \
+         applications' memory {} added, {} raised; {} kept (ours had as many observations, or as much memory)",
         file.display(),
         done.solo_added,
         done.solo_replaced,
         done.pairs_added,
         done.pairs_replaced,
+        done.memory_added,
+        done.memory_raised,
         done.kept
     );
     Ok(())

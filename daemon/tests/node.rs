@@ -637,6 +637,36 @@ fn measured_memory_stands_in_for_a_missing_hint() {
     }
     // An application never measured is placed as before.
     assert!(matches!(w.start(202.0, 4, "small"), Response::Placed(_)));
+
+    // The measured memory travels with the history: a node that imports it keeps a second big
+    // from beside the first without ever having run one.
+    let data = w.node.history().export().unwrap();
+    assert_eq!(data.memory.len(), 1, "{:?}", data.memory);
+    assert_eq!((data.memory[0].app.as_str(), data.memory[0].peak_mb), ("big", 12000));
+    let mut fresh = World::new();
+    let mut bad = data.clone();
+    bad.memory[0].peak_mb = 0;
+    let err = fresh.node.import(&bad).unwrap_err();
+    assert!(
+        err.contains("memory of big must be a positive number of MiB, not 0"),
+        "{err}"
+    );
+    let done = fresh.node.import(&data).unwrap();
+    assert_eq!((done.memory_added, done.memory_raised), (1, 0));
+    fresh.start(300.0, 5, "big");
+    match fresh.start(301.0, 6, "big") {
+        Response::Declined { reason, .. } => assert!(reason.contains("memory: 12000 MiB asked"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // A smaller measurement from elsewhere never lowers it; a larger one raises it.
+    let mut less = data.clone();
+    less.memory[0].peak_mb = 8000;
+    assert_eq!(fresh.node.import(&less).unwrap().memory_raised, 0);
+    assert_eq!(fresh.node.history().app_mem_peak("big").unwrap(), Some(12000));
+    let mut more = data;
+    more.memory[0].peak_mb = 13000;
+    assert_eq!(fresh.node.import(&more).unwrap().memory_raised, 1);
+    assert_eq!(fresh.node.history().app_mem_peak("big").unwrap(), Some(13000));
 }
 
 #[test]

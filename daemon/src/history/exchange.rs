@@ -29,6 +29,13 @@ pub struct SoloRow {
     pub runs: u32,
 }
 
+/// The GPU memory an application's latest measured runs peaked at (NVML), MiB.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryRow {
+    pub app: String,
+    pub peak_mb: u64,
+}
+
 /// What `export` writes and `import` reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Export {
@@ -37,6 +44,9 @@ pub struct Export {
     pub version: u32,
     pub solo: Vec<SoloRow>,
     pub pairs: Vec<PairRow>,
+    /// Absent from the exports of older daemons (read as none); older daemons skip it.
+    #[serde(default)]
+    pub memory: Vec<MemoryRow>,
 }
 
 pub const EXPORT_FORMAT: &str = "multiplexd-history";
@@ -50,6 +60,9 @@ pub struct Imported {
     pub pairs_added: usize,
     pub pairs_replaced: usize,
     pub kept: usize,
+    /// Applications whose memory was unknown here, and those whose memory the import raised.
+    pub memory_added: usize,
+    pub memory_raised: usize,
 }
 
 impl History {
@@ -97,6 +110,20 @@ impl History {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// Every application's measured memory.
+    pub fn memory(&self) -> Result<Vec<MemoryRow>, HistoryError> {
+        let mut stmt = self.conn.prepare(
+            "SELECT a.name, m.peak_mb FROM app_memory m JOIN applications a ON a.id = m.app_id ORDER BY a.name",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok(MemoryRow {
+                app: r.get(0)?,
+                peak_mb: r.get::<_, i64>(1)?.max(0) as u64,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Everything learned, for another node.
     pub fn export(&self) -> Result<Export, HistoryError> {
         Ok(Export {
@@ -104,12 +131,14 @@ impl History {
             version: EXPORT_VERSION,
             solo: self.solos()?,
             pairs: self.pairs()?,
+            memory: self.memory()?,
         })
     }
 
     /// Merges another node's export: a row is added when it is new here and replaces ours when it
-    /// rests on more observations; an out-of-memory mark is never dropped. What is known of each
-    /// application is then refitted, with `prior` (`policy.unknown_pair_speed`).
+    /// rests on more observations; an out-of-memory mark is never dropped, nor is the larger of
+    /// two measured memories (until this node's own next measured run of the application). What
+    /// is known of each application is then refitted, with `prior` (`policy.unknown_pair_speed`).
     pub fn import(&mut self, data: &Export, prior: f64) -> Result<Imported, String> {
         if data.format != EXPORT_FORMAT {
             return Err(format!("not a multiplexd history export (format {:?})", data.format));
@@ -133,6 +162,16 @@ impl History {
             return Err(format!(
                 "solo runtime of {} on {} must be positive, not {}; nothing was imported",
                 s.app, s.gpu_model, s.runtime_s
+            ));
+        }
+        if let Some(m) = data
+            .memory
+            .iter()
+            .find(|m| m.peak_mb == 0 || m.peak_mb > i64::MAX as u64)
+        {
+            return Err(format!(
+                "memory of {} must be a positive number of MiB, not {}; nothing was imported",
+                m.app, m.peak_mb
             ));
         }
         let mut done = Imported::default();
@@ -201,6 +240,29 @@ impl History {
                         done.pairs_replaced += 1;
                     } else {
                         done.pairs_added += 1;
+                    }
+                }
+            }
+        }
+        for m in &data.memory {
+            let id = app(&tx, &m.app).map_err(sql)?;
+            let have: Option<i64> = tx
+                .query_row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
+                .optional()
+                .map_err(sql)?;
+            match have {
+                Some(ours) if ours >= m.peak_mb as i64 => done.kept += 1,
+                _ => {
+                    tx.execute(
+                        "INSERT INTO app_memory(app_id, peak_mb) VALUES (?1, ?2)
+                         ON CONFLICT(app_id) DO UPDATE SET peak_mb = ?2",
+                        params![id, m.peak_mb as i64],
+                    )
+                    .map_err(sql)?;
+                    if have.is_some() {
+                        done.memory_raised += 1;
+                    } else {
+                        done.memory_added += 1;
                     }
                 }
             }

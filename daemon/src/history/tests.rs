@@ -67,6 +67,16 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
 }
 
 #[test]
+fn an_export_of_an_older_daemon_has_no_memory_and_still_reads() {
+    let old: Export =
+        serde_json::from_str(r#"{"format":"multiplexd-history","version":1,"solo":[],"pairs":[]}"#).unwrap();
+    assert!(old.memory.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
+    assert_eq!(h.import(&old, 0.7).unwrap(), Imported::default());
+}
+
+#[test]
 fn memory_a_history_kept_as_zero_becomes_unknown() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("h.sqlite");
