@@ -890,8 +890,8 @@ impl Node {
     /// Slurm job it claims and the uid it runs as by `job_of(pid)`; the jobs running here get
     /// the memory and SM utilisation of their processes that run as their user added up.
     /// Processes of other jobs (or none), and processes of another user claiming a job, are
-    /// ignored. Where MPS is off,
-    /// each job's busy GPU time is counted too ([`crate::config::DEFAULT_BUSY_RECORD_S`]).
+    /// ignored. Where MPS is off, each job's busy GPU time is counted too
+    /// ([`crate::config::DEFAULT_BUSY_RECORD_S`]).
     pub fn record_telemetry(
         &mut self,
         samples: &[crate::gpus::GpuSample],
@@ -942,11 +942,11 @@ impl Node {
     ) -> Result<(), HistoryError> {
         self.busy.retain(|row, _| active.iter().any(|j| j.row == *row));
         let prior = self.config.policy.unknown_pair_speed;
+        // Telemetry that failed for longer than two records knows nothing of the gap: the
+        // count begins again rather than spread this round over it.
+        let gap = 2.0 * self.config.busy_record_s as f64;
         for job in active {
             let pct = util(job.row);
-            // Telemetry that failed for longer than two records knows nothing of the gap: the
-            // count begins again rather than spread this round over it.
-            let gap = 2.0 * self.config.busy_record_s as f64;
             let count = match self.busy.get(&job.row).filter(|c| now - c.counted <= gap) {
                 Some(&c) => c,
                 None => {

@@ -481,6 +481,19 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
     );
 }
 
+/// The learned policy's runs of `trace` on one GPU without reports: without GPU telemetry, and
+/// with a round every 100 s.
+fn blind_and_measured(t: &Table, trace: &[TraceJob], separate_below: f64) -> (world::Outcome, world::Outcome) {
+    let run = |busy_every_s| {
+        let progress = Progress {
+            busy_every_s,
+            ..NO_REPORTS
+        };
+        learned_on_one_gpu(t, trace, progress, separate_below)
+    };
+    (run(0.0), run(100.0))
+}
+
 #[test]
 fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
     // As above, without reports: x beside y runs at 0.3 and y beside x at 0.1. Each ran alone
@@ -494,30 +507,11 @@ fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
         job(&t, "3", 2500.0, "x", 10_000.0),
         job(&t, "4", 2500.0, "y", 10_000.0),
     ];
-    let run = |busy_every_s| {
-        let progress = Progress {
-            busy_every_s,
-            ..NO_REPORTS
-        };
-        learned_on_one_gpu(&t, &trace, progress, multiplexd::config::DEFAULT_SEPARATE_BELOW)
-    };
-    let (blind, measured) = (run(0.0), run(100.0));
+    let (blind, measured) = blind_and_measured(&t, &trace, multiplexd::config::DEFAULT_SEPARATE_BELOW);
     assert_eq!(blind.separations, 0, "{blind:?}");
     assert_eq!(measured.separations, 1, "{measured:?}");
     // Given back within a few records of the pair's start, not after x's 33,000 s.
     assert!(measured.jobs[2].2 < 15_000.0, "{measured:?}");
-}
-
-/// `big` needs 10,000 MiB and `small` 5,000 on GPUs of 16,384: two bigs do not fit together;
-/// every other pair does, at 0.8 each side.
-fn memory_table() -> Table {
-    Table::parse(
-        "gpu,job_a,job_b,speed_a,speed_b\nv100,big,big,0.8,0.8\nv100,big,small,0.8,0.8\nv100,small,small,0.8,0.8\n",
-        "memory",
-    )
-    .unwrap()
-    .with_memory("app,mem_mb\nbig,10000\nsmall,5000\n", "memory", 16_384)
-    .unwrap()
 }
 
 #[test]
@@ -551,20 +545,21 @@ fn gpu_telemetry_shows_the_daemon_what_memory_a_job_needs() {
     // A big ran alone; two more arrive together. With telemetry the daemon measured the first
     // one's memory, so it keeps the second beside nothing but a small (here: waits for the
     // GPU); without, the pair is never tried and looks like any other, and one of them fails.
-    let t = memory_table();
+    // `big` needs 10,000 MiB and `small` 5,000 on GPUs of 16,384: two bigs do not fit
+    // together; every other pair does, at 0.8 each side.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,big,big,0.8,0.8\nv100,big,small,0.8,0.8\nv100,small,small,0.8,0.8\n",
+        "memory",
+    )
+    .unwrap()
+    .with_memory("app,mem_mb\nbig,10000\nsmall,5000\n", "memory", 16_384)
+    .unwrap();
     let trace = [
         job(&t, "1", 0.0, "big", 1000.0),
         job(&t, "2", 1500.0, "big", 1000.0),
         job(&t, "3", 1500.0, "big", 1000.0),
     ];
-    let run = |busy_every_s| {
-        let progress = Progress {
-            busy_every_s,
-            ..NO_REPORTS
-        };
-        learned_on_one_gpu(&t, &trace, progress, 0.0)
-    };
-    let (blind, measured) = (run(0.0), run(100.0));
+    let (blind, measured) = blind_and_measured(&t, &trace, 0.0);
     assert_eq!(blind.oom_failures, 1, "{blind:?}");
     assert_eq!(measured.oom_failures, 0, "{measured:?}");
 }
