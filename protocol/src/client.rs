@@ -199,7 +199,7 @@ mod tests {
         assert!(e.to_string().contains("larger than"), "{e}");
 
         let (_dir, path, h) = fake_daemon("json-garbage", |mut s| {
-            let body = br#"{"version":1,"nonsense":true}"#;
+            let body = br#"{"version":2,"nonsense":true}"#;
             let _ = s.write_all(&(body.len() as u32).to_be_bytes());
             let _ = s.write_all(body);
         });

@@ -3,6 +3,7 @@
 //! code that runs inside Slurm processes.
 
 pub mod client;
+pub mod gres;
 pub mod spec;
 pub mod srun;
 pub mod user;

@@ -19,6 +19,12 @@ pub struct Spec {
     pub app: Option<String>,
     /// `mem=SIZE` in MiB, if given.
     pub mem_mb: Option<u64>,
+    /// `model=NAME`: the GPU model asked for (job_submit writes it from `--gres=gpu:MODEL:N`).
+    pub model: Option<String>,
+    /// `pin=node`: claim the job for a node only and let Slurm pick its GPU there. job_submit
+    /// writes it for a job srun makes itself: srun asks for that job's step with the job's
+    /// allocated gres, and Slurm (22.05, 24.11) refuses a step that asks for a typed shard.
+    pub node_only: bool,
 }
 
 /// Why a SPEC was refused; the message names the bad part.
@@ -26,7 +32,7 @@ pub struct Spec {
 pub enum SpecError {
     #[error("'{0}' is not key=value (expected e.g. --multiplex=app=bert,mem=16G)")]
     NotKeyValue(String),
-    #[error("unknown key '{0}' (known keys: app, mem)")]
+    #[error("unknown key '{0}' (known keys: app, mem, model, pin)")]
     UnknownKey(String),
     #[error("key '{0}' is given twice")]
     Duplicate(String),
@@ -34,6 +40,10 @@ pub enum SpecError {
     BadApp(String),
     #[error("mem size '{0}' is invalid: use a positive number with an optional K, M, G or T suffix, e.g. 16G")]
     BadMem(String),
+    #[error("GPU model '{0}' is invalid: use 1 to {MAX_APP_LEN} letters, digits, '.', '_' or '-'")]
+    BadModel(String),
+    #[error("pin '{0}' is invalid: the only value is pin=node")]
+    BadPin(String),
 }
 
 impl Spec {
@@ -61,6 +71,22 @@ impl Spec {
                         return Err(SpecError::Duplicate("mem".into()));
                     }
                     spec.mem_mb = Some(parse_mem_mb(val.trim())?);
+                }
+                "model" => {
+                    if spec.model.is_some() {
+                        return Err(SpecError::Duplicate("model".into()));
+                    }
+                    let model = val.trim();
+                    spec.model = Some(parse_app(model).map_err(|_| SpecError::BadModel(model.to_string()))?);
+                }
+                "pin" => {
+                    if spec.node_only {
+                        return Err(SpecError::Duplicate("pin".into()));
+                    }
+                    if val.trim() != "node" {
+                        return Err(SpecError::BadPin(val.trim().to_string()));
+                    }
+                    spec.node_only = true;
                 }
                 other => return Err(SpecError::UnknownKey(other.to_string())),
             }
@@ -121,6 +147,12 @@ impl fmt::Display for Spec {
         }
         if let Some(mem) = self.mem_mb {
             parts.push(format!("mem={mem}M"));
+        }
+        if let Some(model) = &self.model {
+            parts.push(format!("model={model}"));
+        }
+        if self.node_only {
+            parts.push("pin=node".to_string());
         }
         f.write_str(&parts.join(","))
     }
@@ -215,10 +247,24 @@ mod tests {
     }
 
     #[test]
+    fn a_job_srun_made_is_tagged_to_be_claimed_for_a_node_only() {
+        let spec = Spec {
+            app: Some("bert".into()),
+            node_only: true,
+            ..Spec::default()
+        };
+        assert_eq!(spec.tag(), "multiplex:app=bert,pin=node");
+        assert_eq!(Spec::from_tag(Some(&spec.tag())), Some(Ok(spec)));
+        assert_eq!(Spec::parse(Some("pin=gpu")), Err(SpecError::BadPin("gpu".into())));
+    }
+
+    #[test]
     fn a_tag_gives_back_the_spec_it_was_written_from() {
         let spec = Spec {
             app: Some("bert".into()),
             mem_mb: Some(16384),
+            model: None,
+            node_only: false,
         };
         assert_eq!(spec.tag(), "multiplex:app=bert,mem=16384M");
         assert_eq!(Spec::from_tag(Some(&spec.tag())), Some(Ok(spec.clone())));
@@ -248,6 +294,8 @@ mod tests {
                 Spec {
                     app: Some("bert".into()),
                     mem_mb: None,
+                    model: None,
+                    node_only: false,
                 },
             ),
             (
@@ -255,6 +303,8 @@ mod tests {
                 Spec {
                     app: None,
                     mem_mb: Some(16384),
+                    model: None,
+                    node_only: false,
                 },
             ),
             (
@@ -262,6 +312,8 @@ mod tests {
                 Spec {
                     app: Some("resnet50-bs64".into()),
                     mem_mb: Some(512),
+                    model: None,
+                    node_only: false,
                 },
             ),
             (
@@ -269,6 +321,8 @@ mod tests {
                 Spec {
                     app: Some("a.b_c".into()),
                     mem_mb: Some(1024 * 1024),
+                    model: None,
+                    node_only: false,
                 },
             ),
             (
@@ -276,6 +330,8 @@ mod tests {
                 Spec {
                     app: None,
                     mem_mb: Some(2),
+                    model: None,
+                    node_only: false,
                 },
             ),
             (
@@ -283,6 +339,8 @@ mod tests {
                 Spec {
                     app: None,
                     mem_mb: Some(16384),
+                    model: None,
+                    node_only: false,
                 },
             ),
         ];

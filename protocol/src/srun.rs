@@ -12,6 +12,39 @@
 /// The SPANK job-environment variable that carries srun's GPU asks to job_submit.
 pub const GPU_REQUEST_ENV: &str = "MULTIPLEX_SRUN_GPUS";
 
+/// What a step of a multiplexed job asks for: one share of its job's GPU, without a type.
+/// Once the claimer has typed the job's shard (`shard:v100_1:1`), Slurm (22.05 and 24.11
+/// alike) refuses a step that asks for no gres ("Invalid generic resource (gres)
+/// specification") or for the typed shard, and gives one that asks for `shard:1` the job's
+/// GPU. srun making its own job sends it with the job's request too: job_submit takes it off
+/// again ([`without_step_share`]).
+pub const STEP_SHARE: &str = "shard:1";
+
+/// srun's `--gres` for a step of a multiplexed job: the entries that are not GPUs (`keep`),
+/// and [`STEP_SHARE`].
+pub fn step_gres(keep: Option<&str>) -> String {
+    match keep.filter(|k| !k.is_empty()) {
+        Some(k) => format!("{k},{STEP_SHARE}"),
+        None => STEP_SHARE.to_string(),
+    }
+}
+
+/// A job request's `tres_per_node` (`gres:tmpdisk:10,gres:shard:1`) without the one
+/// [`STEP_SHARE`] entry srun added to it for its step; `None` when nothing is left.
+pub fn without_step_share(tres_per_node: &str) -> Option<String> {
+    let mut removed = false;
+    let kept: Vec<&str> = tres_per_node
+        .split(',')
+        .filter(|e| {
+            let bare = e.strip_prefix("gres:").or_else(|| e.strip_prefix("gres/")).unwrap_or(e);
+            let drop = !removed && bare == STEP_SHARE;
+            removed |= drop;
+            !drop && !e.is_empty()
+        })
+        .collect();
+    (!kept.is_empty()).then(|| kept.join(","))
+}
+
 /// The job description fields an srun GPU option becomes (names as in `job_desc_msg_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
@@ -178,6 +211,22 @@ mod tests {
             v[i] = Some(value.to_string());
         }
         v
+    }
+
+    #[test]
+    fn a_step_asks_for_one_untyped_share_beside_what_is_not_a_gpu() {
+        assert_eq!(step_gres(None), "shard:1");
+        assert_eq!(step_gres(Some("tmpdisk:10")), "tmpdisk:10,shard:1");
+        assert_eq!(without_step_share("gres:shard:1"), None);
+        assert_eq!(
+            without_step_share("gres/tmpdisk:10,gres/shard:1").as_deref(),
+            Some("gres/tmpdisk:10")
+        );
+        // Only the one srun added: a second is the user's, for job_submit to refuse.
+        assert_eq!(
+            without_step_share("gres:shard:1,gres:shard:1").as_deref(),
+            Some("gres:shard:1")
+        );
     }
 
     #[test]

@@ -7,8 +7,9 @@
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
-/// The protocol version both ends must speak.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version both ends must speak. 2: a step's start is recorded where Slurm put
+/// it (`start`); the daemon no longer chooses a GPU at launch (`place`, version 1).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame either side accepts (bytes of JSON).
 pub const MAX_FRAME: usize = 256 * 1024;
@@ -47,17 +48,17 @@ pub struct ResponseFrame {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Request {
-    /// Where should this job step run? (root or the Slurm user only)
-    Place(PlaceRequest),
+    /// This job step started where Slurm put it: record it there. (root or the Slurm user only)
+    Start(StartRequest),
     /// This job step ended. (root or the Slurm user only)
     Finish(FinishRequest),
     /// What runs where on this node.
     Status,
     /// Something a running job says about itself. (root, the Slurm user, or the job's user)
     Report(ReportRequest),
-    /// Why a job got its GPU or was declined, who shared it, what was learned: `multiplexd
-    /// explain` for users who may not read the history file. (Where Slurm keeps jobs private,
-    /// the job's own user, root and the Slurm user only.)
+    /// Where a job ran and beside whom, what was predicted and learned: `multiplexd explain`
+    /// for users who may not read the history file. (Where Slurm keeps jobs private, the job's
+    /// own user, root and the Slurm user only.)
     Explain { job_id: u32 },
 }
 
@@ -78,9 +79,9 @@ pub enum ReportKind {
     OutOfMemory,
 }
 
-/// A job step asking for its GPU, with what Slurm allocated to it.
+/// A job step that started, with what Slurm allocated to it and what slurmctld says of the job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlaceRequest {
+pub struct StartRequest {
     pub job_id: u32,
     pub step_id: u32,
     pub uid: u32,
@@ -90,47 +91,30 @@ pub struct PlaceRequest {
     pub mem_mb: Option<u64>,
     /// The Slurm node name (several may share one host).
     pub node: String,
-    /// `CUDA_VISIBLE_DEVICES` as Slurm set it.
-    pub slurm_cuda_visible_devices: Option<String>,
-    /// `SLURM_JOB_GPUS` as Slurm set it.
+    /// The job's gres per node as slurmctld holds it (`shard:v100_1:1`, `gres/shard:1`): a
+    /// claimed job's names its GPU by type.
+    pub slurm_gres: Option<String>,
+    /// The node's index of the GPU Slurm allocated the job, from slurmctld's detail of its
+    /// allocation (what `scontrol show job -d` shows; never the job's environment).
     pub slurm_job_gpus: Option<String>,
-    /// `SLURM_SHARDS_ON_NODE` as Slurm set it.
-    pub slurm_shards_on_node: Option<String>,
-    /// How many times Slurm has requeued the job so far (slurmstepd's own count: declines and
-    /// failures alike), by which the daemon backs off and bounds its declines. Absent from an
-    /// older plugin: 0.
-    #[serde(default)]
-    pub restarts: u32,
-    /// The step cannot wait to be started again: it is not a batch script, or requeueing its
-    /// job failed (`--no-requeue`, `JobRequeue=0`). It takes any GPU where it fits rather than
-    /// be declined for a poor partner. Absent from an older plugin: false.
-    #[serde(default)]
-    pub cannot_wait: bool,
-    /// The job's admin comment as slurmstepd read it from slurmctld (job_submit's tag first):
-    /// the daemon adds where the job runs after it, keeping the rest. Absent from an older
-    /// plugin: nothing is added.
-    #[serde(default)]
+    /// The job's admin comment as slurmstepd read it from slurmctld (job_submit's tag first,
+    /// then the claimer's note).
     pub admin_comment: Option<String>,
 }
 
-impl PlaceRequest {
-    /// Step 0 of job `job_id` of `app`, by `uid`, on `node`, with nothing else known: no
-    /// memory hint, no GPU Slurm bound, no restarts, no admin comment. What the simulator
-    /// asks, and the base of tests' requests (`PlaceRequest { cannot_wait: true,
-    /// ..PlaceRequest::new(..) }`).
-    pub fn new(job_id: u32, uid: u32, app: impl Into<String>, node: impl Into<String>) -> Self {
-        PlaceRequest {
+impl StartRequest {
+    /// Step 0 of job `job_id` of `app`, by `uid`, on `node`, bound to GPU `gpu`, with nothing
+    /// else known: what the simulator says, and the base of tests' requests.
+    pub fn new(job_id: u32, uid: u32, app: impl Into<String>, node: impl Into<String>, gpu: u32) -> Self {
+        StartRequest {
             job_id,
             step_id: 0,
             uid,
             app: app.into(),
             mem_mb: None,
             node: node.into(),
-            slurm_cuda_visible_devices: None,
-            slurm_job_gpus: None,
-            slurm_shards_on_node: None,
-            restarts: 0,
-            cannot_wait: false,
+            slurm_gres: None,
+            slurm_job_gpus: Some(gpu.to_string()),
             admin_comment: None,
         }
     }
@@ -149,12 +133,12 @@ pub struct FinishRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
-    Placed(Placement),
-    /// No GPU of this node can take the step safely: try again after `retry_after_s`
-    /// seconds, or, when it is 0, never here (the job cannot fit on this node at all).
-    Declined {
+    /// Recorded on the GPU Slurm bound it to: what its tasks should know.
+    Started(Placement),
+    /// No GPU of this node could ever hold the job (it needs more memory than the largest
+    /// has): the step fails with this reason.
+    Refused {
         reason: String,
-        retry_after_s: u32,
     },
     Finished,
     Status(NodeStatus),
@@ -173,36 +157,28 @@ pub enum Response {
     },
 }
 
-/// The daemon's decision for one job step.
+/// Where a job step runs, as the daemon recorded it, and what it predicts of it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Placement {
-    /// Index of the chosen GPU on the node (as CUDA numbers it).
+    /// The node's index of the GPU Slurm bound the job to.
     pub gpu: u32,
     /// Job ids of the tasks already sharing that GPU.
     pub corunners: Vec<u32>,
     /// Predicted speed of this job relative to running alone (1.0 = no slowdown).
     pub predicted_speed: f64,
-    /// One line saying why this GPU.
+    /// One line saying how the job came to this GPU, and what its partners predict.
     pub reason: String,
     /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, when the site uses MPS.
     pub mps_thread_percentage: Option<u32>,
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in MiB, when the site uses MPS.
     pub mps_mem_limit_mb: Option<u64>,
-    /// The chosen GPU's UUID, where the daemon knows it (NVML): `CUDA_VISIBLE_DEVICES` names
-    /// the GPU by it, since NVML's index (`gpu`) and CUDA's differ unless
-    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`. Absent from daemons that predate it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_uuid: Option<String>,
 }
 
 impl Placement {
-    /// The environment variables the SPANK plugin sets in every task of the step.
+    /// The environment variables the SPANK plugin sets in every task of the step. Never
+    /// `CUDA_VISIBLE_DEVICES`: Slurm's own (its device cgroup's view) stands.
     pub fn environment(&self) -> Vec<(String, String)> {
         let mut env = vec![
-            (
-                "CUDA_VISIBLE_DEVICES".to_string(),
-                self.gpu_uuid.clone().unwrap_or_else(|| self.gpu.to_string()),
-            ),
             ("MULTIPLEX_GPU".to_string(), self.gpu.to_string()),
             (
                 "MULTIPLEX_CORUNNERS".to_string(),
@@ -217,11 +193,9 @@ impl Placement {
         if let Some(p) = self.mps_thread_percentage {
             env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(), p.to_string()));
         }
+        // The one GPU the job sees is its device 0, whatever the node calls it.
         if let Some(m) = self.mps_mem_limit_mb {
-            env.push((
-                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
-                format!("{}={m}M", self.gpu),
-            ));
+            env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(), format!("0={m}M")));
         }
         env
     }
@@ -342,20 +316,12 @@ fn decode_versioned<F: serde::de::DeserializeOwned, T>(
 mod tests {
     use super::*;
 
-    fn place() -> Request {
-        Request::Place(PlaceRequest {
-            job_id: 7,
-            step_id: 0,
-            uid: 1000,
-            app: "bert".into(),
+    fn start() -> Request {
+        Request::Start(StartRequest {
             mem_mb: Some(16384),
-            node: "n1".into(),
-            slurm_cuda_visible_devices: Some("1".into()),
-            slurm_job_gpus: Some("1".into()),
-            slurm_shards_on_node: Some("1".into()),
-            restarts: 0,
-            cannot_wait: false,
-            admin_comment: None,
+            slurm_gres: Some("shard:v100_1:1".into()),
+            admin_comment: Some("multiplex:app=bert".into()),
+            ..StartRequest::new(7, 1000, "bert", "n1", 1)
         })
     }
 
@@ -364,11 +330,11 @@ mod tests {
         let mut buf = Vec::new();
         let frame = RequestFrame {
             version: PROTOCOL_VERSION,
-            request: place(),
+            request: start(),
         };
         write_frame(&mut buf, &frame).unwrap();
         let body = read_frame_bytes(&mut buf.as_slice()).unwrap().unwrap();
-        assert_eq!(decode_request(&body).unwrap(), place());
+        assert_eq!(decode_request(&body).unwrap(), start());
     }
 
     #[test]
@@ -393,8 +359,13 @@ mod tests {
         // Not JSON, wrong shape, wrong version.
         assert!(matches!(decode_request(b"garbage"), Err(FrameError::Malformed(_))));
         assert!(matches!(
-            decode_request(br#"{"version":1,"request":{"type":"fly"}}"#),
+            decode_request(br#"{"version":2,"request":{"type":"fly"}}"#),
             Err(FrameError::Malformed(_))
+        ));
+        // A plugin of version 1 (which asked where to run) is told the version, not misread.
+        assert!(matches!(
+            decode_request(br#"{"version":1,"request":{"type":"place","job_id":1}}"#),
+            Err(FrameError::Version { got: 1 })
         ));
         assert!(matches!(
             decode_request(br#"{"version":99,"request":{"type":"status"}}"#),
@@ -403,7 +374,7 @@ mod tests {
     }
 
     #[test]
-    fn placement_environment() {
+    fn placement_environment_leaves_slurms_gpu_alone() {
         let p = Placement {
             gpu: 1,
             corunners: vec![12, 13],
@@ -411,26 +382,14 @@ mod tests {
             reason: "r".into(),
             mps_thread_percentage: Some(50),
             mps_mem_limit_mb: Some(8192),
-            gpu_uuid: None,
         };
         let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
-        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "1");
+        assert!(!env.contains_key("CUDA_VISIBLE_DEVICES"), "{env:?}");
+        assert_eq!(env["MULTIPLEX_GPU"], "1");
         assert_eq!(env["MULTIPLEX_CORUNNERS"], "12,13");
         assert_eq!(env["MULTIPLEX_PREDICTED_SPEED"], "0.812");
         assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
-        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "1=8192M");
-        // Where NVML gave the GPU's UUID, CUDA is told the GPU by it; scripts still get the index.
-        let p = Placement {
-            gpu_uuid: Some("GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f".into()),
-            ..p
-        };
-        let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
-        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f");
-        assert_eq!(env["MULTIPLEX_GPU"], "1");
-        // A daemon from before the UUID: the field is absent, and the index is used.
-        let old = r#"{"gpu":2,"corunners":[],"predicted_speed":1.0,"reason":"r","mps_thread_percentage":null,"mps_mem_limit_mb":null}"#;
-        let p: Placement = serde_json::from_str(old).unwrap();
-        assert_eq!(p.gpu_uuid, None);
-        assert!(!serde_json::to_string(&p).unwrap().contains("gpu_uuid"));
+        // The job sees its one GPU as device 0.
+        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=8192M");
     }
 }

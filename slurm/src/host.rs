@@ -4,11 +4,10 @@
 //! failing to load.
 
 use crate::bindings::{
-    job_desc_msg_t, multiplex_free_job_info_msg_f, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f,
-    multiplex_hostlist_find_f, multiplex_hostlist_shift_f, multiplex_init_job_desc_msg_f, multiplex_load_job_f,
-    multiplex_requeue_f, multiplex_spank_context_f, multiplex_spank_getenv_f, multiplex_spank_job_control_setenv_f,
-    multiplex_spank_option_register_f, multiplex_spank_setenv_f, multiplex_strerror_f, multiplex_update_job_f,
-    spank_err_t, spank_item_t, spank_t,
+    multiplex_free_job_info_msg_f, multiplex_hostlist_create_f, multiplex_hostlist_destroy_f,
+    multiplex_hostlist_find_f, multiplex_hostlist_shift_f, multiplex_load_job_f, multiplex_spank_context_f,
+    multiplex_spank_getenv_f, multiplex_spank_job_control_setenv_f, multiplex_spank_option_register_f,
+    multiplex_spank_setenv_f, multiplex_strerror_f, spank_err_t, spank_item_t, spank_t,
 };
 use libc::{c_char, c_void};
 use std::sync::OnceLock;
@@ -40,9 +39,6 @@ pub struct Host {
     pub hostlist_shift: multiplex_hostlist_shift_f,
     pub hostlist_destroy: multiplex_hostlist_destroy_f,
     pub hostlist_find: multiplex_hostlist_find_f,
-    pub requeue: multiplex_requeue_f,
-    pub init_job_desc_msg: multiplex_init_job_desc_msg_f,
-    pub update_job: multiplex_update_job_f,
     pub get_errno: Option<GetErrnoFn>,
     pub strerror: multiplex_strerror_f,
     pub load_job: multiplex_load_job_f,
@@ -98,9 +94,6 @@ pub fn host() -> &'static Host {
         hostlist_shift: resolve_typed!(c"slurm_hostlist_shift", multiplex_hostlist_shift_f),
         hostlist_destroy: resolve_typed!(c"slurm_hostlist_destroy", multiplex_hostlist_destroy_f),
         hostlist_find: resolve_typed!(c"slurm_hostlist_find", multiplex_hostlist_find_f),
-        requeue: resolve_typed!(c"slurm_requeue", multiplex_requeue_f),
-        init_job_desc_msg: resolve_typed!(c"slurm_init_job_desc_msg", multiplex_init_job_desc_msg_f),
-        update_job: resolve_typed!(c"slurm_update_job", multiplex_update_job_f),
         get_errno: resolve!(c"slurm_get_errno", GetErrnoFn),
         strerror: resolve_typed!(c"slurm_strerror", multiplex_strerror_f),
         load_job: resolve_typed!(c"slurm_load_job", multiplex_load_job_f),
@@ -232,49 +225,25 @@ fn last_error() -> String {
     }
 }
 
-/// Asks slurmctld to requeue batch job `job_id`. An RPC: for slurmstepd, never slurmctld.
-pub fn requeue(job_id: u32) -> Result<(), String> {
-    let f = host().requeue.ok_or("this process has no slurm_requeue")?;
-    // SAFETY: slurm_requeue takes plain values and makes one RPC.
-    match unsafe { f(job_id, 0) } {
-        0 => Ok(()),
-        _ => Err(last_error()),
-    }
+/// What slurmctld holds of a job that its user cannot set: its admin comment (what a job
+/// submit plugin and the claimer wrote there) and its gres request per node (a claimed job's
+/// names the GPU it was pinned to by type).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobFacts {
+    pub admin_comment: Option<String>,
+    pub tres_per_node: Option<String>,
+    /// The first entry of its allocation's gres detail, as `scontrol show job -d` prints it
+    /// after `GRES=` (`shard:1(IDX:1)` on 22.05, `shard:1(1/2,0/2)` on 24.11): the GPU Slurm
+    /// allocated; `None` while it has no allocation.
+    pub gres_detail: Option<String>,
 }
 
-/// Sets a pending job's earliest start (`--begin`) to `begin`, in seconds since the epoch,
-/// and its admin comment where given. An RPC, like [`requeue`].
-pub fn set_begin_time(job_id: u32, begin: i64, admin_comment: Option<&str>) -> Result<(), String> {
-    let h = host();
-    let init = h
-        .init_job_desc_msg
-        .ok_or("this process has no slurm_init_job_desc_msg")?;
-    let update = h.update_job.ok_or("this process has no slurm_update_job")?;
-    let mut desc = std::mem::MaybeUninit::<job_desc_msg_t>::zeroed();
-    // SAFETY: slurm_init_job_desc_msg sets every field of the message to "not set" (pointers
-    // NULL); slurm_update_job only reads it, and nothing in it needs freeing.
-    unsafe {
-        init(desc.as_mut_ptr());
-        let d = desc.assume_init_mut();
-        d.job_id = job_id;
-        d.begin_time = begin as _;
-        // Owned here and only read by slurm_update_job.
-        let comment = admin_comment.map(|c| std::ffi::CString::new(c.replace('\0', "")).expect("NULs removed"));
-        if let Some(c) = &comment {
-            d.admin_comment = c.as_ptr() as *mut c_char;
-        }
-        let rc = update(d);
-        d.admin_comment = std::ptr::null_mut();
-        match rc {
-            0 => Ok(()),
-            _ => Err(last_error()),
-        }
-    }
-}
+/// slurm.h's `SHOW_DETAIL` (0x0002 in 22.05, `SLURM_BIT(1)` in 24.11): the allocation's
+/// detail, with the GPU index of each gres.
+const SHOW_DETAIL: u16 = 0x0002;
 
-/// Job `job_id`'s admin comment as slurmctld holds it (`None` when it has none): what a job
-/// submit plugin wrote there, which the job's user cannot set. An RPC, like [`requeue`].
-pub fn job_admin_comment(job_id: u32) -> Result<Option<String>, String> {
+/// Job `job_id`'s [`JobFacts`], from slurmctld: one RPC, for slurmstepd, never slurmctld.
+pub fn job_facts(job_id: u32) -> Result<JobFacts, String> {
     let h = host();
     let load = h.load_job.ok_or("this process has no slurm_load_job")?;
     let free = h
@@ -282,13 +251,14 @@ pub fn job_admin_comment(job_id: u32) -> Result<Option<String>, String> {
         .ok_or("this process has no slurm_free_job_info_msg")?;
     let mut msg: *mut crate::bindings::job_info_msg = std::ptr::null_mut();
     // SAFETY: slurm_load_job writes a message it allocated into `msg` (or leaves it NULL on
-    // failure); 0 show flags ask for the job as any client sees it.
-    if unsafe { load(&mut msg, job_id, 0) } != 0 || msg.is_null() {
+    // failure); SHOW_DETAIL asks for the allocation's detail besides the job as any client
+    // sees it.
+    if unsafe { load(&mut msg, job_id, SHOW_DETAIL) } != 0 || msg.is_null() {
         return Err(last_error());
     }
     // SAFETY: msg is the message slurm_load_job returned: `record_count` records at
     // `job_array`, each string NUL-terminated or NULL; it is read here and freed once below.
-    let comment = unsafe {
+    let facts = unsafe {
         let m = &*msg;
         let jobs: &[crate::bindings::slurm_job_info_t] = if m.job_array.is_null() {
             &[]
@@ -296,11 +266,19 @@ pub fn job_admin_comment(job_id: u32) -> Result<Option<String>, String> {
             std::slice::from_raw_parts(m.job_array, m.record_count as usize)
         };
         match jobs.iter().find(|j| j.job_id == job_id) {
-            Some(j) => Ok(crate::c_str(j.admin_comment)),
+            Some(j) => Ok(JobFacts {
+                admin_comment: crate::c_str(j.admin_comment),
+                tres_per_node: crate::c_str(j.tres_per_node),
+                gres_detail: if j.gres_detail_cnt > 0 && !j.gres_detail_str.is_null() {
+                    crate::c_str(*j.gres_detail_str)
+                } else {
+                    None
+                },
+            }),
             None => Err(format!("slurmctld returned no record of job {job_id}")),
         }
     };
     // SAFETY: msg came from slurm_load_job and is not used afterwards.
     unsafe { free(msg) };
-    comment
+    facts
 }
