@@ -18,7 +18,7 @@
 //! cargo bench -p multiplexd --bench hostile [-- FRAMES CONNECTIONS RESTARTS]
 
 use multiplex_protocol::wire::{self, MAX_FRAME};
-use multiplex_protocol::{client, FinishRequest, PlaceRequest, Request, Response};
+use multiplex_protocol::{client, FinishRequest, Request, Response, StartRequest};
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -141,7 +141,7 @@ fn main() {
                     }
                 }
                 match client::call(&socket, STEPD_WAIT, place(job)) {
-                    Ok(Response::Placed(_)) => {
+                    Ok(Response::Started(_)) => {
                         placed.push(job);
                         carried.push_back(job);
                     }
@@ -206,7 +206,7 @@ impl Daemon {
         let config = dir.join("multiplexd.toml");
         let mut text = format!(
             "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\nslurm_user = \"root\"\n\
-             [weight]\npublish = false\n[reconcile]\ninterval_s = 0\n",
+             slurm_bin = \"{d}/no-slurm\"\n[reconcile]\ninterval_s = 0\n",
             d = dir.display()
         );
         for g in 0..GPUS {
@@ -285,7 +285,7 @@ impl Daemon {
             let t = Instant::now();
             let ok = matches!(
                 client::call(&self.socket, STEPD_WAIT, place(job)),
-                Ok(Response::Placed(_))
+                Ok(Response::Started(_))
             ) && matches!(
                 client::call(&self.socket, STEPD_WAIT, finish(job)),
                 Ok(Response::Finished)
@@ -324,10 +324,9 @@ impl Load {
 fn place(job_id: u32) -> Request {
     // An application per job: the restarts' compaction (which keeps each application's
     // latest jobs) then deletes no job the restart check counts.
-    Request::Place(PlaceRequest {
+    Request::Start(StartRequest {
         step_id: 0xffff_fffb,
-        cannot_wait: true,
-        ..PlaceRequest::new(job_id, 1000, format!("app{job_id}"), "n1")
+        ..StartRequest::new(job_id, 1000, format!("app{job_id}"), "n1", job_id % 2)
     })
 }
 
@@ -360,7 +359,7 @@ fn hostile_client(args: &[String]) {
     match args {
         [mode, n, socket] if mode == "frames" => {
             let kinds = [
-                frame(r#"{"version":1,"request":{"type":"x\nINFO multiplexd: forged"}}"#),
+                frame(r#"{"version":2,"request":{"type":"x\nINFO multiplexd: forged"}}"#),
                 frame("this is not json"),
                 frame(r#"{"version":7,"request":{"type":"status"}}"#),
                 u32::MAX.to_be_bytes().to_vec(),

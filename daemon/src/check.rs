@@ -1,7 +1,8 @@
 //! `multiplexd check-config`: does this node's daemon config agree with what Slurm was told?
-//! The node's GPUs and slots in `multiplexd.toml`, gres.conf, slurmctld's record of the node,
-//! plugstack.conf's socket, and the partitions that reach the node. What disagrees is a
-//! finding with one sentence; the reading of files and commands is in [`crate::tools`], the
+//! The node's GPUs and slots in `multiplexd.toml`, gres.conf (and each GPU's own gres Type,
+//! the name a claim gives Slurm), slurmctld's record of the node, the gate's license, device
+//! fencing (cgroup.conf), plugstack.conf's socket, and the partitions that reach the node.
+//! What disagrees is a finding with one sentence; the reading of files and commands is in [`crate::tools`], the
 //! comparisons here.
 
 use crate::config::{Config, GpuSource};
@@ -35,6 +36,9 @@ pub struct GresConf {
     pub gpus: BTreeMap<u32, String>,
     /// Shards per GPU index, where the shard line names its file.
     pub shards: BTreeMap<u32, u64>,
+    /// The `Type=` of each GPU's gpu line and of its shard line, by GPU index (absent: none).
+    pub gpu_types: BTreeMap<u32, String>,
+    pub shard_types: BTreeMap<u32, String>,
     /// Shards on lines without a file (Slurm spreads them over the GPUs itself).
     pub shards_without_file: u64,
     /// `AutoDetect=nvml` (or another): the GPUs are not listed in the file.
@@ -103,12 +107,16 @@ pub fn parse_gres_conf(text: &str, node_in: &dyn Fn(&str) -> bool) -> Result<Gre
             Some(f) => expand_files(f).ok_or_else(|| format!("gres.conf line {}: cannot read File={f}", n + 1))?,
             None => Vec::new(),
         };
+        let kind = fields.get("type");
         match fields.get("name").map(|s| s.as_str()) {
             Some("gpu") => {
                 for f in files {
                     let i =
                         index_of(&f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
                     g.gpus.insert(i, f);
+                    if let Some(t) = kind {
+                        g.gpu_types.insert(i, t.clone());
+                    }
                 }
             }
             Some("shard") => {
@@ -126,6 +134,9 @@ pub fn parse_gres_conf(text: &str, node_in: &dyn Fn(&str) -> bool) -> Result<Gre
                         index_of(f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
                     // Count= on a line with several files is spread over them.
                     *g.shards.entry(i).or_default() += count / files.len() as u64;
+                    if let Some(t) = kind {
+                        g.shard_types.insert(i, t.clone());
+                    }
                 }
             }
             _ => {}
@@ -189,6 +200,10 @@ pub struct PolicyView {
 pub struct Inputs<'a> {
     pub config: &'a Config,
     pub gres: Result<GresConf, String>,
+    /// cgroup.conf's `ConstrainDevices` (`None`: not set, Slurm's default no).
+    pub constrain_devices: Result<Option<String>, String>,
+    /// How many of the gate's license slurmctld has (`Err`: none, or it could not be asked).
+    pub gate_licenses: Result<u32, String>,
     pub record: Result<NodeRecord, String>,
     pub plugstack: Result<Option<Option<String>>, String>,
     pub policy: Option<PolicyView>,
@@ -254,6 +269,65 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
                 }
             }
         }
+    }
+    // Each listed GPU must carry the gres Type a claim names it by, on its gpu and its shard
+    // line: a claim for a Type gres.conf lacks is refused by slurmctld, and a Type shared by
+    // two GPUs lets Slurm allocate either.
+    if let (Ok(g), GpuSource::Listed(gpus)) = (&i.gres, &c.gpus) {
+        if g.autodetect.is_none() || !g.gpus.is_empty() {
+            let mut wrong = Vec::new();
+            for gpu in gpus {
+                let want = crate::claimer::gres_type(&gpu.model, gpu.index);
+                for (line, types) in [("gpu", &g.gpu_types), ("shard", &g.shard_types)] {
+                    let have = types.get(&gpu.index).map_or("none", String::as_str);
+                    if have != want {
+                        wrong.push(format!("GPU {}'s {line} line has Type={have}, not {want}", gpu.index));
+                    }
+                }
+            }
+            if wrong.is_empty() {
+                out.push(finding(
+                    Level::Ok,
+                    "each GPU's gpu and shard lines in gres.conf carry its own Type (MODEL_INDEX), as claims name it",
+                ));
+            } else {
+                out.push(finding(
+                    Level::Error,
+                    format!(
+                        "the claimer cannot name this node's GPUs to Slurm: {} (gres.conf needs Type=MODEL_INDEX on each GPU's gpu and shard lines; etc/gres.conf.example)",
+                        wrong.join("; ")
+                    ),
+                ));
+            }
+        }
+    }
+    match &i.constrain_devices {
+        Err(e) => out.push(finding(Level::Warning, format!("device fencing not checked: {e}"))),
+        Ok(Some(v)) if v.eq_ignore_ascii_case("yes") => out.push(finding(
+            Level::Ok,
+            "cgroup.conf has ConstrainDevices=yes: each job opens only the GPU Slurm allocated it",
+        )),
+        Ok(v) => out.push(finding(
+            Level::Warning,
+            format!(
+                "cgroup.conf has ConstrainDevices={}: a job can open every GPU of the node, not only the one Slurm allocated it (set ConstrainDevices=yes with TaskPlugin=task/cgroup)",
+                v.as_deref().unwrap_or("no (not set)")
+            ),
+        )),
+    }
+    match &i.gate_licenses {
+        Ok(n) if *n > 0 => out.push(finding(
+            Level::Ok,
+            format!("slurmctld has {n} of the gate's license {}", crate::claimer::LICENSE),
+        )),
+        Ok(_) => out.push(finding(
+            Level::Error,
+            format!(
+                "slurmctld has no license {0}: job_submit adds {0}:1 to every multiplexed job, which slurmctld then refuses (slurm.conf: Licenses={0}:100000)",
+                crate::claimer::LICENSE
+            ),
+        )),
+        Err(e) => out.push(finding(Level::Error, format!("the gate's license: {e}"))),
     }
     if let Ok(g) = &i.gres {
         let wrong: Vec<String> = g
@@ -388,8 +462,9 @@ fn join(v: &[u32]) -> String {
 mod tests {
     use super::*;
 
-    const GRES: &str = "# two GPUs\nNodeName=n[1-2] Name=gpu File=/dev/nvidia[0-1]\n\
-        NodeName=n1 Name=shard Count=2 File=/dev/nvidia0\nNodeName=n1 Name=shard Count=2 File=/dev/nvidia1\n\
+    const GRES: &str = "# two GPUs\nNodeName=n[1-2] Name=gpu Type=v100_0 File=/dev/nvidia0\n\
+        NodeName=n[1-2] Name=gpu Type=v100_1 File=/dev/nvidia1\n\
+        NodeName=n1 Name=shard Type=v100_0 Count=2 File=/dev/nvidia0\nNodeName=n1 Name=shard Type=v100_1 Count=2 File=/dev/nvidia1\n\
         NodeName=n9 Name=gpu File=/dev/nvidia[0-7]\n";
 
     fn n1_or_n2(list: &str) -> bool {
@@ -428,6 +503,11 @@ mod tests {
         let g = parse_gres_conf(GRES, &n1_or_n2).unwrap();
         assert_eq!(g.gpus.keys().copied().collect::<Vec<_>>(), [0, 1]);
         assert_eq!(g.shards, BTreeMap::from([(0, 2), (1, 2)]));
+        assert_eq!(
+            g.gpu_types,
+            BTreeMap::from([(0, "v100_0".into()), (1, "v100_1".into())])
+        );
+        assert_eq!(g.shard_types, g.gpu_types);
         assert!(parse_gres_conf("Name=gpu oops", &n1_or_n2)
             .unwrap_err()
             .contains("line 1"));
@@ -447,6 +527,8 @@ mod tests {
         let good = Inputs {
             config: &c,
             gres: parse_gres_conf(GRES, &n1_or_n2),
+            constrain_devices: Ok(Some("yes".into())),
+            gate_licenses: Ok(100_000),
             record: Ok(record()),
             plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
             policy: Some(PolicyView {
@@ -464,6 +546,8 @@ mod tests {
         let bad = Inputs {
             config: &c3,
             gres: parse_gres_conf(GRES, &n1_or_n2),
+            constrain_devices: Ok(None),
+            gate_licenses: Ok(0),
             record: Ok(r),
             plugstack: Ok(Some(Some("/run/other/n1.sock".into()))),
             policy: Some(PolicyView {
@@ -478,6 +562,8 @@ mod tests {
             "jobs_per_gpu = 3 but gres.conf's shards disagree (GPU 0 has 2, GPU 1 has 2)",
             "shard:4, but jobs_per_gpu = 3 wants shard:6",
             "lists 3 GPUs, slurmctld knows 2",
+            "GPU 2's gpu line has Type=none, not v100_2; GPU 2's shard line has Type=none, not v100_2",
+            "slurmctld has no license multiplex",
             "sends this node's jobs to /run/other/n1.sock, but the daemon listens on /run/m/n1.sock",
         ] {
             assert!(e.contains(want), "{want:?} not in:\n{e}");
@@ -487,12 +573,19 @@ mod tests {
                 .any(|f| f.level == Level::Warning && f.text.contains("also in partition debug")),
             "{f:?}"
         );
+        assert!(
+            f.iter().any(|f| f.level == Level::Warning
+                && f.text
+                    .contains("ConstrainDevices=no (not set): a job can open every GPU")),
+            "{f:?}"
+        );
         // Named in shared_nodes: the other partition is no longer a warning.
         let named = Inputs {
             policy: Some(PolicyView {
                 partitions: vec!["shared".into()],
                 names_node: true,
             }),
+            constrain_devices: Ok(Some("Yes".into())),
             ..bad
         };
         assert!(
@@ -504,6 +597,8 @@ mod tests {
         let unread = Inputs {
             config: &c,
             gres: Err("cannot read /etc/slurm/gres.conf: No such file".into()),
+            constrain_devices: Err("cannot read /etc/slurm/cgroup.conf: No such file".into()),
+            gate_licenses: Ok(100_000),
             record: Err("scontrol: not found".into()),
             plugstack: Ok(None),
             policy: None,
@@ -513,6 +608,16 @@ mod tests {
             errors(&f),
             ["plugstack.conf loads no multiplex.so: jobs on this node are never placed"]
         );
-        assert_eq!(f.iter().filter(|f| f.level == Level::Warning).count(), 2, "{f:?}");
+        assert_eq!(f.iter().filter(|f| f.level == Level::Warning).count(), 3, "{f:?}");
+        // A GPU whose shard line lacks its Type (22.05 then lets no two claimed jobs share it).
+        let untyped_shards = GRES.replace("Name=shard Type=v100_1", "Name=shard");
+        let f = check(&Inputs {
+            gres: parse_gres_conf(&untyped_shards, &n1_or_n2),
+            ..good
+        });
+        assert_eq!(
+            errors(&f),
+            ["the claimer cannot name this node's GPUs to Slurm: GPU 1's shard line has Type=none, not v100_1 (gres.conf needs Type=MODEL_INDEX on each GPU's gpu and shard lines; etc/gres.conf.example)"]
+        );
     }
 }

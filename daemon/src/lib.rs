@@ -2,9 +2,10 @@
 //! keeps the interference history, and learns from every finished job.
 
 pub mod admission;
-pub mod annotate;
 pub mod background;
 pub mod check;
+pub mod claim;
+pub mod claimer;
 pub mod command;
 pub mod config;
 pub mod gpus;
@@ -16,12 +17,10 @@ pub mod metrics;
 pub mod node;
 pub mod placement;
 pub mod reconcile;
-pub mod requeued;
 pub mod separate;
 pub mod serve;
 pub mod server;
 pub mod share;
-pub mod steer;
+pub mod slurm;
 pub mod telemetry;
 pub mod tools;
-pub mod weight;

@@ -42,7 +42,9 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 /// Everything the daemon counts, process-wide (one daemon per process).
 pub struct Metrics {
     pub requests: HistogramFamily<Kind>,
-    pub placements: Family<Outcome, Counter>,
+    pub starts: Family<Outcome, Counter>,
+    /// What the claimer did with pending jobs, by outcome (claimed, refused, too_late).
+    claims: Family<Outcome, Counter>,
     pub oom_marks: Counter,
     pub client_faults: Family<Kind, Counter>,
     pub prediction_error: Histogram,
@@ -72,7 +74,8 @@ impl Metrics {
     fn new() -> Metrics {
         let mut m = Metrics {
             requests: Family::new_with_constructor(latency as fn() -> Histogram),
-            placements: Family::default(),
+            starts: Family::default(),
+            claims: Family::default(),
             oom_marks: Counter::default(),
             client_faults: Family::default(),
             prediction_error: speed_error(),
@@ -89,13 +92,20 @@ impl Metrics {
         let r = &mut m.registry;
         r.register(
             "request_seconds",
-            "Time to serve a request on the socket, by kind (place, finish, report, status, explain)",
+            "Time to serve a request on the socket, by kind (start, finish, report, status, explain)",
             m.requests.clone(),
         );
         r.register(
-            "placements",
-            "Placement answers: placed, declined (the job waits), too_large (fits no GPU here), error",
-            m.placements.clone(),
+            "starts",
+            "Job starts recorded: claimed (on the GPU the claimer pinned it to), unclaimed (where Slurm put it on its own), \
+             too_large (fits no GPU here: the step fails), error",
+            m.starts.clone(),
+        );
+        r.register(
+            "claims",
+            "The claimer's work on pending jobs (on the daemon that runs it): claimed (pinned to a GPU), refused (no GPU \
+             of the cluster could hold it), too_late (it left the queue first), failed (a look that could not read the queue or make a claim)",
+            m.claims.clone(),
         );
         r.register(
             "oom_marks",
@@ -158,8 +168,18 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    pub fn placement(&self, outcome: &str) {
-        count(&self.placements, outcome);
+    pub fn start(&self, outcome: &str) {
+        count(&self.starts, outcome);
+    }
+
+    pub fn claim(&self, outcome: &str, n: u64) {
+        if n > 0 {
+            self.claims
+                .get_or_create(&Outcome {
+                    outcome: outcome.into(),
+                })
+                .inc_by(n);
+        }
     }
 
     pub fn config_reload(&self, outcome: &str) {
@@ -356,8 +376,9 @@ mod tests {
     #[test]
     fn the_dashboard_and_the_alerts_use_only_what_the_daemon_exports() {
         let m = Metrics::new();
-        m.request("place", Duration::from_millis(1));
-        m.placement("placed");
+        m.request("start", Duration::from_millis(1));
+        m.start("claimed");
+        m.claim("claimed", 1);
         m.fault("bad_frame");
         m.oom_marks.inc();
         m.config_reload("failed");
@@ -372,7 +393,7 @@ mod tests {
             .filter_map(|l| l.split(['{', ' ']).next())
             .map(String::from)
             .collect();
-        assert!(exported.contains("multiplexd_placements_total"), "{exported:?}");
+        assert!(exported.contains("multiplexd_starts_total"), "{exported:?}");
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/");
         for file in ["grafana/multiplexd-dashboard.json", "prometheus/multiplexd-alerts.yml"] {
             let used = names_in(&std::fs::read_to_string(format!("{root}{file}")).unwrap());

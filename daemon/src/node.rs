@@ -1,12 +1,14 @@
-//! One node's daemon state: its shared GPUs, its history, and the answers to placement,
-//! finish and status requests. The server calls this; tests call it directly.
+//! One node's daemon state: its shared GPUs, its history, and the answers to start, finish,
+//! report and status requests. The server calls this; tests call it directly. Where the
+//! daemon is the cluster's claimer, [`Node::claims`] scores its looks over this history.
 
-use crate::config::{Config, GpuSpec, Mode};
+use crate::config::{Config, GpuSpec};
 use crate::history::{ActiveJob, History, HistoryError, NewJob};
 use crate::lessons::{Learner, Lesson, Teacher};
-use crate::placement::{self, Bypasses, Decision, GpuState, Knobs, Newcomer, Offer, Steering, Wanted};
+use crate::placement::{self, Bypasses, GpuState, Knobs, Wanted};
+use multiplex_protocol::spec::Spec;
 use multiplex_protocol::{
-    step_label, FinishRequest, GpuStatus, NodeStatus, PlaceRequest, Placement, ReportKind, ReportRequest, Response,
+    step_label, FinishRequest, GpuStatus, NodeStatus, Placement, ReportKind, ReportRequest, Response, StartRequest,
     TaskStatus,
 };
 
@@ -22,7 +24,7 @@ pub fn wall_clock() -> Clock {
     })
 }
 
-/// What Slurm is told of the node (through its weight), after every change.
+/// How full the node's shared GPUs are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeLoad {
     /// Slots taken and slots in all on the node's shared GPUs.
@@ -30,39 +32,7 @@ pub struct NodeLoad {
     pub total: u32,
     /// Shared GPUs with no job.
     pub empty_gpus: u32,
-    /// The daemon declined the latest newcomer and nothing ran or ended here since: the next
-    /// one would most likely be declined too.
-    pub refusing: bool,
 }
-
-/// Told the node's load after every change.
-pub type LoadListener = Box<dyn Fn(NodeLoad) + Send>;
-
-/// A job this node has just placed (a job's first step, not the steps that join it).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Placed {
-    pub job_id: u32,
-    pub gpu: u32,
-    /// The jobs already on that GPU.
-    pub partners: Vec<u32>,
-    pub predicted_speed: f64,
-    /// The job's admin comment as slurmstepd read it (the request's).
-    pub admin_comment: Option<String>,
-}
-
-/// A job waiting in Slurm's queue, as queue-level choice ([`Node::steer`]) weighs it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PendingJob<'a> {
-    pub job_id: u32,
-    pub app: &'a str,
-    /// The job's memory hint (`mem=`); without one, what its application's runs measured.
-    pub mem_mb: Option<u64>,
-}
-
-/// Told every job placed, on the request's thread: it must only hand the news on.
-pub type PlacedListener = Box<dyn Fn(Placed) + Send>;
-/// Told of each job declined for now: its id and how long it waits, seconds.
-pub type DeclinedListener = Box<dyn Fn(u32, u32) + Send>;
 
 /// The daemon's state for its node.
 pub struct Node {
@@ -70,11 +40,6 @@ pub struct Node {
     gpus: Vec<GpuSpec>,
     history: History,
     clock: Clock,
-    on_load: Option<LoadListener>,
-    on_placed: Option<PlacedListener>,
-    on_declined: Option<DeclinedListener>,
-    /// See [`NodeLoad::refusing`].
-    refusing: bool,
     /// Learning inline, through `history`; unused while `learner` runs.
     teacher: Teacher,
     /// The learning thread, once [`Self::learn_in_background`] started it.
@@ -84,8 +49,6 @@ pub struct Node {
     /// writes again (tried before every request). A restart before that loses only the exit
     /// status: reconcile frees such a job as one whose end was never heard of.
     unrecorded: Vec<UnrecordedEnd>,
-    /// Queue-level choice's starvation bound.
-    bypasses: Bypasses,
     /// Per running job (its row), the busy GPU time counted so far (`busy_record_s`).
     busy: std::collections::HashMap<i64, BusyCount>,
     /// When the latest round of GPU telemetry was recorded.
@@ -121,13 +84,8 @@ impl Node {
             gpus,
             history,
             clock,
-            on_load: None,
-            on_placed: None,
-            on_declined: None,
-            refusing: false,
             learner: None,
             unrecorded: Vec::new(),
-            bypasses: Bypasses::default(),
             busy: Default::default(),
             last_round: None,
         };
@@ -141,17 +99,6 @@ impl Node {
             node.teacher.learn(&mut node.history, &Lesson::Ended((&job).into()));
         }
         Ok(node)
-    }
-
-    /// Tells `listener` of every job placed from now on ([`Placed`]).
-    pub fn on_placed(&mut self, listener: PlacedListener) {
-        self.on_placed = Some(listener);
-    }
-
-    /// Tells `listener` of every job declined for now from now on (not of one that no GPU here
-    /// could ever take).
-    pub fn on_declined(&mut self, listener: DeclinedListener) {
-        self.on_declined = Some(listener);
     }
 
     /// How many job rows the history holds.
@@ -237,7 +184,7 @@ impl Node {
         self.teacher.learn(&mut self.history, &lesson);
     }
 
-    /// The node's load as Slurm is told it.
+    /// How full the node's shared GPUs are.
     pub fn load(&self) -> Result<NodeLoad, HistoryError> {
         let busy = self.history.active_per_gpu(&self.config.node)?;
         let empty_gpus = self
@@ -249,24 +196,7 @@ impl Node {
             used: busy.iter().map(|&(_, jobs)| jobs).sum(),
             total: self.gpus.len() as u32 * self.config.jobs_per_gpu,
             empty_gpus: empty_gpus as u32,
-            refusing: self.refusing,
         })
-    }
-
-    /// Calls `listener` with the load now and after every placement, decline and finish.
-    pub fn on_load(&mut self, listener: LoadListener) -> Result<(), HistoryError> {
-        listener(self.load()?);
-        self.on_load = Some(listener);
-        Ok(())
-    }
-
-    fn report_load(&self) {
-        if let Some(listener) = &self.on_load {
-            match self.load() {
-                Ok(load) => listener(load),
-                Err(e) => tracing::warn!(error = %e, "cannot count this node's load"),
-            }
-        }
     }
 
     fn active(&self) -> Result<Vec<ActiveJob>, HistoryError> {
@@ -296,132 +226,6 @@ impl Node {
         self.unrecorded = still;
     }
 
-    /// Decides where a job step runs and records it. A step of a job that already holds a GPU
-    /// here joins that GPU; asking twice for the same step gives the same answer.
-    pub fn place(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
-        let r = self.place_step(req);
-        self.report_load();
-        r
-    }
-
-    fn place_step(&mut self, req: &PlaceRequest) -> Result<Response, HistoryError> {
-        self.history.request_seen();
-        self.record_unrecorded();
-        if req.node != self.config.node {
-            return Ok(Response::Error {
-                message: format!("this multiplexd serves node {}, not {}", self.config.node, req.node),
-            });
-        }
-        let now = (self.clock)();
-        let active = self.active()?;
-        if let Some(job) = active.iter().find(|j| j.job_id == req.job_id) {
-            self.history.record_step(job.row, req.step_id, now)?;
-            let partners: Vec<&ActiveJob> = active
-                .iter()
-                .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
-                .collect();
-            let reason = if req.step_id == job.owner_step {
-                job.decision.clone()
-            } else {
-                format!(
-                    "step {} joins GPU {} held by its job: {}",
-                    req.step_id, job.gpu, job.decision
-                )
-            };
-            return Ok(Response::Placed(self.placement(
-                job.gpu,
-                &job.app,
-                &partners,
-                job.predicted_speed,
-                reason,
-                job.mem_mb,
-            )?));
-        }
-        if self.config.policy.mode == Mode::Observe {
-            return self.observe(req, &active, now);
-        }
-        let states = self.gpu_states(&active)?;
-        // Without a hint, the memory the application's earlier runs were measured to use.
-        let learned_mem = match req.mem_mb {
-            Some(_) => None,
-            None => self.history.app_mem_peak(&req.app)?,
-        };
-        let policy = &self.config.policy;
-        // slurmstepd's restart count is 0 for batch steps (Slurm 22.05 to 24.11 keep it only
-        // for the job's environment, which its user may set), so the daemon counts what it did;
-        // read only where a knob uses the count (both are off by default).
-        let restarts = if policy.counts_declines() {
-            req.restarts
-                .max(self.history.decline_count(req.job_id, &self.config.node, now)?)
-        } else {
-            req.restarts
-        };
-        let waited_enough = policy.waited_enough(restarts);
-        let knobs = Knobs {
-            slots: self.config.jobs_per_gpu,
-            unknown_pair_speed: policy.unknown_pair_speed,
-            // A step that cannot wait (not a batch script, or its requeue failed) takes any GPU
-            // where it fits rather than fail for a poor partner.
-            min_gain: if req.cannot_wait {
-                0.0
-            } else {
-                policy.min_gain_after(restarts)
-            },
-            // Nor is it refused a share the separation look would undo: it cannot be given back.
-            separate_below: if req.cannot_wait { 0.0 } else { policy.separate_below },
-        };
-        let newcomer = Newcomer {
-            app: &req.app,
-            mem_mb: req.mem_mb.or(learned_mem),
-        };
-        // Everything the decision reads, read now: an unreadable history fails the request.
-        let estimates = self
-            .history
-            .estimates(&placement::wanted(&states, &newcomer, knobs.slots))?;
-        let decision = placement::place(&states, &newcomer, &estimates, knobs);
-        match decision {
-            Decision::Place {
-                gpu,
-                predicted_speed,
-                mut reason,
-                ..
-            } => {
-                if let Some(m) = learned_mem {
-                    reason.push_str(&format!("; needs about {m} MiB, measured on its earlier runs"));
-                }
-                if waited_enough && self.config.policy.min_gain > 0.0 {
-                    reason.push_str(&format!(
-                        "; requeued {restarts} times already, so no longer held back for a better partner"
-                    ));
-                }
-                if req.cannot_wait && self.config.policy.min_gain > 0.0 {
-                    reason.push_str("; it cannot wait, so it takes the best GPU where it fits");
-                }
-                self.refusing = false;
-                self.commit(req, &active, gpu, predicted_speed, reason, now)
-            }
-            Decision::Decline { mut reason, may_retry } => {
-                if let Some(m) = learned_mem {
-                    reason.push_str(&format!(" (memory {m} MiB: measured on its earlier runs)"));
-                }
-                let retry_after_s = if may_retry {
-                    self.config.policy.retry_after(restarts)
-                } else {
-                    0
-                };
-                tracing::info!(job = req.job_id, app = %req.app, %reason, retry_after_s, restarts, "declined");
-                self.history
-                    .record_decline(req.job_id, &self.config.node, now, &reason, retry_after_s)?;
-                // A job too large for every GPU here says nothing of the next newcomer.
-                self.refusing |= may_retry;
-                if let Some(tell) = self.on_declined.as_ref().filter(|_| retry_after_s > 0) {
-                    tell(req.job_id, retry_after_s);
-                }
-                Ok(Response::Declined { reason, retry_after_s })
-            }
-        }
-    }
-
     /// The node's GPUs and their jobs as placement reads them (a job without a memory hint
     /// counts what its application's earlier runs were measured to use).
     fn gpu_states(&self, active: &[ActiveJob]) -> Result<Vec<GpuState>, HistoryError> {
@@ -445,32 +249,13 @@ impl Node {
         Ok(states)
     }
 
-    /// Queue-level choice for this node's next free slot, among the pending jobs (in Slurm's
-    /// priority order): which to start first, if not the first ([`placement::steer`]), never
-    /// passing over a job this node passed over [`Bypasses::MAX`] times already; and which of
-    /// them this node would decline for now ([`placement::Offer::Wait`]). The history is only
-    /// read. Nothing in observe mode, where the daemon decides nothing.
-    pub fn steer(&mut self, pending: &[PendingJob]) -> Result<Steering, HistoryError> {
-        if self.config.policy.mode == Mode::Observe || pending.is_empty() {
-            return Ok(Steering::default());
-        }
-        let offers = self.offers(pending)?;
-        let ids: Vec<u32> = pending.iter().map(|j| j.job_id).collect();
-        let raise = self
-            .bypasses
-            .choose(&ids, |reach| Ok::<_, HistoryError>(placement::steer(&offers[..reach])))?;
-        let defer = (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect();
-        let take = (0..offers.len()).filter(|&i| offers[i].admits()).collect();
-        Ok(Steering { raise, defer, take })
-    }
-
     /// The jobs this node gives back to Slurm now: those measured to deliver less beside their
     /// partners than taking turns would ([`crate::separate`]), each at most once. The history is
     /// only read; [`Self::separating`] marks one before Slurm is asked to requeue it. Nothing in
     /// observe mode or with `policy.separate_below` 0, and no query while no GPU is shared.
     pub fn separations(&mut self) -> Result<Vec<crate::separate::Separation>, HistoryError> {
         let below = self.config.policy.separate_below;
-        if self.config.policy.mode == Mode::Observe || below <= 0.0 {
+        if below <= 0.0 {
             return Ok(Vec::new());
         }
         let active = self.active()?;
@@ -515,70 +300,45 @@ impl Node {
         Ok(self.active()?.iter().any(|j| j.job_id == job_id))
     }
 
-    /// Which of `later` (indices into `pending`, in the order Slurm would offer them) this node
-    /// would decline for now in the scheduling pass that starts `pending[next]`, which it opens
-    /// for: Slurm offers the slots still free to them one after another, before the daemon
-    /// hears of the start. `next` may start here (where it would be placed) or on another node
-    /// Slurm prefers (this node as it is now): those declined either way, each up to the first
-    /// it would take ([`placement::declined_in_turn`]). None in observe mode, or when `next`
-    /// would not be placed here.
-    pub fn declines_after(
-        &mut self,
-        pending: &[PendingJob],
-        next: usize,
-        later: &[usize],
-    ) -> Result<Vec<usize>, HistoryError> {
-        let Some(first) = pending.get(next) else {
-            return Ok(Vec::new());
-        };
-        if self.config.policy.mode == Mode::Observe || later.is_empty() {
-            return Ok(Vec::new());
+    /// How much memory each GPU model of this node has, MiB: what the claimer assumes of that
+    /// model on every node.
+    pub fn gpu_memory(&self) -> std::collections::HashMap<String, u64> {
+        let mut memory = std::collections::HashMap::new();
+        for g in &self.gpus {
+            let m = memory.entry(g.model.clone()).or_insert(g.memory_mb);
+            *m = (*m).min(g.memory_mb);
         }
-        let states = self.gpu_states(&self.active()?)?;
-        let job = self.newcomer(first)?;
+        memory
+    }
+
+    /// The claims of one look at the cluster ([`crate::claim::choose`]) over this daemon's
+    /// history: `nodes` and `pending` as Slurm's books show them; a resident or a pending job
+    /// without a memory hint counts what its application's earlier runs were measured to use.
+    /// `bypasses` is the claimer's own count of passed-over jobs.
+    pub fn claims(
+        &self,
+        nodes: &[crate::claim::NodeGpus],
+        pending: &[crate::claim::Candidate],
+        bypasses: &mut Bypasses,
+    ) -> Result<Vec<crate::claim::Choice>, HistoryError> {
+        let mut nodes = nodes.to_vec();
+        for gpu in nodes.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
+            for r in gpu.residents.iter_mut().filter(|r| r.mem_mb.is_none()) {
+                r.mem_mb = self.history.app_mem_peak(&r.app)?;
+            }
+        }
+        let mut pending = pending.to_vec();
+        for p in pending.iter_mut().filter(|p| p.mem_mb.is_none()) {
+            p.mem_mb = self.history.app_mem_peak(&p.app)?;
+        }
+        let knobs = self.knobs();
         let estimates = self
             .history
-            .estimates(&placement::wanted(&states, &job, self.config.jobs_per_gpu))?;
-        let onto = placement::in_pass(&states, &job, first.job_id, &estimates, self.knobs());
-        if onto.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(placement::declined_in_pass(&self.offers_on(&onto, pending)?, later))
+            .estimates(&crate::claim::wanted(&nodes, &pending, knobs.slots))?;
+        Ok(crate::claim::choose(&nodes, &pending, &estimates, knobs, bypasses))
     }
 
-    /// Which of `pending` this node would take ([`Steering::take`]) once some one of the jobs
-    /// on it ends. A full node that would not take the job Slurm starts next is closed to
-    /// Slurm before a slot frees ([`crate::steer`]): Slurm may start that job on the freed slot
-    /// before the daemon hears of the end. All of them in observe mode.
-    pub fn takes_after_an_end(&mut self, pending: &[PendingJob]) -> Result<Vec<usize>, HistoryError> {
-        if self.config.policy.mode == Mode::Observe {
-            return Ok((0..pending.len()).collect());
-        }
-        let states = self.gpu_states(&self.active()?)?;
-        let mut after = Vec::new();
-        for (g, gpu) in states.iter().enumerate() {
-            for r in 0..gpu.residents.len() {
-                let mut one_less = states.clone();
-                one_less[g].residents.remove(r);
-                after.push(one_less);
-            }
-        }
-        let mut admits = vec![false; pending.len()];
-        for offers in self.offers_on(&after, pending)? {
-            for (i, o) in offers.iter().enumerate() {
-                admits[i] |= o.admits();
-            }
-        }
-        Ok((0..pending.len()).filter(|&i| admits[i]).collect())
-    }
-
-    /// [`placement::offers`] over the history, for `pending`.
-    fn offers(&self, pending: &[PendingJob]) -> Result<Vec<Offer>, HistoryError> {
-        let states = self.gpu_states(&self.active()?)?;
-        Ok(self.offers_on(&[states], pending)?.pop().unwrap_or_default())
-    }
-
-    /// The placement knobs of steering (no back-off: that is for a job already declined).
+    /// The placement knobs.
     fn knobs(&self) -> Knobs {
         Knobs {
             slots: self.config.jobs_per_gpu,
@@ -588,79 +348,138 @@ impl Node {
         }
     }
 
-    /// A pending job as placement reads it: without a memory hint, it is assumed to need what
-    /// its application's earlier runs were measured to use.
-    fn newcomer<'p>(&self, p: &PendingJob<'p>) -> Result<Newcomer<'p>, HistoryError> {
-        Ok(Newcomer {
-            app: p.app,
-            mem_mb: match p.mem_mb {
-                Some(m) => Some(m),
-                None => self.history.app_mem_peak(p.app)?,
-            },
-        })
-    }
-
-    /// [`placement::offers`] over the history, for `pending` on each of `states`.
-    fn offers_on(&self, states: &[Vec<GpuState>], pending: &[PendingJob]) -> Result<Vec<Vec<Offer>>, HistoryError> {
-        let knobs = self.knobs();
-        let mut newcomers = Vec::with_capacity(pending.len());
-        let mut wanted = Wanted::default();
-        for p in pending {
-            let job = self.newcomer(p)?;
-            for s in states {
-                wanted.extend(placement::wanted(s, &job, knobs.slots));
-            }
-            newcomers.push(job);
+    /// A job step that started where Slurm put it (the GPU its shard is bound to): recorded
+    /// there, where a claim made before Slurm allocated it meant it to run, or where Slurm
+    /// chose on its own (no claimer, or its gate lapsed). A step of a job that already holds a
+    /// GPU here joins it; telling the same step twice gives the same answer. A job that no GPU
+    /// here could ever hold (it needs more memory than the largest has) is refused.
+    pub fn start(&mut self, req: &StartRequest) -> Result<Response, HistoryError> {
+        self.history.request_seen();
+        self.record_unrecorded();
+        if req.node != self.config.node {
+            return Ok(Response::Error {
+                message: format!("this multiplexd serves node {}, not {}", self.config.node, req.node),
+            });
         }
-        let estimates = self.history.estimates(&wanted)?;
-        Ok(states
-            .iter()
-            .map(|s| placement::offers(s, &newcomers, &estimates, knobs))
-            .collect())
-    }
-
-    /// Observe mode: the job runs where Slurm bound its shard, recorded like any placement.
-    fn observe(&mut self, req: &PlaceRequest, active: &[ActiveJob], now: f64) -> Result<Response, HistoryError> {
-        let slurm = slurm_gpus(req);
-        let gpu = slurm
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .filter(|g| self.gpus.iter().any(|s| s.index == *g));
-        let Some(gpu) = gpu else {
+        let now = (self.clock)();
+        let active = self.active()?;
+        if let Some(job) = active.iter().find(|j| j.job_id == req.job_id) {
+            self.history.record_step(job.row, req.step_id, now)?;
+            let partners: Vec<&ActiveJob> = active
+                .iter()
+                .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
+                .collect();
+            let reason = if req.step_id == job.owner_step {
+                job.decision.clone()
+            } else {
+                format!(
+                    "step {} joins GPU {} held by its job: {}",
+                    req.step_id, job.gpu, job.decision
+                )
+            };
+            return Ok(Response::Started(self.placement(
+                job.gpu,
+                &job.app,
+                &partners,
+                job.predicted_speed,
+                reason,
+                job.mem_mb,
+            )?));
+        }
+        let largest = self.gpus.iter().map(|g| g.memory_mb).max().unwrap_or(0);
+        if let Some(need) = req.mem_mb.filter(|&m| !self.gpus.is_empty() && m > largest) {
+            let reason = format!("it needs {need} MiB of GPU memory and the largest GPU here has {largest} MiB");
+            tracing::info!(job = req.job_id, %reason, "refused");
+            return Ok(Response::Refused { reason });
+        }
+        let Some(gpu) = self.bound_gpu(req) else {
             return Ok(Response::Error {
                 message: format!(
-                    "observe mode: Slurm bound no GPU of this node's shared pool to this job (SLURM_JOB_GPUS/CUDA_VISIBLE_DEVICES: {})",
-                    slurm.unwrap_or("unset")
+                    "Slurm bound no GPU of this node's shared pool to this job (gres {}, allocated GPU {})",
+                    req.slurm_gres.as_deref().unwrap_or("unset"),
+                    req.slurm_job_gpus.as_deref().unwrap_or("unset")
                 ),
             });
         };
-        let model = gpu_model(&self.gpus, gpu);
+        let g = self.gpus.iter().find(|g| g.index == gpu).expect("a GPU of the pool");
+        let kind = crate::claimer::gres_type(&g.model, gpu);
+        let model = g.model.clone();
         let prior = self.config.policy.unknown_pair_speed;
         let residents: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
         let mut wanted = Wanted::default();
         for p in &residents {
-            wanted.pair(model, &req.app, &p.app);
+            wanted.pair(&model, &req.app, &p.app);
         }
         let estimates = self.history.estimates(&wanted)?;
-        let predicted_speed: f64 = residents
-            .iter()
-            .map(|p| placement::estimate(&estimates, model, &req.app, &p.app, prior).0)
-            .product();
-        let reason = format!("observe mode: GPU {gpu}, where Slurm bound the job's shard");
-        self.commit(req, active, gpu, predicted_speed, reason, now)
+        let mut predicted_speed = 1.0;
+        let mut beside = Vec::new();
+        for p in &residents {
+            let (speed, _, why) = placement::estimate(&estimates, &model, &req.app, &p.app, prior);
+            predicted_speed *= speed;
+            beside.push(format!("beside {} (job {}): {why}", p.app, p.job_id));
+        }
+        let claimed = req
+            .slurm_gres
+            .as_deref()
+            .is_some_and(|g| g.contains(&format!(":{kind}:")));
+        // A job srun made is claimed for its node only (`pin=node`): Slurm picks the GPU there.
+        let node_claimed = !claimed
+            && req.admin_comment.as_deref().is_some_and(|c| {
+                Spec::from_tag(Some(c))
+                    .and_then(Result::ok)
+                    .is_some_and(|s| s.node_only)
+                    && c.contains(&format!("{}claimed for {} ", multiplex_protocol::spec::NOTE, req.node))
+            });
+        let mut reason = if claimed {
+            format!("GPU {gpu} ({kind}), claimed for it before Slurm allocated it")
+        } else if node_claimed {
+            format!("GPU {gpu} ({kind}), Slurm's choice on a node claimed for it (srun made the job)")
+        } else {
+            format!("GPU {gpu}, where Slurm bound it on its own choice (not claimed)")
+        };
+        if beside.is_empty() {
+            reason.push_str(": alone");
+        } else {
+            reason.push_str(&format!(": {}", beside.join(", ")));
+        }
+        self.commit(req, &active, gpu, &model, predicted_speed, reason, now)
+    }
+
+    /// The GPU of this node's pool that Slurm bound the job to: the one its gres names by type
+    /// (a claim's), else the GPU of its allocation's detail.
+    fn bound_gpu(&self, req: &StartRequest) -> Option<u32> {
+        let typed = req.slurm_gres.as_deref().and_then(|gres| {
+            let gres = gres.replace("gres/", "").replace("gres:", "");
+            let kind = gres.split(',').next()?.split(':').nth(1)?.to_string();
+            self.gpus
+                .iter()
+                .find(|g| crate::claimer::gres_type(&g.model, g.index) == kind)
+                .map(|g| g.index)
+        });
+        typed.or_else(|| {
+            req.slurm_job_gpus
+                .as_deref()?
+                .split(',')
+                .next()?
+                .trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|g| self.gpus.iter().any(|s| s.index == *g))
+        })
     }
 
     /// Records a new job on `gpu` beside the jobs active there and answers with its placement.
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
-        req: &PlaceRequest,
+        req: &StartRequest,
         active: &[ActiveJob],
         gpu: u32,
+        model: &str,
         predicted_speed: f64,
         reason: String,
         now: f64,
     ) -> Result<Response, HistoryError> {
-        let model = gpu_model(&self.gpus, gpu);
         let residents: Vec<i64> = active.iter().filter(|j| j.gpu == gpu).map(|j| j.row).collect();
         self.history.record_placement(
             &NewJob {
@@ -672,25 +491,16 @@ impl Node {
                 gpu_model: model,
                 mem_mb: req.mem_mb,
                 owner_step: req.step_id,
-                slurm_gpus: slurm_gpus(req),
+                slurm_gpus: req.slurm_job_gpus.as_deref(),
                 decision: &reason,
                 predicted_speed,
                 now,
             },
             &residents,
         )?;
-        tracing::info!(job = req.job_id, step = %step_label(req.step_id), app = %req.app, gpu, %reason, "placed");
+        tracing::info!(job = req.job_id, step = %step_label(req.step_id), app = %req.app, gpu, %reason, "started");
         let partners: Vec<&ActiveJob> = active.iter().filter(|j| j.gpu == gpu).collect();
-        if let Some(tell) = &self.on_placed {
-            tell(Placed {
-                job_id: req.job_id,
-                gpu,
-                partners: partners.iter().map(|p| p.job_id).collect(),
-                predicted_speed,
-                admin_comment: req.admin_comment.clone(),
-            });
-        }
-        Ok(Response::Placed(self.placement(
+        Ok(Response::Started(self.placement(
             gpu,
             &req.app,
             &partners,
@@ -734,7 +544,6 @@ impl Node {
             reason,
             mps_thread_percentage,
             mps_mem_limit_mb,
-            gpu_uuid: self.gpus.iter().find(|g| g.index == gpu).and_then(|g| g.uuid.clone()),
         })
     }
 
@@ -755,9 +564,7 @@ impl Node {
     /// `multiplex-simulate`, which learns on a thread of its own while the other simulated
     /// nodes go on, and stays deterministic.
     pub fn finish_deferred(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
-        let r = self.finish_step(req);
-        self.report_load();
-        r
+        self.finish_step(req)
     }
 
     fn finish_step(&mut self, req: &FinishRequest) -> Result<(Response, Option<ActiveJob>), HistoryError> {
@@ -798,13 +605,11 @@ impl Node {
                     remaining,
                     at: now,
                 });
-                self.refusing = false;
                 return Ok((Response::Finished, None));
             }
             Err(e) => return Err(e),
         }
         if releases {
-            self.refusing = false;
             // How far off its prediction the job's run was, where its solo runtime is known
             // (one query: only while an endpoint serves the metrics).
             if crate::metrics::served() {
@@ -1020,9 +825,6 @@ impl Node {
             );
             gone.push(job.job_id);
         }
-        if !gone.is_empty() {
-            self.report_load();
-        }
         Ok(gone)
     }
 
@@ -1061,12 +863,4 @@ fn gpu_model(gpus: &[GpuSpec], gpu: u32) -> &str {
     gpus.iter()
         .find(|g| g.index == gpu)
         .map_or("unknown", |g| g.model.as_str())
-}
-
-/// The GPUs Slurm bound to the job, as its step saw them: SLURM_JOB_GPUS, else
-/// CUDA_VISIBLE_DEVICES.
-fn slurm_gpus(req: &PlaceRequest) -> Option<&str> {
-    req.slurm_job_gpus
-        .as_deref()
-        .or(req.slurm_cuda_visible_devices.as_deref())
 }

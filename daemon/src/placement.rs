@@ -243,7 +243,14 @@ fn oom_risk(history: &Estimates, model: &str, a: &str, b: &str) -> f64 {
 /// Pairs' worth of weight the prior "never runs out of memory" keeps.
 const OOM_PRIOR_WEIGHT: f64 = 2.0;
 /// What a failure costs, in jobs' worth of throughput, against a placement's predicted gain.
-const OOM_PENALTY: f64 = 1.0;
+/// The gain is a rate a pair keeps up for as long as it runs together (an hour or more for
+/// the jobs this is for); a failure costs the newcomer its start up to the failure and its
+/// wait to start again (a few minutes), about 0.05 of that. 0.25 leaves room for failures that
+/// cost more (an incumbent that grows into the newcomer's memory fails too). Measured on every
+/// table of tests/bench/tables (5 seeds, loads 0.5 to 1.5): against 1.0, average JCT 2% to 11%
+/// lower where most pairs do not fit in memory and the same elsewhere, with about twice the
+/// out-of-memory failures (docs/results.md, "Claims").
+const OOM_PENALTY: f64 = 0.25;
 
 /// The job to place.
 #[derive(Debug, Clone, PartialEq)]
@@ -444,6 +451,16 @@ impl Bypasses {
             .iter()
             .position(|id| self.passed.get(id).is_some_and(|&n| n >= Self::MAX))
             .map_or(pending.len(), |i| i + 1)
+    }
+
+    /// How often job `id` was passed over so far.
+    pub fn passed(&self, id: u32) -> u32 {
+        self.passed.get(&id).copied().unwrap_or(0)
+    }
+
+    /// `pending[chosen]` goes first: each job before it was passed over once more.
+    pub fn passed_over(&mut self, pending: &[u32], chosen: usize) {
+        self.record(pending, chosen);
     }
 
     /// `pending[chosen]` goes first: each job before it was passed over once more.

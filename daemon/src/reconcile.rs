@@ -1,43 +1,21 @@
 //! Keeping the history's idea of what runs here true to Slurm's. A job whose end was never
 //! reported (the daemon was down when it ended, slurmstepd died) would otherwise hold its slot
-//! forever and the node would decline everything in the end. At start and every
-//! `interval_s`, the daemon asks `squeue` which jobs run on its node and frees the slots of
-//! the others.
+//! forever. At start and every `interval_s`, the daemon asks this node's own slurmd which jobs
+//! run here (`scontrol listpids`: no slurmctld RPC, so a thousand nodes checking cost
+//! slurmctld nothing) and frees the slots of the others.
 
 use crate::background::Trouble;
 pub use crate::config::ReconcileConfig;
 use crate::node::Node;
-use std::collections::HashSet;
-use std::path::Path;
+use crate::slurm::Slurm;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const CALL_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The job ids Slurm has running (or finishing) on `node`.
-pub fn running_jobs(squeue: &Path, node: &str) -> Result<HashSet<u32>, String> {
-    let args = [
-        "--noheader".to_string(),
-        format!("--nodelist={node}"),
-        "--states=RUNNING,COMPLETING,SUSPENDED,CONFIGURING,STOPPED".to_string(),
-        "--format=%A".to_string(),
-    ];
-    let out = crate::command::run(squeue, &args, CALL_TIMEOUT)?;
-    out.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            l.parse::<u32>()
-                .map_err(|_| format!("{} printed {l:?} where a job id belongs", squeue.display()))
-        })
-        .collect()
-}
-
-/// One check: ask Slurm, then free what it no longer runs here.
-pub fn once(node: &Mutex<Node>, config: &ReconcileConfig) -> Result<Vec<u32>, String> {
+/// One check: ask this node's slurmd, then free what it no longer runs here.
+pub fn once(node: &Mutex<Node>, slurm: &dyn Slurm, config: &ReconcileConfig) -> Result<Vec<u32>, String> {
     let name = node.lock().unwrap_or_else(|p| p.into_inner()).name().to_string();
-    let running = running_jobs(&config.squeue, &name)?;
+    let running = slurm.running_here(&name).map_err(|e| e.to_string())?;
     node.lock()
         .unwrap_or_else(|p| p.into_inner())
         .reconcile(&running, config.grace_s)
@@ -46,22 +24,24 @@ pub fn once(node: &Mutex<Node>, config: &ReconcileConfig) -> Result<Vec<u32>, St
 
 /// Checks at start and every `interval_s` until `shutdown`; a failing squeue is logged once
 /// per distinct error and changes nothing.
-pub fn spawn(node: Arc<Mutex<Node>>, config: ReconcileConfig, shutdown: Arc<AtomicBool>) {
+pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, config: ReconcileConfig, shutdown: Arc<AtomicBool>) {
     if config.interval_s == 0 {
         tracing::info!("not reconciling with Slurm (reconcile.interval_s = 0)");
         return;
     }
     let every = Duration::from_secs(config.interval_s);
     let mut trouble = Trouble::default();
-    let started = crate::background::every("reconcile", every, shutdown, move || match once(&node, &config) {
-        Ok(_) => {
-            if trouble.recovered() {
-                tracing::info!("reconciling with Slurm works again");
+    let started = crate::background::every("reconcile", every, shutdown, move || {
+        match once(&node, slurm.as_ref(), &config) {
+            Ok(_) => {
+                if trouble.recovered() {
+                    tracing::info!("reconciling with Slurm works again");
+                }
             }
-        }
-        Err(e) => {
-            if trouble.failed(&e) {
-                tracing::warn!(error = %e, "cannot ask Slurm which jobs run here; slots are kept as they are");
+            Err(e) => {
+                if trouble.failed(&e) {
+                    tracing::warn!(error = %e, "cannot ask Slurm which jobs run here; slots are kept as they are");
+                }
             }
         }
     });
@@ -73,30 +53,43 @@ pub fn spawn(node: Arc<Mutex<Node>>, config: ReconcileConfig, shutdown: Arc<Atom
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
-
-    fn fake_squeue(dir: &Path, output: &str) -> PathBuf {
-        let script = dir.join("squeue");
-        std::fs::write(
-            &script,
-            format!("#!/bin/sh\necho \"$*\" >{}/args\nprintf '{output}'\n", dir.display()),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        script
-    }
+    use crate::config::{Config, GpuSpec};
+    use crate::slurm::{Fake, FakeState};
+    use multiplex_protocol::{Response, StartRequest};
 
     #[test]
-    fn squeue_output_is_read_strictly() {
-        let dir = tempfile::tempdir().unwrap();
-        let ok = fake_squeue(dir.path(), "12\\n  13\\n\\n");
-        assert_eq!(running_jobs(&ok, "n4").unwrap(), HashSet::from([12, 13]));
-        let args = std::fs::read_to_string(dir.path().join("args")).unwrap();
-        assert!(args.contains("--nodelist=n4") && args.contains("--format=%A"), "{args}");
-        let bad = fake_squeue(dir.path(), "12_3\\n");
-        assert!(running_jobs(&bad, "n4")
-            .unwrap_err()
-            .contains("\"12_3\" where a job id belongs"));
+    fn a_job_slurmd_no_longer_runs_frees_its_slot_after_the_grace() {
+        let config = Config::parse("node = \"n1\"\ndatabase = \":memory:\"\n").unwrap();
+        let gpu = GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+            uuid: None,
+        };
+        let now = Arc::new(std::sync::atomic::AtomicU64::new(100));
+        let clock = {
+            let now = Arc::clone(&now);
+            Box::new(move || now.load(std::sync::atomic::Ordering::SeqCst) as f64)
+        };
+        let node = Mutex::new(Node::open(config, vec![gpu], clock).unwrap());
+        for job in [1, 2] {
+            let r = node
+                .lock()
+                .unwrap()
+                .start(&StartRequest::new(job, 0, "a", "n1", 0))
+                .unwrap();
+            assert!(matches!(r, Response::Started(_)), "{r:?}");
+        }
+        let slurm = Fake::new(FakeState {
+            running: vec![("n1".into(), 1), ("n2".into(), 2)],
+            ..FakeState::default()
+        });
+        let grace = ReconcileConfig::default();
+        // Within the grace nothing is freed.
+        assert!(once(&node, &slurm, &grace).unwrap().is_empty());
+        now.store(200, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(once(&node, &slurm, &grace).unwrap(), vec![2]);
+        slurm.state.lock().unwrap().fail = Some("scontrol: error: slurmd n1 not responding".into());
+        assert!(once(&node, &slurm, &grace).unwrap_err().contains("not responding"));
     }
 }

@@ -15,21 +15,20 @@
 //!
 //! [`separations`] is pure: the daemon and the simulator call this same code. The daemon looks
 //! every `policy.separate_look_ms` on a thread of its own ([`spawn`]) and gives a job back with
-//! `scontrol requeue`: Slurm's own requeue, as a decline's, and then holds it back as long as a
-//! declined job (`policy.decline_retry_s`, [`crate::requeued::hold`]). Bounds (fail-open): a job is given
-//! back at most once per node (a week, as declines are counted), only on measurements (never
-//! on a prior), never in observe mode; a job Slurm cannot requeue (`--no-requeue`, not a batch
-//! job) runs on; with the daemon down, nothing is given back.
+//! `scontrol requeue`: Slurm's own requeue. The job comes back pending, still pinned to its old
+//! GPU, and the claimer claims it again once that pin is stale ([`crate::claimer::PIN_GRACE`],
+//! shorter than Slurm's delay before a requeued job may start). Bounds (fail-open): a job is
+//! given back at most once per node (a week), only on measurements (never on a prior); a job
+//! Slurm cannot requeue (`--no-requeue`, not a batch job) runs on; with the daemon down,
+//! nothing is given back.
 
 use crate::background::Trouble;
 use crate::node::Node;
 use crate::placement::{estimate, Estimates, GpuState, Wanted};
-use std::path::{Path, PathBuf};
+use crate::slurm::Slurm;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A job to give back to Slurm, and why.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,10 +129,10 @@ pub fn separations(
 }
 
 /// One look: the jobs to give back, each recorded as given back first (its end, which the
-/// requeue brings, may reach the daemon before `scontrol` returns), then requeued with
-/// `scontrol` outside the node's lock (a slow slurmctld delays this thread only). Returns the
-/// jobs requeued; the first failure to requeue one is the error, after the others were tried.
-pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
+/// requeue brings, may reach the daemon before `scontrol` returns), then requeued through
+/// Slurm outside the node's lock (a slow slurmctld delays this thread only). Returns the jobs
+/// requeued; the first failure to requeue one is the error, after the others were tried.
+pub fn once(node: &Mutex<Node>, slurm: &dyn Slurm) -> Result<Vec<u32>, String> {
     let lock = || node.lock().unwrap_or_else(|p| p.into_inner());
     let given = lock().separations().map_err(|e| e.to_string())?;
     let mut done = Vec::new();
@@ -142,27 +141,22 @@ pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
         let Some(row) = lock().separating(s.job_id).map_err(|e| e.to_string())? else {
             continue; // it ended meanwhile
         };
-        let (requeued, why) =
-            match crate::command::run(scontrol, &["requeue".to_string(), s.job_id.to_string()], CALL_TIMEOUT) {
-                Ok(_) => {
-                    tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
-                    crate::metrics::global().separation("requeued");
-                    done.push(s.job_id);
-                    (true, s.why)
-                }
-                Err(e) => {
-                    // Not again: a job Slurm will not requeue runs on where it is.
-                    crate::metrics::global().separation("refused");
-                    failed.get_or_insert(format!("cannot requeue job {} to run apart: {e}", s.job_id));
-                    (false, format!("{} ({e})", s.why))
-                }
-            };
+        let (requeued, why) = match slurm.requeue(s.job_id) {
+            Ok(_) => {
+                tracing::info!(job = s.job_id, gpu = s.gpu, "requeued to run apart: {}", s.why);
+                crate::metrics::global().separation("requeued");
+                done.push(s.job_id);
+                (true, s.why)
+            }
+            Err(e) => {
+                // Not again: a job Slurm will not requeue runs on where it is.
+                crate::metrics::global().separation("refused");
+                failed.get_or_insert(format!("cannot requeue job {} to run apart: {e}", s.job_id));
+                (false, format!("{} ({e})", s.why))
+            }
+        };
         if let Err(e) = lock().history().record_separation(row, requeued, &why) {
             tracing::warn!(job = s.job_id, error = %e, "the history cannot record why the job was given back");
-        }
-        if requeued {
-            let retry = lock().config().policy.decline_retry_s;
-            crate::requeued::hold(scontrol, s.job_id, retry);
         }
     }
     match failed {
@@ -171,11 +165,11 @@ pub fn once(node: &Mutex<Node>, scontrol: &Path) -> Result<Vec<u32>, String> {
     }
 }
 
-/// Looks every `every` until `shutdown` (nothing with `policy.separate_below` 0 or in
-/// observe mode: [`Node::separations`] answers nothing there).
-pub fn spawn(node: Arc<Mutex<Node>>, scontrol: PathBuf, every: Duration, shutdown: Arc<AtomicBool>) {
+/// Looks every `every` until `shutdown` (nothing with `policy.separate_below` 0:
+/// [`Node::separations`] answers nothing then).
+pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, every: Duration, shutdown: Arc<AtomicBool>) {
     let mut trouble = Trouble::default();
-    let started = crate::background::every("separate", every, shutdown, move || match once(&node, &scontrol) {
+    let started = crate::background::every("separate", every, shutdown, move || match once(&node, slurm.as_ref()) {
         Ok(_) => {
             if trouble.recovered() {
                 tracing::info!("giving jobs back to Slurm works again");

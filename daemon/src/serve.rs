@@ -1,12 +1,12 @@
-//! `multiplexd serve`: the node's daemon, wired together. The node (its history, placement and
-//! learning) answers on the socket; the weight publisher, reconciliation with Slurm, history
-//! sharing and NVML telemetry run beside it on threads of their own, and a stop signal ends
-//! them all, the learning queue learned first.
+//! `multiplexd serve`: the node's daemon, wired together. The node (its history and learning)
+//! answers on the socket; reconciliation with slurmd, history sharing, NVML telemetry, the
+//! separation look and, on the one daemon of the cluster that runs it, the claimer run beside
+//! it on threads of their own, and a stop signal ends them all, the learning queue learned
+//! first.
 
 use crate::node::{wall_clock, Node};
 use crate::server::{self, Access};
-use crate::steer::{Steerer, Steering};
-use crate::weight::{weight_for, Publisher};
+use crate::slurm::Slurm;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,18 +29,14 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         // Private until Slurm says otherwise: never more than Slurm would show.
         private_jobs: Arc::new(AtomicBool::new(true)),
     };
+    let slurm: Arc<dyn Slurm> = Arc::new(config.slurm());
     let socket = config.socket.clone();
     let node_name = config.node.clone();
-    let weight = config.weight.clone();
-    let weight_scontrol = config.weight.scontrol.clone();
-    let config_mode_observes = config.policy.mode == crate::config::Mode::Observe;
     let reconcile = config.reconcile.clone();
     let share = config.share.clone();
+    let claim = config.claim.clone();
     let telemetry_s = config.telemetry_interval_s.max(1);
-    let annotate = config.annotate;
-    let steer = config.steer.clone();
     let separate_look_ms = config.policy.separate_look_ms;
-    let steer_squeue = config.reconcile.squeue.clone();
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
         Some(addr) => {
@@ -55,53 +51,6 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     // Block the stop and reload signals before any thread starts, so that only the waiting
     // thread sees them.
     let signals = daemon_signals();
-    if config_mode_observes {
-        tracing::info!("observe mode: jobs run where Slurm binds them; no weight is published");
-    }
-    let publisher = if config_mode_observes {
-        None
-    } else if weight.publish {
-        let base = weight.base;
-        let publisher = Publisher::start(node_name.clone(), weight)
-            .map_err(|e| format!("cannot start the weight publisher: {e}"))?;
-        Some((publisher, base))
-    } else {
-        tracing::info!("not publishing the node's weight (weight.publish = false)");
-        None
-    };
-    // Queue-level choice: woken whenever the node has a free slot after a change.
-    let steer_poke = (!config_mode_observes && steer.lookahead > 0).then(Steerer::poke);
-    if publisher.is_some() || steer_poke.is_some() {
-        let poke = steer_poke.clone();
-        let close = steer.close;
-        node.on_load(Box::new(move |load| {
-            if let Some((publisher, base)) = &publisher {
-                publisher.set(weight_for(load, *base));
-            }
-            // With `close`, a node that just filled is looked at too: it may close before a
-            // slot frees.
-            if let Some(poke) = poke.as_ref().filter(|_| load.used < load.total || close) {
-                poke.slot_free();
-            }
-        }))
-        .map_err(|e| e.to_string())?;
-    }
-    // A declined job is watched once it is back in the queue: deferred, or its node closed.
-    if let Some(poke) = steer_poke.as_ref().filter(|_| steer.defer || steer.close) {
-        let poke = poke.clone();
-        node.on_declined(Box::new(move |job_id, wait_s| poke.declined(job_id, wait_s)));
-    } else if !config_mode_observes {
-        // Otherwise it waits what its SPANK plugin set, even where completing the requeue
-        // takes longer than that (Slurm would apply its own delay).
-        let keeper = crate::requeued::Keeper::start(weight_scontrol.clone())
-            .map_err(|e| format!("cannot start the thread that keeps declined jobs' waits: {e}"))?;
-        node.on_declined(Box::new(move |job_id, wait_s| keeper.declined(job_id, wait_s)));
-    }
-    if annotate {
-        let annotator = crate::annotate::Annotator::start(weight_scontrol.clone(), Arc::clone(&access.private_jobs))
-            .map_err(|e| format!("cannot start the admin comment writer: {e}"))?;
-        node.on_placed(Box::new(move |placed| annotator.tell(placed)));
-    }
     raise_file_limit();
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
@@ -130,34 +79,18 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             break;
         });
     }
-    let steerer = match steer_poke {
-        Some(poke) => {
-            tracing::info!(lookahead = steer.lookahead, partition = %steer.partition, "steering Slurm's queue: a freed slot goes to the pending job that pairs best");
-            let steering = Steering {
-                config: steer,
-                node: node_name.clone(),
-                sinfo: crate::steer::sinfo_beside(&steer_squeue),
-                squeue: steer_squeue,
-                scontrol: weight_scontrol.clone(),
-            };
-            Some(
-                Steerer::start(Arc::clone(&node), steering, &poke)
-                    .map_err(|e| format!("cannot start the steering thread: {e}"))?,
-            )
-        }
-        None => None,
-    };
-    crate::reconcile::spawn(Arc::clone(&node), reconcile, Arc::clone(&shutdown));
+    crate::reconcile::spawn(Arc::clone(&node), Arc::clone(&slurm), reconcile, Arc::clone(&shutdown));
     // Also with `policy.separate_below` 0, which a reload may change.
-    if !config_mode_observes {
-        crate::separate::spawn(
-            Arc::clone(&node),
-            weight_scontrol.clone(),
-            Duration::from_millis(separate_look_ms),
-            Arc::clone(&shutdown),
-        );
-    }
+    crate::separate::spawn(
+        Arc::clone(&node),
+        Arc::clone(&slurm),
+        Duration::from_millis(separate_look_ms),
+        Arc::clone(&shutdown),
+    );
     crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
+    if claim.enabled {
+        crate::claimer::spawn(Arc::clone(&node), Arc::clone(&slurm), claim, Arc::clone(&shutdown));
+    }
     match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
         Ok(probe) => {
             tracing::info!(interval_s = telemetry_s, "GPU telemetry through NVML");
@@ -172,7 +105,11 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
         ),
     }
-    follow_private_data(weight_scontrol, Arc::clone(&access.private_jobs), Arc::clone(&shutdown));
+    follow_private_data(
+        Arc::clone(&slurm),
+        Arc::clone(&access.private_jobs),
+        Arc::clone(&shutdown),
+    );
     if let Some(listener) = metrics {
         let (node, private, shutdown) = (
             Arc::clone(&node),
@@ -189,8 +126,6 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     server::run(listener, Arc::clone(&node), access, shutdown);
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket);
-    // Every job steering raised gets its own nice back.
-    drop(steerer);
     // What ended jobs still have to teach is learned before the daemon exits.
     node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
     tracing::info!("stopped");
@@ -295,28 +230,24 @@ fn raise_file_limit() {
 }
 
 /// Keeps `private` to whether Slurm keeps jobs private (`PrivateData`), asking `scontrol show
-/// config` every minute until it answers (the daemon may start before slurmctld), then every
-/// ten minutes. Until it has answered, jobs are private.
-fn follow_private_data(scontrol: std::path::PathBuf, private: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
+/// config` every minute until it answers (the daemon may start before slurmctld), then never
+/// again: PrivateData changes with a reconfigure, which admins follow with a daemon reload or
+/// restart. Until it has answered, jobs are private.
+fn follow_private_data(slurm: Arc<dyn Slurm>, private: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
     let mut trouble = crate::background::Trouble::default();
-    let mut known: Option<bool> = None;
-    let mut next = std::time::Instant::now();
+    let mut known = false;
     let spawned = crate::background::every("privatedata", Duration::from_secs(60), shutdown, move || {
-        if std::time::Instant::now() < next {
+        if known {
             return;
         }
-        let args = ["show".to_string(), "config".to_string()];
-        let answer = crate::command::run(&scontrol, &args, Duration::from_secs(10)).and_then(|out| {
+        let answer = slurm.config().map_err(|e| e.to_string()).and_then(|out| {
             crate::server::private_jobs(&out).ok_or_else(|| "no PrivateData in its output".to_string())
         });
         match answer {
             Ok(p) => {
-                if trouble.recovered() || known != Some(p) {
-                    tracing::info!(private_jobs = p, "Slurm's PrivateData read");
-                }
-                known = Some(p);
+                tracing::info!(private_jobs = p, "Slurm's PrivateData read");
+                known = true;
                 private.store(p, Ordering::Relaxed);
-                next = std::time::Instant::now() + Duration::from_secs(600);
             }
             Err(e) => {
                 if trouble.failed(&e) {

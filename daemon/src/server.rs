@@ -327,7 +327,7 @@ pub(crate) fn handle(
         })
     };
     let kind = match &request {
-        Request::Place(_) => "place",
+        Request::Start(_) => "start",
         Request::Finish(_) => "finish",
         Request::Status => "status",
         Request::Report(_) => "report",
@@ -337,8 +337,8 @@ pub(crate) fn handle(
     // A panic in one request must not poison the node for everyone: recover the guard.
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
     let result = match request {
-        Request::Place(req) if access.may_place(cred.uid) => node.place(&req),
-        Request::Place(_) => return denied("place tasks"),
+        Request::Start(req) if access.may_place(cred.uid) => node.start(&req),
+        Request::Start(_) => return denied("start tasks"),
         Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req),
         Request::Finish(_) => return denied("finish tasks"),
         Request::Status => node.status().map(|mut status| {
@@ -364,11 +364,11 @@ pub(crate) fn handle(
     };
     let metrics = crate::metrics::global();
     metrics.request(kind, start.elapsed());
-    if kind == "place" {
-        metrics.placement(match &result {
-            Ok(Response::Placed(_)) => "placed",
-            Ok(Response::Declined { retry_after_s: 0, .. }) => "too_large",
-            Ok(Response::Declined { .. }) => "declined",
+    if kind == "start" {
+        metrics.start(match &result {
+            Ok(Response::Started(p)) if p.reason.contains("claimed for it") => "claimed",
+            Ok(Response::Started(_)) => "unclaimed",
+            Ok(Response::Refused { .. }) => "too_large",
             _ => "error",
         });
     }
@@ -379,7 +379,7 @@ pub(crate) fn handle(
 mod tests {
     use super::*;
     use crate::config::{Config, GpuSpec};
-    use multiplex_protocol::{FinishRequest, PlaceRequest};
+    use multiplex_protocol::{FinishRequest, StartRequest};
 
     fn node(dir: &Path) -> Mutex<Node> {
         let config = Config::parse(&format!("node = \"n1\"\ndatabase = \"{}/h.sqlite\"", dir.display())).unwrap();
@@ -392,12 +392,12 @@ mod tests {
         Mutex::new(Node::open(config, gpus, crate::node::wall_clock()).unwrap())
     }
 
-    fn place() -> Request {
-        Request::Place(PlaceRequest::new(1, 1000, "a", "n1"))
+    fn start() -> Request {
+        Request::Start(StartRequest::new(1, 1000, "a", "n1", 0))
     }
 
     #[test]
-    fn only_root_and_the_slurm_user_place_and_finish() {
+    fn only_root_and_the_slurm_user_start_and_finish() {
         let dir = tempfile::tempdir().unwrap();
         let node = node(dir.path());
         let access = Access {
@@ -406,7 +406,7 @@ mod tests {
         };
         let user = PeerCred { pid: 1, uid: 1000 };
         for request in [
-            place(),
+            start(),
             Request::Finish(FinishRequest {
                 job_id: 1,
                 step_id: 0,
@@ -424,13 +424,13 @@ mod tests {
         ));
         let slurm = PeerCred { pid: 1, uid: 64030 };
         assert!(matches!(
-            handle(place(), slurm, &node, &access).unwrap(),
-            Response::Placed(_)
+            handle(start(), slurm, &node, &access).unwrap(),
+            Response::Started(_)
         ));
         let root = PeerCred { pid: 1, uid: 0 };
         assert!(
-            matches!(handle(place(), root, &node, &access).unwrap(), Response::Placed(_)),
-            "asking twice is idempotent"
+            matches!(handle(start(), root, &node, &access).unwrap(), Response::Started(_)),
+            "telling twice is idempotent"
         );
     }
 
@@ -454,14 +454,10 @@ mod tests {
         };
         let root = PeerCred { pid: 1, uid: 0 };
         let placed = |job_id: u32, uid: u32| {
-            let Request::Place(mut req) = place() else {
-                unreachable!()
-            };
-            req.job_id = job_id;
-            req.uid = uid;
+            let req = StartRequest::new(job_id, uid, "a", "n1", 0);
             assert!(matches!(
-                handle(Request::Place(req), root, &node, &access).unwrap(),
-                Response::Placed(_)
+                handle(Request::Start(req), root, &node, &access).unwrap(),
+                Response::Started(_)
             ));
         };
         placed(7, 1000);

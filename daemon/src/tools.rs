@@ -129,14 +129,9 @@ pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String
 /// Why `explain` has nothing on a job here: where Slurm says it ran, and how to ask there.
 fn not_here(config: &Config, job_id: u32) -> String {
     let here = format!("job {job_id} is not in the history of {}", config.node);
-    let args = [
-        "show".to_string(),
-        "job".to_string(),
-        "-o".to_string(),
-        job_id.to_string(),
-    ];
-    match crate::command::run(&config.weight.scontrol, &args, Duration::from_secs(5)) {
-        Ok(out) => match inspect::node_list(&out) {
+    use crate::slurm::Slurm;
+    match config.slurm().job_nodes(job_id) {
+        Ok(nodes) => match nodes {
             Some(nodes) if nodes != config.node => format!(
                 "{here}: Slurm says it ran on {nodes}; ask that node's daemon there \
                  (multiplexd explain {job_id}, with that node's --config or MULTIPLEXD_CONFIG)"
@@ -254,18 +249,16 @@ fn read(path: &Path) -> Result<String, String> {
 /// when something disagrees.
 pub fn check_config(config_path: &Path) -> Result<bool, String> {
     use crate::check::{self, Finding, Inputs, Level, PolicyView};
+    use crate::slurm::Slurm;
     let config = load_config(config_path)?;
-    let scontrol = config.weight.scontrol.clone();
-    let run = |args: &[&str]| {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        crate::command::run(&scontrol, &args, Duration::from_secs(10))
-    };
+    let slurm = config.slurm();
     // gres.conf repeats one NodeName= list on line after line: each is asked of scontrol once.
     let asked = std::cell::RefCell::new(std::collections::HashMap::<String, bool>::new());
     let names_node = |list: &str| {
         *asked.borrow_mut().entry(list.to_string()).or_insert_with(|| {
-            run(&["show", "hostnames", list])
-                .map(|out| out.split_whitespace().any(|h| h == config.node))
+            slurm
+                .hostnames(list)
+                .map(|hosts| hosts.contains(&config.node))
                 .unwrap_or(false)
         })
     };
@@ -302,7 +295,10 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
     });
     let gres_path = etc.join("gres.conf");
     let gres = read(&gres_path).and_then(|text| check::parse_gres_conf(&text, &|list| names_node(list)));
-    let record = run(&["show", "node", &config.node, "-o"]).map(|out| check::parse_node_record(&out));
+    let record = slurm
+        .node_record(&config.node)
+        .map(|out| check::parse_node_record(&out))
+        .map_err(|e| e.to_string());
     let policy_path = std::env::var_os("MULTIPLEX_JOB_SUBMIT_CONF")
         .map_or_else(|| etc.join("job_submit_multiplex.toml"), PathBuf::from);
     let mut notes: Vec<Finding> = Vec::new();
@@ -341,9 +337,21 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
             })
         }
     };
+    // cgroup.conf's ConstrainDevices (a key=value file as slurm.conf is).
+    let cgroup_path = etc.join("cgroup.conf");
+    let constrain_devices = read(&cgroup_path).map(|text| {
+        text.lines().find_map(|l| {
+            let (k, v) = l.split('#').next()?.trim().split_once('=')?;
+            k.trim()
+                .eq_ignore_ascii_case("ConstrainDevices")
+                .then(|| v.trim().to_string())
+        })
+    });
     let inputs = Inputs {
         config: &config,
         gres: gres.map_err(|e| format!("{e} ({} is read beside SLURM_CONF)", gres_path.display())),
+        constrain_devices,
+        gate_licenses: slurm.license_total(crate::claimer::LICENSE).map_err(|e| e.to_string()),
         record,
         plugstack,
         policy,

@@ -138,7 +138,7 @@ fn a_tool_whose_reader_went_away_ends_quietly() {
 
 #[test]
 fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
-    use multiplex_protocol::{client, PlaceRequest, Request, Response};
+    use multiplex_protocol::{client, Request, Response, StartRequest};
     use std::os::unix::process::CommandExt;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -147,13 +147,13 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
     }
     let dir = tempfile::tempdir().unwrap();
     // The history in a directory the daemon makes (0700); Slurm's PrivateData cannot be asked
-    // (no scontrol), so jobs are private.
+    // (no Slurm commands), so jobs are private.
     let config = dir.path().join("c.toml");
     std::fs::write(
         &config,
         format!(
             "node = \"n1\"\nsocket = \"{d}/run/d.sock\"\ndatabase = \"{d}/lib/h.sqlite\"\nslurm_user = \"root\"\n\
-             [weight]\npublish = false\nscontrol = \"{d}/no-scontrol\"\n[reconcile]\ninterval_s = 0\n\
+             slurm_bin = \"{d}/no-slurm\"\n[reconcile]\ninterval_s = 0\n\
              [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
             d = dir.path().display()
         ),
@@ -183,10 +183,10 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
     }
     assert!(up, "multiplexd did not come up");
     for (job_id, uid) in [(7, 65534), (8, 1000)] {
-        let req = PlaceRequest::new(job_id, uid, "bert", "n1");
+        let req = StartRequest::new(job_id, uid, "bert", "n1", 0);
         assert!(matches!(
-            client::call(&socket, t, Request::Place(req)),
-            Ok(Response::Placed(_))
+            client::call(&socket, t, Request::Start(req)),
+            Ok(Response::Started(_))
         ));
     }
     // A copy of the tool nobody can reach (the build's own may sit under a private home).
@@ -271,8 +271,8 @@ fn sighup_rereads_the_config_and_a_broken_one_changes_nothing() {
     let config = dir.path().join("c.toml");
     let text = |min_gain: &str, jobs_per_gpu: u32| {
         format!(
-            "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\nannotate = false\n\
-             jobs_per_gpu = {jobs_per_gpu}\n[weight]\npublish = false\nscontrol = \"{d}/no-scontrol\"\n\
+            "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\n\
+             jobs_per_gpu = {jobs_per_gpu}\nslurm_bin = \"{d}/no-slurm\"\n\
              [reconcile]\ninterval_s = 0\n[policy]\nmin_gain = {min_gain}\n\
              [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
             d = dir.path().display()

@@ -9,7 +9,7 @@
 //! the log tests run the real `multiplexd serve`.
 
 use multiplex_protocol::wire::{self, MAX_FRAME};
-use multiplex_protocol::{client, FinishRequest, PlaceRequest, Request, Response};
+use multiplex_protocol::{client, FinishRequest, Request, Response, StartRequest};
 use multiplexd::admission::Limits;
 use multiplexd::config::{Config, GpuSpec};
 use multiplexd::node::{wall_clock, Node};
@@ -27,7 +27,7 @@ const T: Duration = Duration::from_secs(5);
 fn config_text(dir: &Path) -> String {
     format!(
         "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = 2\nslurm_user = \"root\"\n\
-         [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
+         slurm_bin = \"{d}/no-slurm\"\n[reconcile]\ninterval_s = 0\n[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
         d = dir.display()
     )
 }
@@ -140,7 +140,7 @@ impl Drop for InProcess {
 }
 
 fn place(job_id: u32) -> Request {
-    Request::Place(PlaceRequest::new(job_id, 1000, "a", "n1"))
+    Request::Start(StartRequest::new(job_id, 1000, "a", "n1", 0))
 }
 
 /// What the daemon sent on `s` within a short while: `Some(text)` of an error answer, `None`
@@ -225,7 +225,7 @@ fn a_user_holds_a_few_connections_is_told_when_it_may_not_and_root_is_served_thr
     // Root is served while they are held, and at once.
     let start = Instant::now();
     assert!(matches!(d.call_as("root-0", Request::Status), Response::Status(_)));
-    assert!(matches!(d.call_as("root-1", place(1)), Response::Placed(_)));
+    assert!(matches!(d.call_as("root-1", place(1)), Response::Started(_)));
     let finish = Request::Finish(FinishRequest {
         job_id: 1,
         step_id: 0,
@@ -307,13 +307,13 @@ fn twenty_thousand_bad_frames_leave_a_few_log_lines_and_none_forged() {
     let socket = dir.path().join("d.sock");
     let before = std::fs::metadata(&log).unwrap().len();
     // The first carries a line of its own to forge; the rest are garbage of every kind.
-    let forged = frame(r#"{"version":1,"request":{"type":"x\nINFO multiplexd: forged line"}}"#);
+    let forged = frame(r#"{"version":2,"request":{"type":"x\nINFO multiplexd: forged line"}}"#);
     let kinds = [
         forged,
         frame("this is not json"),
         frame(r#"{"version":7,"request":{"type":"status"}}"#),
         u32::MAX.to_be_bytes().to_vec(),
-        frame(r#"{"version":1,"request":{"type":"place","job_id":1}}"#),
+        frame(r#"{"version":2,"request":{"type":"start","job_id":1}}"#),
     ];
     let start = Instant::now();
     let mut slowest_status = Duration::ZERO;

@@ -2,7 +2,7 @@
 //! (a solo run sets the baseline, shared runs give pair speeds, the next placement reads them),
 //! and reconciling with what Slurm runs.
 
-use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
+use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, Response, StartRequest};
 use multiplexd::config::{Config, GpuSpec};
 use multiplexd::node::Node;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,21 +80,60 @@ impl World {
     fn start_on(&mut self, t: f64, job_id: u32, app: &str, slurm_gpu: &str) -> Response {
         let node = self.name.clone();
         self.at(t)
-            .place(&PlaceRequest {
+            .start(&StartRequest {
                 job_id,
                 step_id: 0xffff_fffb,
                 uid: 1000,
                 app: app.into(),
                 mem_mb: None,
                 node,
-                slurm_cuda_visible_devices: Some(slurm_gpu.into()),
+                slurm_gres: None,
                 slurm_job_gpus: Some(slurm_gpu.into()),
-                slurm_shards_on_node: Some("1".into()),
-                restarts: 0,
-                cannot_wait: false,
                 admin_comment: None,
             })
             .unwrap()
+    }
+
+    /// What the claimer would do at `t` with a pending job of `app` on this node as it is
+    /// (its GPUs and their jobs, as Slurm's books would show them): the GPU it pins it to.
+    fn claim(&mut self, t: f64, job_id: u32, app: &str) -> Option<u32> {
+        use multiplexd::claim::{Candidate, Choice, NodeGpus};
+        use multiplexd::placement::{Bypasses, GpuState, Resident};
+        let status = self.at(t).status().unwrap();
+        let node = NodeGpus {
+            node: self.name.clone(),
+            gpus: status
+                .gpus
+                .iter()
+                .map(|g| GpuState {
+                    index: g.index,
+                    model: g.model.clone(),
+                    memory_mb: g.memory_mb,
+                    residents: g
+                        .tasks
+                        .iter()
+                        .map(|t| Resident {
+                            job_id: t.job_id,
+                            app: t.app.clone(),
+                            mem_mb: None,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        let pending = [Candidate {
+            job_id,
+            app: app.into(),
+            mem_mb: None,
+            model: None,
+            gpu: None,
+            nodes: None,
+        }];
+        let choices = self.node.claims(&[node], &pending, &mut Bypasses::default()).unwrap();
+        choices.iter().find_map(|c| match c {
+            Choice::Pin { gpu, .. } => Some(*gpu),
+            Choice::Refuse { .. } => None,
+        })
     }
 
     fn end(&mut self, t: f64, job_id: u32, exit_status: i32) {
@@ -146,7 +185,7 @@ fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
     // The next bert beside a running resnet is predicted from what was learned.
     w.start(400.0, 5, "resnet");
     match w.start(400.0, 6, "bert") {
-        Response::Placed(p) => {
+        Response::Started(p) => {
             assert!((p.predicted_speed - 2.0 / 3.0).abs() < 0.01, "{p:?}");
             assert!(
                 p.reason.contains("from 1 observation") && !p.reason.contains("1 observations"),
@@ -167,7 +206,7 @@ fn solo_runs_and_shared_runs_become_pair_speeds_that_placement_uses() {
     let effects = multiplexd::learn::fit_effects(2, &[(b, r, beside_resnet), (r, b, resnet_beside)], 0.7);
     w.start(600.0, 7, "gpt");
     match w.start(600.0, 8, "bert") {
-        Response::Placed(p) => {
+        Response::Started(p) => {
             // The daemon takes coordinate steps of that fit as it learns: close to the whole fit.
             let want = effects.base[b].0;
             assert!((p.predicted_speed - want).abs() < 0.01, "{p:?} vs {want}");
@@ -234,7 +273,7 @@ fn jobs_slurm_no_longer_runs_free_their_slots_and_teach_nothing() {
     assert_eq!(w.estimate("a", "b"), None);
     // The freed slot takes a new job; one placed moments ago is left alone though Slurm does
     // not list it yet.
-    assert!(matches!(w.start(110.0, 3, "c"), Response::Placed(_)));
+    assert!(matches!(w.start(110.0, 3, "c"), Response::Started(_)));
     assert!(w.at(120.0).reconcile(&running, 30.0).unwrap().is_empty());
     assert_eq!(jobs_here(&w), vec![2, 3]);
 }
@@ -282,7 +321,7 @@ fn explain_export_and_import_say_and_carry_what_was_learned() {
     // The seeded node predicts from the import at once.
     fresh.start(0.0, 10, "resnet");
     match fresh.start(0.0, 11, "bert") {
-        Response::Placed(p) => assert!(
+        Response::Started(p) => assert!(
             p.reason.contains("from 1 observation") && !p.reason.contains("1 observations"),
             "{}",
             p.reason
@@ -384,20 +423,14 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
         w.at(20.0).report(&report(9, ReportKind::OutOfMemory), 0, true).unwrap(),
         Response::Error { message } if message == "job 9 is not running on node n1"
     ));
-    // Both die; later, big-b arrives beside a running big-a: declined, not paired again.
+    // Both die; later, big-b waits while a big-a runs: the claimer does not pair them again,
+    // but pins it to the GPU once big-a has left.
     w.end(30.0, 2, 256);
     w.end(31.0, 1, 0);
     w.start(40.0, 3, "big-a");
-    match w.start(41.0, 4, "big-b") {
-        Response::Declined { reason, retry_after_s } => {
-            assert!(
-                reason.contains("big-b beside big-a (job 3) ran out of memory before"),
-                "{reason}"
-            );
-            assert!(retry_after_s > 0);
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(w.claim(41.0, 4, "big-b"), None);
+    w.end(50.0, 3, 0);
+    assert_eq!(w.claim(51.0, 4, "big-b"), Some(0));
 }
 
 #[test]
@@ -469,29 +502,12 @@ fn a_pair_measured_to_lose_gives_its_newest_job_back_once_and_still_teaches() {
         format!("{explained:?}").contains("requeued to run apart"),
         "{explained:?}"
     );
-    // Placement now declines the pair; a job that cannot wait (not requeueable) still runs
-    // beside bert. Job 4 again there is not given back twice; another job of the pair is.
-    assert!(matches!(w.start(500.0, 4, "resnet"), Response::Declined { .. }));
+    // The claimer no longer pairs them; where Slurm starts a job of the pair beside bert all the
+    // same (its gate lapsed), job 4 again there is not given back twice; another job is.
+    assert_eq!(w.claim(500.0, 4, "resnet"), None);
     for (t, job) in [(500.0, 4), (700.0, 5)] {
-        let node = w.name.clone();
-        let placed = w
-            .at(t)
-            .place(&PlaceRequest {
-                job_id: job,
-                step_id: 0xffff_fffb,
-                uid: 1000,
-                app: "resnet".into(),
-                mem_mb: None,
-                node,
-                slurm_cuda_visible_devices: Some("0".into()),
-                slurm_job_gpus: Some("0".into()),
-                slurm_shards_on_node: Some("1".into()),
-                restarts: 1,
-                cannot_wait: true,
-                admin_comment: None,
-            })
-            .unwrap();
-        assert!(matches!(placed, Response::Placed(_)), "{placed:?}");
+        let placed = w.start(t, job, "resnet");
+        assert!(matches!(placed, Response::Started(_)), "{placed:?}");
         w.at(t + 100.0).report(&progress(job, 20.0), 1000, false).unwrap();
         let given: Vec<u32> = w
             .at(t + 100.0)
@@ -616,27 +632,11 @@ fn measured_memory_stands_in_for_a_missing_hint() {
         .record_telemetry(&sample, &|pid| (pid == 4000).then_some((1, 1000)))
         .unwrap();
     w.end(100.0, 1, 0);
-    // Two more runs without a hint: the second cannot fit beside the first on a 16 GiB GPU.
-    match w.start(200.0, 2, "big") {
-        Response::Placed(p) => assert!(
-            p.reason.contains("needs about 12000 MiB, measured on its earlier runs"),
-            "{}",
-            p.reason
-        ),
-        other => panic!("{other:?}"),
-    }
-    match w.start(201.0, 3, "big") {
-        Response::Declined { reason, .. } => {
-            assert!(
-                reason.contains("memory: 12000 MiB asked, 12000 of 16384 MiB already promised"),
-                "{reason}"
-            );
-            assert!(reason.contains("measured on its earlier runs"), "{reason}");
-        }
-        other => panic!("{other:?}"),
-    }
-    // An application never measured is placed as before.
-    assert!(matches!(w.start(202.0, 4, "small"), Response::Placed(_)));
+    // Two more runs without a hint: the claimer keeps the second off the GPU the first holds,
+    // on a 16 GiB GPU; an application never measured shares it as before.
+    assert!(matches!(w.start(200.0, 2, "big"), Response::Started(_)));
+    assert_eq!(w.claim(201.0, 3, "big"), None);
+    assert_eq!(w.claim(201.0, 4, "small"), Some(0));
 
     // The measured memory travels with the history: a node that imports it keeps a second big
     // from beside the first without ever having run one.
@@ -654,10 +654,7 @@ fn measured_memory_stands_in_for_a_missing_hint() {
     let done = fresh.node.import(&data).unwrap();
     assert_eq!((done.memory_added, done.memory_raised), (1, 0));
     fresh.start(300.0, 5, "big");
-    match fresh.start(301.0, 6, "big") {
-        Response::Declined { reason, .. } => assert!(reason.contains("memory: 12000 MiB asked"), "{reason}"),
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(fresh.claim(301.0, 6, "big"), None);
     // A smaller measurement from elsewhere never lowers it; a larger one raises it.
     let mut less = data.clone();
     less.memory[0].peak_mb = 8000;
@@ -672,7 +669,7 @@ fn measured_memory_stands_in_for_a_missing_hint() {
 #[test]
 fn with_mps_each_job_gets_a_thread_limit_from_the_predicted_speeds() {
     let limit = |r: Response| match r {
-        Response::Placed(p) => p.mps_thread_percentage,
+        Response::Started(p) => p.mps_thread_percentage,
         other => panic!("{other:?}"),
     };
     let mut w = World::with("mps = true");
@@ -685,26 +682,62 @@ fn with_mps_each_job_gets_a_thread_limit_from_the_predicted_speeds() {
 }
 
 #[test]
-fn in_observe_mode_jobs_run_where_slurm_bound_them_and_are_still_learned_from() {
+fn a_job_is_recorded_where_slurm_bound_it_by_type_or_by_index_and_learned_from() {
     let gpu = |r: Response| match r {
-        Response::Placed(p) => (p.gpu, p.corunners),
+        Response::Started(p) => (p.gpu, p.corunners, p.reason),
         other => panic!("{other:?}"),
     };
-    // Deciding, the daemon picks: the first idle GPU, then the other idle one, whatever
-    // Slurm bound.
     let mut w = World::with_gpus("", 2);
-    assert_eq!(gpu(w.start_on(0.0, 1, "bert", "1")), (0, vec![]));
-    assert_eq!(gpu(w.start_on(1.0, 2, "resnet", "0")), (1, vec![]));
-    // Observing, it stays beside job 1, where Slurm put it.
-    let mut w = World::with_gpus("[policy]\nmode = \"observe\"", 2);
-    assert_eq!(gpu(w.start_on(0.0, 1, "gpt", "1")), (1, vec![]));
-    assert_eq!(gpu(w.start_on(1.0, 2, "vgg", "1")), (1, vec![1]));
+    // Where Slurm bound it, whatever else is idle.
+    let (g, partners, why) = gpu(w.start_on(0.0, 1, "gpt", "1"));
+    assert_eq!((g, partners), (1, vec![]));
+    assert!(
+        why.contains("where Slurm bound it on its own choice (not claimed)"),
+        "{why}"
+    );
+    assert_eq!(gpu(w.start_on(1.0, 2, "vgg", "1")).0, 1);
+    // A claimed job: its gres names the GPU by type, which wins over SLURM_JOB_GPUS.
+    let node = w.name.clone();
+    let claimed = StartRequest {
+        step_id: 0xffff_fffb,
+        slurm_gres: Some("gres/shard:v100_0:1".into()),
+        slurm_job_gpus: Some("1".into()),
+        ..StartRequest::new(8, 1000, "claimed", node, 1)
+    };
+    let (g, _, why) = gpu(w.at(1.5).start(&claimed).unwrap());
+    assert_eq!(g, 0);
+    assert!(
+        why.contains("GPU 0 (v100_0), claimed for it before Slurm allocated it"),
+        "{why}"
+    );
+    w.end(1.6, 8, 0);
+    // A job srun made, claimed for this node only: Slurm's GPU, said so.
+    let node = w.name.clone();
+    let node_only = StartRequest {
+        step_id: 0xffff_fffb,
+        slurm_gres: Some("gres/shard:1".into()),
+        slurm_job_gpus: Some("1".into()),
+        admin_comment: Some(format!(
+            "multiplex:app=srun,pin=node | multiplex: claimed for {node} (GPU Slurm's choice: srun made the job), meant alone (predicted speed 1.00)"
+        )),
+        ..StartRequest::new(9, 1000, "srun", node, 1)
+    };
+    let (g, _, why) = gpu(w.at(1.7).start(&node_only).unwrap());
+    assert_eq!(g, 1);
+    assert!(
+        why.contains("GPU 1 (v100_1), Slurm's choice on a node claimed for it (srun made the job)"),
+        "{why}"
+    );
+    w.end(1.8, 9, 0);
     // A GPU outside the node's shared pool is an error that says so, not a guess.
     match w.start_on(2.0, 3, "bert", "7") {
-        Response::Error { message } => assert!(message.contains("observe mode") && message.contains('7'), "{message}"),
+        Response::Error { message } => assert!(
+            message.contains("no GPU of this node's shared pool") && message.contains('7'),
+            "{message}"
+        ),
         other => panic!("{other:?}"),
     }
-    // What ran is learned from as when deciding: solo runs, then the pair.
+    // What ran is learned from: solo runs, then the pair.
     w.end(50.0, 1, 0);
     w.end(51.0, 2, 0);
     w.start_on(60.0, 4, "bert", "0");
@@ -717,6 +750,24 @@ fn in_observe_mode_jobs_run_where_slurm_bound_them_and_are_still_learned_from() 
     w.end(425.0, 6, 0);
     let (speed, _, n) = w.estimate("bert", "resnet").expect("a learned pair");
     assert!(n >= 1 && (speed - 2.0 / 3.0).abs() < 0.05, "{speed} from {n}");
+}
+
+#[test]
+fn a_job_no_gpu_here_could_ever_hold_is_refused_with_the_reason() {
+    let mut w = World::new();
+    let node = w.name.clone();
+    let big = StartRequest {
+        mem_mb: Some(40_000),
+        ..StartRequest::new(1, 1000, "big", node, 0)
+    };
+    match w.at(0.0).start(&big).unwrap() {
+        Response::Refused { reason } => assert_eq!(
+            reason,
+            "it needs 40000 MiB of GPU memory and the largest GPU here has 16384 MiB"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(w.node.status().unwrap().gpus[0].tasks.is_empty(), "nothing recorded");
 }
 
 #[test]
@@ -771,139 +822,18 @@ fn a_job_whose_lesson_was_still_queued_when_the_daemon_stopped_is_learned_at_the
 }
 
 #[test]
-fn a_gpu_known_by_uuid_is_named_to_cuda_by_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = Config::parse(&format!(
-        "node = \"n1\"\nsocket = \"{d}/s.sock\"\ndatabase = \"{d}/h.sqlite\"\n\
-         [[gpu]]\nindex = 3\nmodel = \"h100\"\nmemory_mb = 81920\nuuid = \"GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f\"\n",
-        d = dir.path().display()
-    ))
-    .unwrap();
-    let gpus = match &config.gpus {
-        multiplexd::config::GpuSource::Listed(g) => g.clone(),
-        other => panic!("{other:?}"),
-    };
-    let mut node = Node::open(config, gpus, Box::new(|| 0.0)).unwrap();
-    let r = node
-        .place(&PlaceRequest {
-            job_id: 1,
-            step_id: 0,
-            uid: 1000,
-            app: "bert".into(),
-            mem_mb: None,
-            node: "n1".into(),
-            slurm_cuda_visible_devices: Some("0".into()),
-            slurm_job_gpus: Some("0".into()),
-            slurm_shards_on_node: Some("1".into()),
-            restarts: 0,
-            cannot_wait: false,
-            admin_comment: None,
-        })
-        .unwrap();
-    let Response::Placed(p) = r else { panic!("{r:?}") };
-    let env: std::collections::HashMap<_, _> = p.environment().into_iter().collect();
-    assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-5a1c0e2e-7b1f-4f0e-9d1e-0c3e1b2a4d5f");
-    assert_eq!(env["MULTIPLEX_GPU"], "3");
-}
-
-#[test]
-fn declines_back_off_with_the_restart_count_and_end_after_max_declines() {
-    // bert beside resnet was learned at 0.667 each: sharing adds 0.33 of a GPU, below this
-    // node's min_gain of 0.35, so a resnet that would join a running bert is declined.
-    let mut w = World::with("[policy]\nmin_gain = 0.35\nmax_declines = 3\ndecline_retry_max_s = 960");
-    let loads = Arc::new(std::sync::Mutex::new(Vec::new()));
-    {
-        let loads = Arc::clone(&loads);
-        w.node
-            .on_load(Box::new(move |l| loads.lock().unwrap().push(l)))
-            .unwrap();
-    }
+fn the_claimer_holds_a_poor_share_for_a_better_one_over_this_history() {
+    // bert beside resnet was learned at 0.667 each: sharing adds 0.33 of a GPU. Below a
+    // min_gain of 0.35 the claimer keeps a resnet off a GPU where bert runs; at the default
+    // 0.25 it pins it there.
+    let mut strict = World::with("[policy]\nmin_gain = 0.35");
+    strict.bert_and_resnet();
+    strict.start(400.0, 5, "bert");
+    assert_eq!(strict.claim(500.0, 6, "resnet"), None);
+    let mut w = World::new();
     w.bert_and_resnet();
     w.start(400.0, 5, "bert");
-    let node = w.name.clone();
-    let ask = |w: &mut World, restarts: u32| {
-        w.at(500.0)
-            .place(&PlaceRequest {
-                job_id: 6,
-                step_id: 0xffff_fffb,
-                uid: 1000,
-                app: "resnet".into(),
-                mem_mb: None,
-                node: node.clone(),
-                slurm_cuda_visible_devices: Some("0".into()),
-                slurm_job_gpus: Some("0".into()),
-                slurm_shards_on_node: Some("1".into()),
-                restarts,
-                cannot_wait: false,
-                admin_comment: None,
-            })
-            .unwrap()
-    };
-    // Slurm's count (what slurmstepd passes) or the daemon's own, whichever is larger:
-    // slurmstepd says 0 for batch steps.
-    for (restarts, wait) in [(0, 60), (0, 120), (2, 240)] {
-        match ask(&mut w, restarts) {
-            Response::Declined { reason, retry_after_s } => {
-                assert_eq!(retry_after_s, wait, "after {restarts} requeues: {reason}");
-                assert!(reason.contains("less than the 0.35 worth sharing for"), "{reason}");
-            }
-            other => panic!("{other:?}"),
-        }
-        let last = *loads.lock().unwrap().last().unwrap();
-        assert!(last.refusing && last.empty_gpus == 0, "{last:?}");
-    }
-    // The declines are in the history, with the latest's reason and wait, for `explain`.
-    let declines = w.node.history().declines(6).unwrap();
-    assert_eq!(declines.len(), 1);
-    let d = &declines[0];
-    assert_eq!((d.node.as_str(), d.count, d.retry_after_s), ("n1", 3, 240));
-    assert!(d.reason.contains("worth sharing for"), "{}", d.reason);
-    // Requeued as often as max_declines: it no longer waits for a better partner.
-    match ask(&mut w, 0) {
-        Response::Placed(p) => assert!(p.reason.contains("requeued 3 times already"), "{}", p.reason),
-        other => panic!("{other:?}"),
-    }
-    let last = *loads.lock().unwrap().last().unwrap();
-    assert!(
-        !last.refusing && last.used == 2,
-        "placing a job ends the refusal: {last:?}"
-    );
-}
-
-#[test]
-fn a_step_that_cannot_wait_takes_a_poor_partner_but_never_one_it_cannot_fit_beside() {
-    let mut w = World::with("[policy]\nmin_gain = 0.35");
-    w.bert_and_resnet();
-    w.start(400.0, 5, "bert");
-    let node = w.name.clone();
-    let ask = |w: &mut World, job_id: u32, mem_mb: Option<u64>, cannot_wait: bool| {
-        w.at(500.0)
-            .place(&PlaceRequest {
-                job_id,
-                step_id: 0xffff_fffb,
-                uid: 1000,
-                app: "resnet".into(),
-                mem_mb,
-                node: node.clone(),
-                slurm_cuda_visible_devices: Some("0".into()),
-                slurm_job_gpus: Some("0".into()),
-                slurm_shards_on_node: Some("1".into()),
-                restarts: 0,
-                cannot_wait,
-                admin_comment: None,
-            })
-            .unwrap()
-    };
-    assert!(matches!(ask(&mut w, 6, None, false), Response::Declined { .. }));
-    match ask(&mut w, 6, None, true) {
-        Response::Placed(p) => assert!(p.reason.contains("it cannot wait"), "{}", p.reason),
-        other => panic!("{other:?}"),
-    }
-    // Memory it cannot have is no poor partner: still declined.
-    match ask(&mut w, 7, Some(20_000), true) {
-        Response::Declined { reason, .. } => assert!(reason.contains("20000 MiB"), "{reason}"),
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(w.claim(500.0, 6, "resnet"), Some(0));
 }
 
 /// A round of telemetry on GPU 0: `(pid, SM utilisation)`; pid 100 is job 1's, 200 job 2's.

@@ -2,7 +2,7 @@
 //! concurrent clients, and kill -9 with a restart.
 
 use multiplex_protocol::wire::{self, RequestFrame, PROTOCOL_VERSION};
-use multiplex_protocol::{client, FinishRequest, PlaceRequest, Request, Response};
+use multiplex_protocol::{client, FinishRequest, Request, Response, StartRequest};
 use multiplexd::config::{Config, GpuSpec};
 use multiplexd::node::{wall_clock, Node};
 use multiplexd::server::{self, Access};
@@ -18,7 +18,7 @@ const T: Duration = Duration::from_secs(5);
 fn config_text(dir: &Path, slots: u32) -> String {
     format!(
         "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\njobs_per_gpu = {slots}\nslurm_user = \"root\"\n\
-         [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n[[gpu]]\nindex = 1\nmodel = \"v100\"\nmemory_mb = 16384\n",
+         slurm_bin = \"{d}/no-slurm\"\n[reconcile]\ninterval_s = 0\n[[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n[[gpu]]\nindex = 1\nmodel = \"v100\"\nmemory_mb = 16384\n",
         d = dir.display()
     )
 }
@@ -81,21 +81,9 @@ impl Drop for InProcess {
     }
 }
 
-fn place(job_id: u32, app: &str) -> Request {
-    Request::Place(PlaceRequest {
-        job_id,
-        step_id: 0,
-        uid: 1000,
-        app: app.into(),
-        mem_mb: None,
-        node: "n1".into(),
-        slurm_cuda_visible_devices: Some("0".into()),
-        slurm_job_gpus: Some("0".into()),
-        slurm_shards_on_node: Some("1".into()),
-        restarts: 0,
-        cannot_wait: false,
-        admin_comment: None,
-    })
+/// Step 0 of `job_id` started where Slurm bound it: GPU 0 or 1, by the job id's parity.
+fn start(job_id: u32, app: &str) -> Request {
+    Request::Start(StartRequest::new(job_id, 1000, app, "n1", job_id % 2))
 }
 
 fn finish(job_id: u32) -> Request {
@@ -141,12 +129,12 @@ fn bad_clients_get_an_error_and_everyone_else_is_served() {
         ("garbage", frame("this is not json"), "malformed"),
         (
             "unknown request",
-            frame(r#"{"version":1,"request":{"type":"launch_missiles"}}"#),
+            frame(r#"{"version":2,"request":{"type":"launch_missiles"}}"#),
             "malformed",
         ),
         (
             "missing fields",
-            frame(r#"{"version":1,"request":{"type":"place","job_id":1}}"#),
+            frame(r#"{"version":2,"request":{"type":"start","job_id":1}}"#),
             "malformed",
         ),
         (
@@ -157,7 +145,7 @@ fn bad_clients_get_an_error_and_everyone_else_is_served() {
         (
             "truncated",
             {
-                let mut f = frame(r#"{"version":1,"request":{"type":"status"}}"#);
+                let mut f = frame(r#"{"version":2,"request":{"type":"status"}}"#);
                 f.truncate(10);
                 f
             },
@@ -178,13 +166,13 @@ fn bad_clients_get_an_error_and_everyone_else_is_served() {
     // A client that connects and says nothing does not block others.
     let _idle = UnixStream::connect(&d.socket).unwrap();
     assert!(matches!(
-        client::call(&d.socket, T, place(1, "a")),
-        Ok(Response::Placed(_))
+        client::call(&d.socket, T, start(1, "a")),
+        Ok(Response::Started(_))
     ));
 }
 
 #[test]
-fn concurrent_clients_never_overbook_a_gpu() {
+fn concurrent_clients_lose_and_double_no_record() {
     let dir = tempfile::tempdir().unwrap();
     let d = InProcess::start(dir.path(), 2);
     let socket = d.socket.clone();
@@ -196,22 +184,11 @@ fn concurrent_clients_never_overbook_a_gpu() {
             std::thread::spawn(move || {
                 for i in 0..25u32 {
                     let job = 1000 * (t + 1) + i;
-                    match client::call(&socket, T, place(job, &format!("app{}", t % 3))).unwrap() {
-                        Response::Placed(p) => {
-                            assert!(p.corunners.len() < 2, "job {job} joined a full GPU: {p:?}");
+                    match client::call(&socket, T, start(job, &format!("app{}", t % 3))).unwrap() {
+                        Response::Started(p) => {
+                            assert_eq!(p.gpu, job % 2, "job {job} recorded where Slurm bound it: {p:?}");
                             *placed.lock().unwrap() += 1;
                             assert_eq!(client::call(&socket, T, finish(job)).unwrap(), Response::Finished);
-                        }
-                        // Full, or (these jobs end at once, so their pairs look slow) not worth
-                        // sharing, or a share the separation look would give back: each leaves
-                        // the GPU as it was.
-                        Response::Declined { reason, .. } => {
-                            assert!(
-                                reason.contains("full")
-                                    || reason.contains("worth sharing for")
-                                    || reason.contains("a share given back as soon as measured"),
-                                "{reason}"
-                            )
                         }
                         other => panic!("{other:?}"),
                     }
@@ -222,7 +199,7 @@ fn concurrent_clients_never_overbook_a_gpu() {
     for t in threads {
         t.join().unwrap();
     }
-    assert!(*placed.lock().unwrap() >= 4, "at least one round placed");
+    assert_eq!(*placed.lock().unwrap(), 8 * 25, "every start recorded");
     assert!(status_jobs(&socket).is_empty(), "every finished job released its slot");
     drop(d);
     let db = rusqlite_count(&dir.path().join("h.sqlite"));
@@ -273,32 +250,31 @@ fn kill_9_loses_nothing_and_the_restart_never_double_books() {
     let config = dir.path().join("multiplexd.toml");
     std::fs::write(&config, config_text(dir.path(), 1)).unwrap();
     let socket = dir.path().join("d.sock");
-    let start = || serve(&config, &socket);
-    let mut first = start();
+    let launch = || serve(&config, &socket);
+    let mut first = launch();
     let gpu_of = |r: Response| match r {
-        Response::Placed(p) => p.gpu,
+        Response::Started(p) => p.gpu,
         other => panic!("{other:?}"),
     };
-    let a = gpu_of(client::call(&socket, T, place(1, "a")).unwrap());
-    let b = gpu_of(client::call(&socket, T, place(2, "b")).unwrap());
-    assert_ne!(a, b, "one job per GPU");
+    let a = gpu_of(client::call(&socket, T, start(1, "a")).unwrap());
+    let b = gpu_of(client::call(&socket, T, start(2, "b")).unwrap());
+    assert_eq!((a, b), (1, 0), "where Slurm bound them");
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
 
     // The stale socket file is replaced; the history is where it was.
-    let mut second = start();
+    let mut second = launch();
     let mut jobs = status_jobs(&socket);
     jobs.sort();
     assert_eq!(jobs, vec![(1, a), (2, b)]);
-    // Both GPUs are full (one slot each): a newcomer is declined, not double-booked.
-    assert!(matches!(
-        client::call(&socket, T, place(3, "c")).unwrap(),
-        Response::Declined { .. }
-    ));
-    // A step of a running job still joins its GPU.
-    assert_eq!(gpu_of(client::call(&socket, T, place(1, "a")).unwrap()), a);
+    // A step of a running job still joins its GPU, whatever it says of its binding.
+    let step = Request::Start(StartRequest {
+        step_id: 4,
+        ..StartRequest::new(1, 1000, "a", "n1", 0)
+    });
+    assert_eq!(gpu_of(client::call(&socket, T, step).unwrap()), a);
     assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
-    assert_eq!(gpu_of(client::call(&socket, T, place(3, "c")).unwrap()), a);
+    assert_eq!(gpu_of(client::call(&socket, T, start(3, "c")).unwrap()), a);
     second.kill().unwrap();
     second.wait().unwrap();
 }
@@ -330,23 +306,23 @@ fn a_second_daemon_on_the_same_socket_is_refused() {
 }
 
 #[test]
-fn a_history_that_cannot_be_read_fails_the_placement_instead_of_guessing() {
+fn a_history_that_cannot_be_read_fails_the_start_instead_of_guessing() {
     let (dir, socket, mut daemon) = served(2);
     for (job, app) in [(1, "a"), (2, "b")] {
         assert!(matches!(
-            client::call(&socket, T, place(job, app)).unwrap(),
-            Response::Placed(_)
+            client::call(&socket, T, start(job, app)).unwrap(),
+            Response::Started(_)
         ));
     }
-    // Both GPUs now have a resident, so the next decision must read what is known of the
-    // applications, and that table is gone.
+    // Both GPUs now have a resident, so the next start must read what is known of the
+    // applications to predict its speed, and that table is gone.
     rusqlite::Connection::open(dir.path().join("h.sqlite"))
         .unwrap()
         .execute_batch("DROP TABLE app_effects")
         .unwrap();
-    match client::call(&socket, T, place(3, "c")).unwrap() {
+    match client::call(&socket, T, start(3, "c")).unwrap() {
         Response::Error { message } => assert!(message.contains("no such table: app_effects"), "{message}"),
-        other => panic!("a placement without its estimates must fail, not guess: {other:?}"),
+        other => panic!("a start without its estimates must fail, not guess: {other:?}"),
     }
     let mut jobs = status_jobs(&socket);
     jobs.sort();
@@ -363,8 +339,8 @@ fn a_history_that_cannot_be_read_fails_the_placement_instead_of_guessing() {
 fn a_finish_answers_before_learning_and_a_stopping_daemon_learns_what_is_queued() {
     let (dir, socket, mut daemon) = served(2);
     assert!(matches!(
-        client::call(&socket, T, place(1, "a")).unwrap(),
-        Response::Placed(_)
+        client::call(&socket, T, start(1, "a")).unwrap(),
+        Response::Started(_)
     ));
     assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
     // The end is committed when the finish answers: the slot is free at once.
@@ -423,8 +399,8 @@ fn ten_kill_9_restarts_under_load_lose_no_acknowledged_job_and_leak_no_slot() {
                 }
                 // An application per job: compaction at each start (which keeps the latest
                 // jobs of each application) then deletes nothing this test counts.
-                match client::call(&sock, T, place(job, &format!("app{job}"))) {
-                    Ok(Response::Placed(_)) => {
+                match client::call(&sock, T, start(job, &format!("app{job}"))) {
+                    Ok(Response::Started(_)) => {
                         placed.push(job);
                         carried.push_back((job, true));
                         counter.fetch_add(1, Ordering::SeqCst);
@@ -556,8 +532,8 @@ fn a_full_disk_frees_ended_jobs_slots_says_so_and_records_their_ends_when_space_
     let mut daemon = Stopped(serve(&config, &socket));
     for job in [1, 2] {
         assert!(matches!(
-            client::call(&socket, T, place(job, "a")).unwrap(),
-            Response::Placed(_)
+            client::call(&socket, T, start(job, "a")).unwrap(),
+            Response::Started(_)
         ));
     }
     let filler = disk.0.path().join("filler");
@@ -567,12 +543,12 @@ fn a_full_disk_frees_ended_jobs_slots_says_so_and_records_their_ends_when_space_
     assert_eq!(client::call(&socket, T, finish(1)).unwrap(), Response::Finished);
     let mut refused = None;
     for job in 3..40 {
-        match client::call(&socket, T, place(job, "b")).unwrap() {
+        match client::call(&socket, T, start(job, "b")).unwrap() {
             Response::Error { message } => {
                 refused = Some(message);
                 break;
             }
-            Response::Placed(_) => {
+            Response::Started(_) => {
                 assert_eq!(client::call(&socket, T, finish(job)).unwrap(), Response::Finished);
             }
             other => panic!("job {job}: {other:?}"),
@@ -593,8 +569,8 @@ fn a_full_disk_frees_ended_jobs_slots_says_so_and_records_their_ends_when_space_
     drop(f);
     std::fs::remove_file(&filler).unwrap();
     assert!(matches!(
-        client::call(&socket, T, place(50, "c")).unwrap(),
-        Response::Placed(_)
+        client::call(&socket, T, start(50, "c")).unwrap(),
+        Response::Started(_)
     ));
     let db = disk.0.path().join("h.sqlite");
     let h = multiplexd::history::History::open(&db).unwrap();

@@ -1,0 +1,540 @@
+//! The cluster's choice: which pending multiplexed job takes which free GPU slot of which node,
+//! before Slurm allocates it. Pure, on the placement code: no I/O, no clock. The claimer
+//! ([`crate::claimer`]) feeds it Slurm's own books (what runs where, what waits in which
+//! order) and the history's estimates; the simulator feeds it its world.
+//!
+//! One look at the cluster claims jobs one at a time, each for the GPU where [`place`] puts it
+//! across every node (an idle GPU beats a shared slot, so a burst spreads; a good partner
+//! beats a poor one), and counts it there before the next is chosen. Among the first pending
+//! jobs in Slurm's order, a later one goes first only when it gains more than the first by
+//! [`STEER_MARGIN`], and no job is passed over more than [`Bypasses::MAX`] times: after that it
+//! goes first wherever it has an offer, on the same terms as any job (a free GPU, or a share
+//! worth its risk), so its wait is bounded by the next GPU that frees.
+
+use crate::placement::{self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, Wanted, STEER_MARGIN};
+
+/// One node's shared GPUs, with what runs on each and what was claimed for each (Slurm's books).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeGpus {
+    pub node: String,
+    pub gpus: Vec<GpuState>,
+}
+
+/// A pending multiplexed job, as the claim weighs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub job_id: u32,
+    pub app: String,
+    /// The memory it needs, MiB: its hint, else what its application's runs measured.
+    pub mem_mb: Option<u64>,
+    /// The GPU model it asked for (`--gres=gpu:MODEL:1`); `None`: any.
+    pub model: Option<String>,
+    /// The index of the GPU it must run on, on whichever node (`None`: any): where Slurm
+    /// cannot move a pending job to another GPU type (22.05), a job waits on one GPU index
+    /// from its submission and a claim chooses only the node.
+    pub gpu: Option<u32>,
+    /// The nodes it may run on (its `--nodelist`, less its `--exclude`); `None`: any.
+    pub nodes: Option<Vec<String>>,
+}
+
+/// What one look decided for one job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    /// Pin the job to this GPU of this node (indices into the look's nodes, GPU by its index).
+    Pin {
+        job: usize,
+        node: usize,
+        gpu: u32,
+        partners: Vec<u32>,
+        predicted_speed: f64,
+        gain: f64,
+        reason: String,
+    },
+    /// No GPU of the cluster could ever hold it (memory): refused with the reason.
+    Refuse { job: usize, reason: String },
+}
+
+/// What [`choose`] reads of the history for `pending` on `nodes`.
+pub fn wanted(nodes: &[NodeGpus], pending: &[Candidate], slots: u32) -> Wanted {
+    let mut w = Wanted::default();
+    for job in pending {
+        let newcomer = newcomer(job);
+        for n in nodes {
+            w.extend(placement::wanted(&eligible(&n.gpus, job), &newcomer, slots));
+        }
+    }
+    w
+}
+
+fn newcomer(job: &Candidate) -> Newcomer<'_> {
+    Newcomer {
+        app: &job.app,
+        mem_mb: job.mem_mb,
+    }
+}
+
+/// The GPUs of a node that `job` may run on: those of the model it asked for, and the one
+/// index it is bound to, if any.
+fn eligible(gpus: &[GpuState], job: &Candidate) -> Vec<GpuState> {
+    gpus.iter()
+        .filter(|g| job.model.as_ref().is_none_or(|m| &g.model == m))
+        .filter(|g| job.gpu.is_none_or(|i| g.index == i))
+        .cloned()
+        .collect()
+}
+
+/// Where one job would go now across the cluster.
+#[derive(Debug, Clone, PartialEq)]
+enum Offer {
+    /// Its best GPU: node index and the placement.
+    Gain { node: usize, decision: Decision, gain: f64 },
+    /// No slot is worth taking (or none fits) now; a better one may come.
+    Wait,
+    /// No GPU of the cluster could ever hold it.
+    Never(String),
+}
+
+/// [`placement::place`] on every node, the best of them: the highest gain, then the emptier
+/// GPU, then Slurm's node order.
+fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs) -> Offer {
+    let newcomer = newcomer(job);
+    let mut best: Option<(usize, Decision, f64, usize)> = None;
+    let mut never = Vec::new();
+    let mut any_gpu = false;
+    for (n, node) in nodes.iter().enumerate() {
+        if job.nodes.as_ref().is_some_and(|allowed| !allowed.contains(&node.node)) {
+            continue;
+        }
+        let gpus = eligible(&node.gpus, job);
+        any_gpu |= !gpus.is_empty();
+        match placement::place(&gpus, &newcomer, history, knobs) {
+            Decision::Place {
+                gpu,
+                corunners,
+                predicted_speed,
+                gain,
+                reason,
+            } => {
+                let residents = corunners.len();
+                let better = best
+                    .as_ref()
+                    .is_none_or(|b| gain - b.2 > 1e-9 || ((gain - b.2).abs() <= 1e-9 && residents < b.3));
+                if better {
+                    let d = Decision::Place {
+                        gpu,
+                        corunners,
+                        predicted_speed,
+                        gain,
+                        reason,
+                    };
+                    best = Some((n, d, gain, residents));
+                }
+            }
+            Decision::Decline {
+                may_retry: false,
+                reason,
+            } if !gpus.is_empty() => never.push(reason),
+            Decision::Decline { .. } => {}
+        }
+    }
+    match best {
+        Some((node, decision, gain, _)) => Offer::Gain { node, decision, gain },
+        None if !any_gpu => Offer::Never(match &job.model {
+            Some(m) => format!("no shared GPU of the cluster is of model {m}"),
+            None => "the cluster has no shared GPU".into(),
+        }),
+        // Every node that has its GPUs says it could never hold it.
+        None if never.len()
+            == nodes
+                .iter()
+                .filter(|n| job.nodes.as_ref().is_none_or(|a| a.contains(&n.node)))
+                .filter(|n| !eligible(&n.gpus, job).is_empty())
+                .count() =>
+        {
+            Offer::Never(never.swap_remove(0))
+        }
+        None => Offer::Wait,
+    }
+}
+
+/// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `nodes`, one
+/// job at a time, each counted on its GPU before the next is chosen, until no slot is free or
+/// no job would take one. `history` must hold what [`wanted`] asks for. `bypasses` counts, across
+/// looks, how often each job was passed over.
+pub fn choose(
+    nodes: &[NodeGpus],
+    pending: &[Candidate],
+    history: &Estimates,
+    knobs: Knobs,
+    bypasses: &mut Bypasses,
+) -> Vec<Choice> {
+    let mut nodes = nodes.to_vec();
+    let mut left: Vec<usize> = (0..pending.len()).collect();
+    let mut out = Vec::new();
+    let free = |nodes: &[NodeGpus]| {
+        nodes
+            .iter()
+            .any(|n| n.gpus.iter().any(|g| (g.residents.len() as u32) < knobs.slots))
+    };
+    while !left.is_empty() && free(&nodes) {
+        let ids: Vec<u32> = left.iter().map(|&i| pending[i].job_id).collect();
+        let mut offers: Vec<(Offer, bool)> = left
+            .iter()
+            .map(|&i| {
+                // Passed over too often: it goes first wherever it has an offer, but on the
+                // same terms as any job (a free GPU or a share worth its risk). Measured on
+                // every table (5 seeds), lowering its bar to any share that does not lose helped no
+                // table by more than 0.4% and slowed the overloaded V100 mix by 8%.
+                let starved = bypasses.passed(pending[i].job_id) >= Bypasses::MAX;
+                (offer(&nodes, &pending[i], history, knobs), starved)
+            })
+            .collect();
+        if let Some(k) = offers.iter().position(|(o, _)| matches!(o, Offer::Never(_))) {
+            let Offer::Never(reason) = &offers[k].0 else {
+                unreachable!()
+            };
+            out.push(Choice::Refuse {
+                job: left[k],
+                reason: reason.clone(),
+            });
+            left.remove(k);
+            continue;
+        }
+        let gain = |o: &Offer| match o {
+            Offer::Gain { gain, .. } => Some(*gain),
+            _ => None,
+        };
+        // A starved job with a slot goes first; else a later job only if it gains more than
+        // the first by the margin; else the first, if anything is worth taking for it.
+        let chosen = offers
+            .iter()
+            .position(|(o, starved)| *starved && gain(o).is_some())
+            .or_else(|| {
+                let first = gain(&offers[0].0);
+                let mut best: Option<(usize, f64)> = None;
+                for (k, (o, _)) in offers.iter().enumerate().skip(1) {
+                    if let Some(g) = gain(o) {
+                        if g > first.unwrap_or(0.0) + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
+                            best = Some((k, g));
+                        }
+                    }
+                }
+                best.map(|(k, _)| k).or(first.map(|_| 0))
+            });
+        let Some(k) = chosen else { break };
+        bypasses.passed_over(&ids, k);
+        let (Offer::Gain { node, decision, .. }, _) = offers.swap_remove(k) else {
+            unreachable!()
+        };
+        let Decision::Place {
+            gpu,
+            corunners,
+            predicted_speed,
+            gain,
+            reason,
+        } = decision
+        else {
+            unreachable!()
+        };
+        let job = &pending[left[k]];
+        if let Some(g) = nodes[node].gpus.iter_mut().find(|g| g.index == gpu) {
+            g.residents.push(placement::Resident {
+                job_id: job.job_id,
+                app: job.app.clone(),
+                mem_mb: job.mem_mb,
+            });
+        }
+        out.push(Choice::Pin {
+            job: left[k],
+            node,
+            gpu,
+            partners: corunners,
+            predicted_speed,
+            gain,
+            reason,
+        });
+        left.remove(k);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{PairEstimate, Resident};
+
+    fn knobs() -> Knobs {
+        Knobs {
+            slots: 2,
+            unknown_pair_speed: 0.7,
+            min_gain: 0.25,
+            separate_below: 0.0,
+        }
+    }
+
+    fn gpu(index: u32, residents: &[(u32, &str)]) -> GpuState {
+        GpuState {
+            index,
+            model: "v100".into(),
+            memory_mb: 16384,
+            residents: residents
+                .iter()
+                .map(|&(job_id, app)| Resident {
+                    job_id,
+                    app: app.into(),
+                    mem_mb: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn node(name: &str, gpus: Vec<GpuState>) -> NodeGpus {
+        NodeGpus {
+            node: name.into(),
+            gpus,
+        }
+    }
+
+    fn job(job_id: u32, app: &str) -> Candidate {
+        Candidate {
+            job_id,
+            app: app.into(),
+            mem_mb: None,
+            model: None,
+            gpu: None,
+            nodes: None,
+        }
+    }
+
+    fn pair(h: &mut Estimates, a: &str, b: &str, sa: f64, sb: f64) {
+        let e = |speed, other_speed| PairEstimate {
+            speed,
+            other_speed,
+            observations: 5,
+            oom: false,
+        };
+        h.insert_pair("v100", a, b, e(sa, sb));
+        h.insert_pair("v100", b, a, e(sb, sa));
+    }
+
+    fn pins(choices: &[Choice]) -> Vec<(usize, usize, u32)> {
+        choices
+            .iter()
+            .filter_map(|c| match c {
+                Choice::Pin { job, node, gpu, .. } => Some((*job, *node, *gpu)),
+                Choice::Refuse { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_burst_spreads_over_idle_gpus_of_every_node_before_any_gpu_is_shared() {
+        let nodes = [
+            node("n1", vec![gpu(0, &[]), gpu(1, &[])]),
+            node("n2", vec![gpu(0, &[]), gpu(1, &[])]),
+        ];
+        let pending: Vec<Candidate> = (1..=4).map(|i| job(i, "a")).collect();
+        let got = pins(&choose(
+            &nodes,
+            &pending,
+            &Estimates::default(),
+            knobs(),
+            &mut Bypasses::default(),
+        ));
+        let mut gpus: Vec<(usize, u32)> = got.iter().map(|&(_, n, g)| (n, g)).collect();
+        gpus.sort_unstable();
+        assert_eq!(gpus, vec![(0, 0), (0, 1), (1, 0), (1, 1)], "{got:?}");
+        // In Slurm's order.
+        assert_eq!(got.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_best_node_wins_not_the_first() {
+        // n1's GPU holds a job `a` pairs badly with, n2's one it pairs well with.
+        let mut h = Estimates::default();
+        pair(&mut h, "a", "bad", 0.3, 0.3);
+        pair(&mut h, "a", "good", 0.9, 0.9);
+        let nodes = [
+            node("n1", vec![gpu(0, &[(7, "bad")])]),
+            node("n2", vec![gpu(0, &[(8, "good")])]),
+        ];
+        let got = choose(&nodes, &[job(1, "a")], &h, knobs(), &mut Bypasses::default());
+        assert_eq!(pins(&got), vec![(0, 1, 0)], "{got:?}");
+        let Choice::Pin { partners, .. } = &got[0] else {
+            panic!()
+        };
+        assert_eq!(partners, &vec![8]);
+    }
+
+    #[test]
+    fn a_later_job_that_pairs_better_goes_first_and_a_poor_share_waits() {
+        let mut h = Estimates::default();
+        pair(&mut h, "a", "r", 0.4, 0.4);
+        pair(&mut h, "b", "r", 0.95, 0.95);
+        let nodes = [node("n1", vec![gpu(0, &[(9, "r")])])];
+        let mut bypasses = Bypasses::default();
+        let got = pins(&choose(&nodes, &[job(1, "a"), job(2, "b")], &h, knobs(), &mut bypasses));
+        assert_eq!(got, vec![(1, 0, 0)]);
+        // `a` alone beside `r` would lose: no claim at all.
+        let got = choose(&nodes, &[job(1, "a")], &h, knobs(), &mut bypasses);
+        assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn a_job_passed_over_too_often_goes_first_but_never_into_a_losing_share() {
+        // `a` gains a little beside `s` and loses beside `r`; each `b` gains much beside `s`.
+        let mut h = Estimates::default();
+        pair(&mut h, "a", "r", 0.4, 0.4);
+        pair(&mut h, "a", "s", 0.7, 0.7);
+        pair(&mut h, "b", "r", 0.4, 0.4);
+        pair(&mut h, "b", "s", 0.95, 0.95);
+        let nodes = [node("n1", vec![gpu(0, &[(8, "r")]), gpu(1, &[(9, "s")])])];
+        let mut bypasses = Bypasses::default();
+        for round in 0..Bypasses::MAX {
+            let got = pins(&choose(
+                &nodes,
+                &[job(1, "a"), job(100 + round, "b")],
+                &h,
+                knobs(),
+                &mut bypasses,
+            ));
+            assert_eq!(got, vec![(1, 0, 1)], "round {round}");
+        }
+        // Now `a` takes the slot beside `s` first, whatever gains more behind it.
+        let got = pins(&choose(
+            &nodes,
+            &[job(1, "a"), job(200, "b")],
+            &h,
+            knobs(),
+            &mut bypasses,
+        ));
+        assert_eq!(got, vec![(0, 0, 1)]);
+        // But starved or not, it never joins `r`: it waits for a free GPU or a better partner.
+        let only_r = [node("n1", vec![gpu(0, &[(8, "r")])])];
+        let got = choose(&only_r, &[job(1, "a")], &h, knobs(), &mut bypasses);
+        assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn a_starved_job_that_fits_nowhere_now_does_not_hold_back_the_others() {
+        // `big` needs more memory than the shared GPU has left; `small` fits.
+        let mut nodes = [node("n1", vec![gpu(0, &[(9, "r")])])];
+        nodes[0].gpus[0].residents[0].mem_mb = Some(10_000);
+        let mut bypasses = Bypasses::default();
+        for id in 0..Bypasses::MAX {
+            bypasses.passed_over(&[1, 50 + id], 1);
+        }
+        let pending = [
+            Candidate {
+                mem_mb: Some(9_000),
+                ..job(1, "big")
+            },
+            job(2, "small"),
+        ];
+        let got = pins(&choose(
+            &nodes,
+            &pending,
+            &Estimates::default(),
+            Knobs {
+                min_gain: 0.0,
+                ..knobs()
+            },
+            &mut bypasses,
+        ));
+        assert_eq!(got, vec![(1, 0, 0)]);
+    }
+
+    #[test]
+    fn a_job_no_gpu_could_ever_hold_is_refused_with_the_reason_and_one_of_another_model_too() {
+        let nodes = [node("n1", vec![gpu(0, &[])])];
+        let pending = [
+            Candidate {
+                mem_mb: Some(40_000),
+                ..job(1, "huge")
+            },
+            Candidate {
+                model: Some("a100".into()),
+                ..job(2, "x")
+            },
+            job(3, "y"),
+        ];
+        let got = choose(
+            &nodes,
+            &pending,
+            &Estimates::default(),
+            knobs(),
+            &mut Bypasses::default(),
+        );
+        let refused: Vec<(usize, &str)> = got
+            .iter()
+            .filter_map(|c| match c {
+                Choice::Refuse { job, reason } => Some((*job, reason.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(refused.len(), 2, "{got:?}");
+        assert_eq!(refused[0].0, 0);
+        assert!(refused[0].1.contains("40000 MiB"), "{}", refused[0].1);
+        assert_eq!(refused[1], (1, "no shared GPU of the cluster is of model a100"));
+        assert_eq!(pins(&got), vec![(2, 0, 0)]);
+    }
+
+    #[test]
+    fn a_job_asking_for_a_model_runs_only_on_that_model() {
+        let mut a100 = gpu(0, &[]);
+        a100.model = "a100".into();
+        let nodes = [node("n1", vec![gpu(0, &[])]), node("n2", vec![a100])];
+        let pending = [Candidate {
+            model: Some("a100".into()),
+            ..job(1, "x")
+        }];
+        assert_eq!(
+            pins(&choose(
+                &nodes,
+                &pending,
+                &Estimates::default(),
+                knobs(),
+                &mut Bypasses::default()
+            )),
+            vec![(0, 1, 0)]
+        );
+    }
+
+    #[test]
+    fn a_job_runs_only_on_the_nodes_it_asked_for() {
+        let nodes = [node("n1", vec![gpu(0, &[])]), node("n2", vec![gpu(0, &[(5, "x")])])];
+        let pending = [Candidate {
+            nodes: Some(vec!["n2".into()]),
+            ..job(1, "a")
+        }];
+        let got = pins(&choose(
+            &nodes,
+            &pending,
+            &Estimates::default(),
+            knobs(),
+            &mut Bypasses::default(),
+        ));
+        assert_eq!(got, vec![(0, 1, 0)], "n2, though n1 is idle");
+        // Asked for a node where it never fits: refused for good, with the reason.
+        let big = [Candidate {
+            mem_mb: Some(40_000),
+            nodes: Some(vec!["n2".into()]),
+            ..job(2, "big")
+        }];
+        let got = choose(&nodes, &big, &Estimates::default(), knobs(), &mut Bypasses::default());
+        assert!(matches!(&got[..], [Choice::Refuse { .. }]), "{got:?}");
+    }
+
+    #[test]
+    fn nothing_is_claimed_onto_a_full_cluster() {
+        let nodes = [node("n1", vec![gpu(0, &[(1, "a"), (2, "a")])])];
+        assert!(choose(
+            &nodes,
+            &[job(3, "a")],
+            &Estimates::default(),
+            knobs(),
+            &mut Bypasses::default()
+        )
+        .is_empty());
+    }
+}

@@ -1,0 +1,832 @@
+//! The cluster's claimer: multiplexed jobs wait out of Slurm's own placement, each holding a
+//! license of the gate (`Reason=Licenses`), until the claimer pins one to the GPU it chose, in
+//! Slurm's terms: one `scontrol update` drops the gate's license and sets the job's gres to
+//! that GPU's type (`shard:v100_1:1`) and its node list to that node. Slurm then allocates,
+//! fences and accounts exactly that GPU. Nothing is moved or declined after a job starts.
+//!
+//! One daemon of the cluster runs it (`[claim] enabled`), on a thread of its own. Every
+//! `look_ms` it renews the gate's lease when due, reads the shared partition's jobs (one
+//! squeue: what runs on which GPU and what waits, in Slurm's order), and claims through
+//! [`crate::claim::choose`] over its history, which holds what every node learned where the
+//! nodes pool their histories (`[share] dir`). Its nodes come from sinfo once a minute.
+//!
+//! Fail-open: the gate is a reservation of every license of its name, renewed `lease_s` ahead.
+//! With the claimer gone (its daemon stopped or killed, its host down) it lapses within
+//! `lease_s`, and every waiting job starts where Slurm's own placement puts it; the node's
+//! daemon records it there.
+
+use crate::background::Trouble;
+use crate::claim::{Candidate, Choice, NodeGpus};
+use crate::node::Node;
+use crate::placement::{Bypasses, GpuState, Resident};
+use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
+use multiplex_protocol::spec::{with_note, Spec};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use crate::config::ClaimConfig;
+
+/// The license every multiplexed job holds one of until it is claimed (slurm.conf
+/// `Licenses=multiplex:N`, job_submit adds it).
+pub const LICENSE: &str = "multiplex";
+/// The reservation that holds every one of them while a claimer runs.
+pub const RESERVATION: &str = "multiplex-gate";
+/// How often the node list is read again (sinfo).
+const NODES_EVERY: Duration = Duration::from_secs(60);
+/// How long a job pinned to a GPU but not yet started keeps its slot there: Slurm's next pass
+/// starts it within a second or two. Past this (the slot was taken meanwhile, or the pin is
+/// left from an earlier run of the job), it is claimed again.
+pub const PIN_GRACE: Duration = Duration::from_secs(30);
+
+/// What one look did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Looked {
+    /// Jobs pinned: (job, node, gres type).
+    pub claimed: Vec<(u32, String, String)>,
+    /// Jobs let through the gate to fail with their reason.
+    pub refused: Vec<(u32, String)>,
+    /// Claims that came too late (the job started, ended or left meanwhile).
+    pub too_late: Vec<u32>,
+}
+
+/// The claimer's state between looks.
+pub struct Claimer {
+    config: ClaimConfig,
+    gate: Gate,
+    /// The lease was last renewed then.
+    renewed: Option<Instant>,
+    nodes: Option<(Instant, Vec<NodeInfo>)>,
+    bypasses: Bypasses,
+    /// Jobs pinned (by this claimer or before), since when they were first seen pinned and
+    /// waiting.
+    pinned_since: HashMap<u32, Instant>,
+    /// Which GPU running jobs with no GPU type (started on Slurm's own choice) hold: asked once.
+    untyped: HashMap<u32, Option<u32>>,
+    /// Host lists jobs asked for or excluded, expanded (`scontrol show hostnames`, no RPC).
+    hostlists: HashMap<String, Vec<String>>,
+}
+
+/// A GPU's gres type and its place in the model's naming: `v100_1` is GPU 1, a `v100`.
+pub fn split_type(kind: &str) -> Option<(&str, u32)> {
+    let (model, index) = kind.rsplit_once('_')?;
+    let index = index.parse().ok()?;
+    (!model.is_empty()).then_some((model, index))
+}
+
+/// The gres type of GPU `index`, a `model`: `v100_1`.
+pub fn gres_type(model: &str, index: u32) -> String {
+    format!("{model}_{index}")
+}
+
+impl Claimer {
+    pub fn new(config: ClaimConfig, license_count: u32) -> Claimer {
+        Claimer {
+            config,
+            gate: Gate {
+                reservation: RESERVATION.into(),
+                license: LICENSE.into(),
+                count: license_count,
+            },
+            renewed: None,
+            nodes: None,
+            bypasses: Bypasses::default(),
+            pinned_since: HashMap::new(),
+            untyped: HashMap::new(),
+            hostlists: HashMap::new(),
+        }
+    }
+
+    /// Renews the gate's lease once a third of it has passed.
+    fn hold_gate(&mut self, slurm: &dyn Slurm, now: Instant) -> Result<(), SlurmError> {
+        let due = self
+            .renewed
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(self.config.lease_s / 3));
+        if due {
+            slurm.hold_gate(&self.gate, self.config.lease_s)?;
+            self.renewed = Some(now);
+        }
+        Ok(())
+    }
+
+    /// One look: the gate, the queue, the claims. `node` is this daemon's: its history
+    /// scores, and its GPUs say how much memory each GPU model has.
+    pub fn look(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Looked, SlurmError> {
+        self.hold_gate(slurm, now)?;
+        let jobs = slurm.jobs(&self.config.partition)?;
+        let stale = self
+            .nodes
+            .as_ref()
+            .is_none_or(|(at, nodes)| now.duration_since(*at) >= NODES_EVERY || names_unknown(nodes, &jobs));
+        if stale {
+            self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
+        }
+        let infos = self.nodes.as_ref().map(|(_, n)| n.clone()).unwrap_or_default();
+        let memory = node.lock().unwrap_or_else(|p| p.into_inner()).gpu_memory();
+        let merges = slurm.merges_gres_updates()?;
+        // Forget what no longer waits.
+        self.pinned_since
+            .retain(|id, _| jobs.iter().any(|j| j.id == *id && j.pending));
+        self.untyped
+            .retain(|id, _| jobs.iter().any(|j| j.id == *id && !j.pending));
+        let mut nodes = cluster(&infos, &memory);
+        let mut candidates: Vec<(Candidate, &Job)> = Vec::new();
+        for job in &jobs {
+            let spec = Spec::from_tag(job.admin_comment.as_deref()).and_then(Result::ok);
+            let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
+            if job.pending && pinned {
+                let since = *self.pinned_since.entry(job.id).or_insert(now);
+                if now.duration_since(since) < PIN_GRACE {
+                    let gpu = job.gres_type().and_then(split_type).map(|(m, i)| (Some(m), i));
+                    add_resident(&mut nodes, job, spec.as_ref(), gpu);
+                    continue;
+                }
+            }
+            if !job.pending {
+                let gpu = match job.gres_type() {
+                    Some(t) => split_type(t).map(|(model, index)| (Some(model), index)),
+                    None => self
+                        .untyped
+                        .entry(job.id)
+                        .or_insert_with(|| slurm.job_gpu(job.id).ok().flatten())
+                        .map(|index| (None, index)),
+                };
+                add_resident(&mut nodes, job, spec.as_ref(), gpu);
+                continue;
+            }
+            // A multiplexed job that waits only for the gate (or for a pin that went stale).
+            let Some(spec) = spec else { continue };
+            let waits_for_claim = (job.gated(LICENSE) && job.reason == "Licenses") || pinned;
+            if waits_for_claim && candidates.len() < self.config.lookahead {
+                // A gated job's node lists are its user's: the claim keeps within them. (A
+                // stale pin's node list is the claimer's own, which a new claim replaces.)
+                let nodes = if pinned {
+                    None
+                } else {
+                    self.allowed_nodes(slurm, job, &infos)
+                };
+                // Where Slurm merges gres updates, a typed job keeps its GPU index.
+                let gpu = job
+                    .gres_type()
+                    .filter(|_| merges)
+                    .and_then(split_type)
+                    .map(|(_, index)| index);
+                candidates.push((
+                    Candidate {
+                        job_id: job.id,
+                        app: spec.app.clone().unwrap_or_default(),
+                        mem_mb: spec.mem_mb,
+                        model: spec.model.clone(),
+                        gpu,
+                        nodes,
+                    },
+                    job,
+                ));
+            }
+        }
+        if candidates.is_empty() {
+            return Ok(Looked::default());
+        }
+        let pending: Vec<Candidate> = candidates.iter().map(|(c, _)| c.clone()).collect();
+        let choices = node
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .claims(&nodes, &pending, &mut self.bypasses)
+            .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
+        let mut looked = Looked::default();
+        for choice in choices {
+            match choice {
+                Choice::Pin {
+                    job,
+                    node: n,
+                    gpu,
+                    partners,
+                    predicted_speed,
+                    ..
+                } => {
+                    let (_, slurm_job) = candidates[job];
+                    let target = &nodes[n];
+                    let Some(kind) = target
+                        .gpus
+                        .iter()
+                        .find(|g| g.index == gpu)
+                        .map(|g| gres_type(&g.model, gpu))
+                    else {
+                        continue;
+                    };
+                    // A job srun made itself is claimed for the node only (`pin=node` in its
+                    // tag): Slurm picks its GPU there, and it is counted where it lands.
+                    let node_only = Spec::from_tag(slurm_job.admin_comment.as_deref())
+                        .and_then(Result::ok)
+                        .is_some_and(|s| s.node_only);
+                    let comment = with_note(
+                        slurm_job.admin_comment.as_deref().unwrap_or_default(),
+                        &if node_only {
+                            note_node_only(&target.node, &partners, predicted_speed)
+                        } else {
+                            note(&target.node, &kind, &partners, predicted_speed)
+                        },
+                    );
+                    let pin = Pin {
+                        job: slurm_job.id,
+                        node: target.node.clone(),
+                        gres: (!node_only).then(|| format!("shard:{kind}:{}", slurm_job.gres_count())),
+                        untyped: slurm_job.gres_type().is_none(),
+                        licenses: without_gate(&slurm_job.licenses),
+                        admin_comment: comment,
+                        // A pinned job held for a begin time: one Slurm requeued.
+                        start_now: slurm_job.reason == "BeginTime" && !slurm_job.gated(LICENSE),
+                    };
+                    match slurm.claim(&pin) {
+                        Ok(()) => {
+                            self.pinned_since.insert(slurm_job.id, now);
+                            looked.claimed.push((slurm_job.id, target.node.clone(), kind));
+                        }
+                        Err(SlurmError::NotPending(id)) => looked.too_late.push(id),
+                        Err(e) => return Err(e),
+                    }
+                }
+                Choice::Refuse { job, reason } => {
+                    let (_, slurm_job) = candidates[job];
+                    let comment = with_note(
+                        slurm_job.admin_comment.as_deref().unwrap_or_default(),
+                        &format!("refused: {reason}"),
+                    );
+                    match slurm.release(slurm_job.id, &without_gate(&slurm_job.licenses), &comment) {
+                        Ok(()) => looked.refused.push((slurm_job.id, reason)),
+                        Err(SlurmError::NotPending(id)) => looked.too_late.push(id),
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(looked)
+    }
+}
+
+impl Claimer {
+    /// The nodes `job` may run on: those its `--nodelist` names, less those its `--exclude`
+    /// names; `None`: any. A host list Slurm cannot expand counts as naming no node.
+    fn allowed_nodes(&mut self, slurm: &dyn Slurm, job: &Job, infos: &[NodeInfo]) -> Option<Vec<String>> {
+        if job.node.is_none() && job.excluded.is_none() {
+            return None;
+        }
+        let mut expand = |list: &str| -> Vec<String> {
+            self.hostlists
+                .entry(list.to_string())
+                .or_insert_with(|| slurm.hostnames(list).unwrap_or_default())
+                .clone()
+        };
+        let asked = job.node.as_deref().map(&mut expand);
+        let excluded = job.excluded.as_deref().map(&mut expand).unwrap_or_default();
+        Some(
+            infos
+                .iter()
+                .map(|i| i.name.clone())
+                .filter(|n| asked.as_ref().is_none_or(|a| a.contains(n)) && !excluded.contains(n))
+                .collect(),
+        )
+    }
+}
+
+/// Whether a job names a node the node list lacks (a node added since it was read).
+fn names_unknown(nodes: &[NodeInfo], jobs: &[Job]) -> bool {
+    jobs.iter()
+        .filter_map(|j| j.node.as_deref())
+        .any(|n| !n.contains([',', '[']) && !nodes.iter().any(|i| i.name == n))
+}
+
+/// The usable nodes and their GPUs (by type, see [`split_type`]), empty.
+fn cluster(infos: &[NodeInfo], memory: &HashMap<String, u64>) -> Vec<NodeGpus> {
+    infos
+        .iter()
+        .filter(|i| i.usable())
+        .map(|i| NodeGpus {
+            node: i.name.clone(),
+            gpus: i
+                .gpus()
+                .iter()
+                .filter_map(|(kind, _)| split_type(kind))
+                .map(|(model, index)| GpuState {
+                    index,
+                    model: model.to_string(),
+                    memory_mb: memory.get(model).copied().unwrap_or(u64::MAX),
+                    residents: Vec::new(),
+                })
+                .collect(),
+        })
+        .filter(|n| !n.gpus.is_empty())
+        .collect()
+}
+
+/// Counts `job` on its GPU (its model where known, and its index) of its node; a job of no
+/// known GPU counts nowhere.
+fn add_resident(nodes: &mut [NodeGpus], job: &Job, spec: Option<&Spec>, gpu: Option<(Option<&str>, u32)>) {
+    let (Some(node), Some((model, index))) = (job.node.as_deref(), gpu) else {
+        return;
+    };
+    let Some(gpu) = nodes
+        .iter_mut()
+        .filter(|n| n.node == node)
+        .flat_map(|n| n.gpus.iter_mut())
+        .find(|g| g.index == index && model.is_none_or(|m| g.model == m))
+    else {
+        return;
+    };
+    gpu.residents.push(Resident {
+        job_id: job.id,
+        app: spec.and_then(|s| s.app.clone()).unwrap_or_default(),
+        mem_mb: spec.and_then(|s| s.mem_mb),
+    });
+}
+
+/// A job's licenses without the gate's.
+pub fn without_gate(licenses: &str) -> String {
+    licenses
+        .split(',')
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && l.split([':', '=']).next() != Some(LICENSE))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The note a claim writes after the tag: where the job goes, beside whom, how fast.
+pub fn note(node: &str, kind: &str, partners: &[u32], predicted_speed: f64) -> String {
+    format!(
+        "claimed for {node} GPU {kind} {} (predicted speed {predicted_speed:.2})",
+        beside(partners)
+    )
+}
+
+/// The note of a claim for a node only: where the claimer meant it to go; Slurm picks the GPU.
+pub fn note_node_only(node: &str, partners: &[u32], predicted_speed: f64) -> String {
+    format!(
+        "claimed for {node} (GPU Slurm's choice: srun made the job), meant {} (predicted speed {predicted_speed:.2})",
+        beside(partners)
+    )
+}
+
+fn beside(partners: &[u32]) -> String {
+    match partners {
+        [] => "alone".to_string(),
+        [one] => format!("beside job {one}"),
+        ids => format!(
+            "beside jobs {}",
+            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        ),
+    }
+}
+
+/// Runs the claimer every `look_ms` until `shutdown`. The gate is left to lapse on its own: a
+/// daemon that restarts within the lease takes over without a job slipping through.
+pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, config: ClaimConfig, shutdown: Arc<AtomicBool>) {
+    let every = Duration::from_millis(config.look_ms.max(100));
+    tracing::info!(
+        partition = %config.partition,
+        lookahead = config.lookahead,
+        look_ms = config.look_ms,
+        lease_s = config.lease_s,
+        "claiming pending multiplexed jobs for the cluster"
+    );
+    let started = std::thread::Builder::new().name("claim".into()).spawn(move || {
+        let mut trouble = Trouble::default();
+        let mut claimer: Option<Claimer> = None;
+        while !shutdown.load(Ordering::SeqCst) {
+            let next = Instant::now() + every;
+            let c = match &mut claimer {
+                Some(c) => c,
+                None => match slurm.license_total(LICENSE) {
+                    Ok(count) => claimer.insert(Claimer::new(config.clone(), count)),
+                    Err(e) => {
+                        if trouble.failed(&e.to_string()) {
+                            tracing::warn!(
+                                "cannot read how many {LICENSE} licenses slurm.conf has ({e}); no claims until it can, \
+                                 and waiting jobs start where Slurm puts them"
+                            );
+                        }
+                        sleep_until(next, &shutdown);
+                        continue;
+                    }
+                },
+            };
+            match c.look(slurm.as_ref(), &node, Instant::now()) {
+                Ok(looked) => {
+                    if trouble.recovered() {
+                        tracing::info!("claiming works again");
+                    }
+                    for (job, node, kind) in &looked.claimed {
+                        tracing::info!(job, %node, gpu = %kind, "claimed");
+                    }
+                    for (job, reason) in &looked.refused {
+                        tracing::info!(job, %reason, "refused: no GPU of the cluster could ever hold it");
+                    }
+                    for job in &looked.too_late {
+                        tracing::info!(job, "the job left the queue before its claim reached slurmctld");
+                    }
+                    let metrics = crate::metrics::global();
+                    metrics.claim("claimed", looked.claimed.len() as u64);
+                    metrics.claim("refused", looked.refused.len() as u64);
+                    metrics.claim("too_late", looked.too_late.len() as u64);
+                }
+                Err(e) => {
+                    crate::metrics::global().claim("failed", 1);
+                    if trouble.failed(&e.to_string()) {
+                        tracing::warn!(error = %e, "cannot claim; waiting jobs start where Slurm puts them once the gate lapses");
+                    }
+                }
+            }
+            sleep_until(next, &shutdown);
+        }
+    });
+    if let Err(e) = started {
+        tracing::error!(
+            "cannot start the claimer ({e}): waiting jobs start where Slurm puts them once the gate lapses"
+        );
+    }
+}
+
+fn sleep_until(at: Instant, shutdown: &AtomicBool) {
+    while Instant::now() < at && !shutdown.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(50).min(at.saturating_duration_since(Instant::now())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, GpuSpec};
+    use crate::slurm::{Fake, FakeState};
+
+    fn daemon() -> Mutex<Node> {
+        let config = Config::parse("node = \"n1\"\ndatabase = \":memory:\"\njobs_per_gpu = 2\n").unwrap();
+        let gpus = vec![GpuSpec {
+            index: 0,
+            model: "v100".into(),
+            memory_mb: 16384,
+            uuid: None,
+        }];
+        Mutex::new(Node::open(config, gpus, Box::new(|| 0.0)).unwrap())
+    }
+
+    fn gated(id: u32, app: &str) -> Job {
+        Job {
+            id,
+            pending: true,
+            reason: "Licenses".into(),
+            node: None,
+            excluded: None,
+            gres: "shard:1".into(),
+            licenses: "multiplex:1".into(),
+            admin_comment: Some(format!("multiplex:app={app}")),
+        }
+    }
+
+    fn running(id: u32, app: &str, node: &str, kind: &str) -> Job {
+        Job {
+            pending: false,
+            reason: "None".into(),
+            node: Some(node.into()),
+            gres: if kind.is_empty() {
+                "shard:1".into()
+            } else {
+                format!("shard:{kind}:1")
+            },
+            licenses: String::new(),
+            ..gated(id, app)
+        }
+    }
+
+    fn nodes() -> Vec<NodeInfo> {
+        ["n1", "n2"]
+            .iter()
+            .map(|n| NodeInfo {
+                name: n.to_string(),
+                state: "idle".into(),
+                gres: "gpu:v100_0:1,gpu:v100_1:1,shard:v100_0:2,shard:v100_1:2".into(),
+            })
+            .collect()
+    }
+
+    fn config() -> ClaimConfig {
+        ClaimConfig {
+            enabled: true,
+            ..ClaimConfig::default()
+        }
+    }
+
+    #[test]
+    fn where_slurm_merges_gres_updates_a_first_claim_is_two_updates_and_a_typed_job_keeps_its_index() {
+        // A job pinned to v100_1 of n1 long ago that never started (its slot went): claimed
+        // again, onto index 1 of whichever node. A fresh job: cleared, then pinned.
+        let stale = Job {
+            reason: "Resources".into(),
+            node: Some("n1".into()),
+            gres: "shard:v100_1:1".into(),
+            licenses: String::new(),
+            ..gated(1, "a")
+        };
+        let slurm = fake(vec![
+            running(9, "a", "n1", "v100_1"),
+            running(10, "a", "n1", "v100_1"),
+            stale,
+            gated(2, "b"),
+        ]);
+        slurm.state.lock().unwrap().merges = true;
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        c.look(&slurm, &node, t0).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let again = looked.claimed.iter().find(|(j, _, _)| *j == 1).expect("claimed again");
+        assert_eq!((again.1.as_str(), again.2.as_str()), ("n2", "v100_1"), "{looked:?}");
+        let s = slurm.state.lock().unwrap();
+        let pins: Vec<(u32, bool)> = s.claims.iter().map(|p| (p.job, p.untyped)).collect();
+        // Job 2 cleared and pinned (two updates) on the first look; on the second, job 1
+        // and job 2 (its pin now stale too) each pinned again, typed, in one update.
+        assert_eq!(pins, vec![(2, true), (1, false), (2, false)]);
+        assert_eq!(s.updates, 1 + 2 + 1 + 1);
+    }
+
+    #[test]
+    fn a_job_slurm_requeued_is_claimed_again_once_its_pin_is_stale_and_may_start_at_once() {
+        // Given back by the separation look: pending again, pinned, held for Slurm's requeue
+        // delay (Reason=BeginTime).
+        let requeued = Job {
+            reason: "BeginTime".into(),
+            node: Some("n1".into()),
+            gres: "shard:v100_1:1".into(),
+            licenses: String::new(),
+            ..gated(1, "a")
+        };
+        let slurm = fake(vec![requeued]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        assert!(
+            c.look(&slurm, &node, t0).unwrap().claimed.is_empty(),
+            "its pin is fresh"
+        );
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        assert_eq!(looked.claimed.len(), 1, "{looked:?}");
+        let s = slurm.state.lock().unwrap();
+        assert!(s.claims[0].start_now, "{:?}", s.claims[0]);
+        drop(s);
+        // A job that only waits for the gate never has its begin time touched.
+        let slurm = fake(vec![gated(2, "a")]);
+        c.look(&slurm, &node, t0).unwrap();
+        assert!(!slurm.state.lock().unwrap().claims[0].start_now);
+    }
+
+    #[test]
+    fn a_job_srun_made_is_claimed_for_a_node_only_and_keeps_its_gres() {
+        let srun_made = Job {
+            admin_comment: Some("multiplex:app=a,pin=node".into()),
+            ..gated(1, "a")
+        };
+        let slurm = fake(vec![srun_made]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let looked = c.look(&slurm, &node, Instant::now()).unwrap();
+        assert_eq!(looked.claimed.len(), 1, "{looked:?}");
+        let s = slurm.state.lock().unwrap();
+        let pin = &s.claims[0];
+        assert_eq!((pin.gres.as_deref(), pin.licenses.as_str()), (None, ""), "{pin:?}");
+        assert!(
+            pin.admin_comment.contains("(GPU Slurm's choice: srun made the job)"),
+            "{pin:?}"
+        );
+        assert_eq!(s.jobs[0].gres, "shard:1");
+    }
+
+    fn fake(jobs: Vec<Job>) -> Fake {
+        Fake::new(FakeState {
+            jobs,
+            nodes: nodes(),
+            licenses: 100_000,
+            ..FakeState::default()
+        })
+    }
+
+    #[test]
+    fn a_burst_is_pinned_one_job_per_gpu_over_both_nodes_in_one_update_each() {
+        let slurm = fake((1..=4).map(|i| gated(i, "a")).collect());
+        let node = daemon();
+        let mut c = Claimer::new(config(), 100_000);
+        let looked = c.look(&slurm, &node, Instant::now()).unwrap();
+        let mut gpus: Vec<(String, String)> = looked.claimed.iter().map(|(_, n, k)| (n.clone(), k.clone())).collect();
+        gpus.sort();
+        let want: Vec<(String, String)> = [("n1", "v100_0"), ("n1", "v100_1"), ("n2", "v100_0"), ("n2", "v100_1")]
+            .iter()
+            .map(|(n, k)| (n.to_string(), k.to_string()))
+            .collect();
+        assert_eq!(gpus, want);
+        let s = slurm.state.lock().unwrap();
+        // The gate held, the queue and the nodes read once, one update per job.
+        assert_eq!(s.gate_until, Some(300));
+        assert_eq!((s.reads, s.updates), (2, 1 + 4));
+        for pin in &s.claims {
+            assert_eq!(pin.licenses, "", "the gate's license is dropped");
+            assert!(
+                pin.gres.as_deref().is_some_and(|g| g.starts_with("shard:v100_")),
+                "{pin:?}"
+            );
+            assert!(
+                pin.admin_comment
+                    .starts_with("multiplex:app=a | multiplex: claimed for n"),
+                "{pin:?}"
+            );
+            assert!(pin.admin_comment.ends_with("alone (predicted speed 1.00)"), "{pin:?}");
+        }
+    }
+
+    #[test]
+    fn a_pinned_job_keeps_its_slot_until_slurm_starts_it_and_is_claimed_again_when_it_does_not() {
+        let slurm = fake(vec![
+            running(1, "a", "n1", "v100_0"),
+            running(2, "a", "n1", "v100_1"),
+            running(3, "a", "n2", "v100_0"),
+            gated(4, "a"),
+        ]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 100_000);
+        let t0 = Instant::now();
+        let first = c.look(&slurm, &node, t0).unwrap();
+        assert_eq!(first.claimed, vec![(4, "n2".into(), "v100_1".into())], "the idle GPU");
+        // Slurm has not started it yet: its slot is taken, the next job shares.
+        slurm.state.lock().unwrap().jobs.push(gated(5, "a"));
+        let second = c.look(&slurm, &node, t0 + Duration::from_secs(1)).unwrap();
+        assert_eq!(second.claimed.len(), 1);
+        assert_ne!(second.claimed[0].0, 4);
+        // Still waiting past the grace (its slot was taken meanwhile): claimed again.
+        let third = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(2)).unwrap();
+        assert!(third.claimed.iter().any(|(j, _, _)| *j == 4), "{third:?}");
+    }
+
+    #[test]
+    fn a_claim_that_comes_too_late_is_no_failure() {
+        let slurm = fake(vec![gated(7, "a")]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 100_000);
+        // Slurm starts it (the gate lapsed) between the read and the claim: the fake's jobs
+        // are read, then the job stops pending.
+        struct Racing(Fake);
+        impl Slurm for Racing {
+            fn merges_gres_updates(&self) -> Result<bool, SlurmError> {
+                self.0.merges_gres_updates()
+            }
+            fn jobs(&self, p: &str) -> Result<Vec<Job>, SlurmError> {
+                let jobs = self.0.jobs(p)?;
+                self.0.state.lock().unwrap().jobs[0].pending = false;
+                Ok(jobs)
+            }
+            fn nodes(&self, p: &str) -> Result<Vec<NodeInfo>, SlurmError> {
+                self.0.nodes(p)
+            }
+            fn claim(&self, pin: &Pin) -> Result<(), SlurmError> {
+                self.0.claim(pin)
+            }
+            fn hold_gate(&self, g: &Gate, l: u64) -> Result<(), SlurmError> {
+                self.0.hold_gate(g, l)
+            }
+            fn release(&self, j: u32, l: &str, c: &str) -> Result<(), SlurmError> {
+                self.0.release(j, l, c)
+            }
+            fn requeue(&self, j: u32) -> Result<(), SlurmError> {
+                self.0.requeue(j)
+            }
+            fn running_here(&self, n: &str) -> Result<std::collections::HashSet<u32>, SlurmError> {
+                self.0.running_here(n)
+            }
+            fn config(&self) -> Result<String, SlurmError> {
+                self.0.config()
+            }
+            fn node_record(&self, n: &str) -> Result<String, SlurmError> {
+                self.0.node_record(n)
+            }
+            fn hostnames(&self, l: &str) -> Result<Vec<String>, SlurmError> {
+                self.0.hostnames(l)
+            }
+            fn job_nodes(&self, j: u32) -> Result<Option<String>, SlurmError> {
+                self.0.job_nodes(j)
+            }
+            fn job_gpu(&self, j: u32) -> Result<Option<u32>, SlurmError> {
+                self.0.job_gpu(j)
+            }
+            fn license_total(&self, n: &str) -> Result<u32, SlurmError> {
+                self.0.license_total(n)
+            }
+        }
+        let looked = c.look(&Racing(slurm), &node, Instant::now()).unwrap();
+        assert_eq!((looked.claimed.len(), looked.too_late), (0, vec![7]));
+    }
+
+    #[test]
+    fn a_job_is_claimed_only_onto_the_nodes_its_user_asked_for() {
+        let on_n2 = Job {
+            node: Some("n2".into()),
+            ..gated(1, "a")
+        };
+        let not_n1 = Job {
+            excluded: Some("n1".into()),
+            ..gated(2, "a")
+        };
+        let slurm = fake(vec![on_n2, not_n1]);
+        let looked = Claimer::new(config(), 1)
+            .look(&slurm, &daemon(), Instant::now())
+            .unwrap();
+        assert!(looked.claimed.iter().all(|(_, n, _)| n == "n2"), "{looked:?}");
+        assert_eq!(looked.claimed.len(), 2);
+    }
+
+    #[test]
+    fn only_jobs_that_wait_for_the_gate_alone_are_claimed() {
+        let held = Job {
+            reason: "Dependency".into(),
+            ..gated(1, "a")
+        };
+        let plain = Job {
+            admin_comment: None,
+            ..gated(2, "a")
+        };
+        let slurm = fake(vec![held, plain, gated(3, "a")]);
+        let looked = Claimer::new(config(), 1)
+            .look(&slurm, &daemon(), Instant::now())
+            .unwrap();
+        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![3]);
+    }
+
+    #[test]
+    fn a_job_started_on_slurms_own_choice_counts_on_the_gpu_slurmctld_names() {
+        // Both GPUs of both nodes hold one job; n2's GPU 1 holds an untyped one.
+        let mut jobs = vec![
+            running(1, "a", "n1", "v100_0"),
+            running(2, "a", "n1", "v100_1"),
+            running(3, "a", "n2", "v100_0"),
+            running(4, "a", "n2", ""),
+            running(5, "a", "n2", "v100_0"),
+            running(6, "a", "n1", "v100_0"),
+            running(7, "a", "n1", "v100_1"),
+        ];
+        jobs.push(gated(8, "a"));
+        let slurm = fake(jobs);
+        slurm.state.lock().unwrap().gpus = vec![(4, 1)];
+        let looked = Claimer::new(config(), 1)
+            .look(&slurm, &daemon(), Instant::now())
+            .unwrap();
+        assert_eq!(looked.claimed, vec![(8, "n2".into(), "v100_1".into())]);
+        // Without it, GPU 1 of n2 would have looked idle.
+        assert_eq!(slurm.state.lock().unwrap().reads, 3);
+    }
+
+    #[test]
+    fn the_gate_is_renewed_every_third_of_its_lease() {
+        let slurm = fake(vec![]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        for s in [0, 1, 99, 100, 101, 200] {
+            c.look(&slurm, &node, t0 + Duration::from_secs(s)).unwrap();
+        }
+        // At 0, 100 and 200 s (a lease of 300 s).
+        assert_eq!(slurm.state.lock().unwrap().updates, 3);
+    }
+
+    #[test]
+    fn a_job_no_gpu_could_hold_is_let_through_with_the_reason() {
+        let big = Job {
+            admin_comment: Some("multiplex:app=big,mem=65536M".into()),
+            ..gated(1, "big")
+        };
+        let slurm = fake(vec![big, gated(2, "a")]);
+        let looked = Claimer::new(config(), 1)
+            .look(&slurm, &daemon(), Instant::now())
+            .unwrap();
+        assert_eq!(looked.refused.len(), 1);
+        assert!(looked.refused[0].1.contains("65536 MiB"), "{:?}", looked.refused);
+        let s = slurm.state.lock().unwrap();
+        let job = s.jobs.iter().find(|j| j.id == 1).unwrap();
+        assert!(!job.gated(LICENSE) && job.node.is_none());
+        assert!(job
+            .admin_comment
+            .as_deref()
+            .unwrap()
+            .contains("| multiplex: refused: it needs 65536 MiB"));
+        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
+    }
+
+    #[test]
+    fn types_licenses_and_notes() {
+        assert_eq!(split_type("v100_1"), Some(("v100", 1)));
+        assert_eq!(split_type("a100_80gb_3"), Some(("a100_80gb", 3)));
+        assert_eq!(split_type("v100"), None);
+        assert_eq!(split_type("_1"), None);
+        assert_eq!(gres_type("v100", 2), "v100_2");
+        assert_eq!(without_gate("matlab:2,multiplex:1"), "matlab:2");
+        assert_eq!(without_gate("multiplex:1"), "");
+        assert_eq!(
+            note("n1", "v100_0", &[3, 4], 0.5),
+            "claimed for n1 GPU v100_0 beside jobs 3, 4 (predicted speed 0.50)"
+        );
+    }
+}
