@@ -149,6 +149,7 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
                 set_optional(&mut desc.tres_per_socket, r.tres_per_socket.as_deref());
                 set_optional(&mut desc.cpus_per_tres, r.cpus_per_tres.as_deref());
                 set_optional(&mut desc.mem_per_tres, r.mem_per_tres.as_deref());
+                host::replace_string(&mut desc.licenses, &r.licenses);
             }
             if let Some(cpus) = r.min_cpus {
                 desc.min_cpus = match count(desc.min_cpus) {
@@ -180,6 +181,7 @@ fn reject_code(kind: RejectKind) -> c_int {
         RejectKind::NotAllowed => bindings::ESLURM_ACCESS_DENIED,
         RejectKind::SharedPartition => bindings::ESLURM_INVALID_PARTITION_NAME,
         RejectKind::SharedNode => bindings::ESLURM_INVALID_NODE_NAME,
+        RejectKind::UnknownModel => bindings::ESLURM_INVALID_GRES,
     }) as c_int
 }
 
@@ -253,6 +255,7 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             num_tasks: count(desc.num_tasks),
             req_nodes: Vec::new(),
             exc_nodes: c_str(desc.exc_nodes),
+            licenses: c_str(desc.licenses),
         }
     }
 }
@@ -285,8 +288,16 @@ fn modify(
         // SAFETY: as in job_submit.
         let mut update = unsafe { view_of(desc) };
         shared_nodes_asked(&mut update, desc, &policy);
-        match rewrite::check_modify(&update, tag.as_deref(), &policy) {
+        // slurmctld runs as the Slurm user: root and it may let a job through the gate.
+        // SAFETY: getuid(2) has no preconditions.
+        let privileged = submit_uid == 0 || submit_uid == unsafe { libc::getuid() };
+        match rewrite::check_modify(&update, tag.as_deref(), &policy, privileged) {
             Ok(rewrite::ModifyOk::AsAsked) => bindings::SLURM_SUCCESS as c_int,
+            Ok(rewrite::ModifyOk::Licenses(licenses)) => {
+                // SAFETY: the update's licenses is a Slurm-owned string.
+                unsafe { host::replace_string(&mut desc.licenses, &licenses) };
+                bindings::SLURM_SUCCESS as c_int
+            }
             Ok(rewrite::ModifyOk::ExcNodes(exc_nodes)) => {
                 // SAFETY: the update's exc_nodes is a Slurm-owned string.
                 unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };

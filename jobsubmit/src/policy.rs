@@ -23,6 +23,7 @@ struct RawPolicy {
     users: Option<Vec<String>>,
     accounts: Option<Vec<String>>,
     shared_nodes: Option<String>,
+    models: Option<Vec<String>>,
 }
 
 /// What the rewrite needs to know about the site.
@@ -44,6 +45,9 @@ pub struct Policy {
     /// The nodes whose GPUs multiplexed jobs share, where those nodes are also in partitions
     /// that are not shared: jobs without --multiplex that ask for GPUs are kept off them.
     pub shared_nodes: Option<Box<SharedNodes>>,
+    /// The models of the shared GPUs, each GPU's gres type in Slurm being `MODEL_INDEX`
+    /// (`v100_0`): a job that asks for another model is rejected (empty: any model).
+    pub models: Vec<String>,
 }
 
 /// `shared_nodes` as written (a Slurm host list) and expanded.
@@ -72,6 +76,7 @@ impl Default for Policy {
             unflagged_on_shared: false,
             allowed: None,
             shared_nodes: None,
+            models: Vec::new(),
         }
     }
 }
@@ -158,6 +163,12 @@ impl Policy {
                 }))
             }
         };
+        let models = raw.models.unwrap_or_default();
+        if let Some(m) = models.iter().find(|m| multiplex_protocol::spec::parse_app(m).is_err()) {
+            return Err(format!(
+                "models: {m:?} is not a GPU model name (letters, digits, '.', '_' or '-'; each GPU's gres type is MODEL_INDEX)"
+            ));
+        }
         let policy = Policy {
             partitions,
             gres,
@@ -166,6 +177,7 @@ impl Policy {
             unflagged_on_shared: raw.unflagged_on_shared.unwrap_or(d.unflagged_on_shared),
             allowed,
             shared_nodes,
+            models,
         };
         Ok((policy, warnings))
     }

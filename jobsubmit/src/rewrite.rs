@@ -1,5 +1,6 @@
 //! The decision job_submit makes, on plain Rust values: leave a job alone, rewrite its GPU
-//! request into a shared-GPU one, or reject it with a sentence for the user.
+//! request into a shared-GPU one that waits for the claimer (a license of the gate), or reject
+//! it with a sentence for the user.
 
 use crate::policy::Policy;
 use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
@@ -34,6 +35,25 @@ pub struct JobView {
     pub req_nodes: Vec<String>,
     /// `--exclude`, as given.
     pub exc_nodes: Option<String>,
+    /// `--licenses`, as given.
+    pub licenses: Option<String>,
+}
+
+/// The license every multiplexed job holds one of until the claimer pins it to a GPU (slurm.conf
+/// `Licenses=multiplex:N`; the claimer reserves them all while it runs).
+pub const GATE_LICENSE: &str = "multiplex";
+
+/// The job's licenses with the gate's one added (any the job named itself replaced).
+pub fn with_gate(licenses: Option<&str>) -> String {
+    let mut out: Vec<&str> = licenses
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && l.split([':', '=']).next() != Some(GATE_LICENSE))
+        .collect();
+    let gate = format!("{GATE_LICENSE}:1");
+    out.push(&gate);
+    out.join(",")
 }
 
 /// The new values of the fields a rewrite changes (`None` = cleared).
@@ -51,6 +71,8 @@ pub struct Rewrite {
     pub min_cpus: Option<u32>,
     /// The job's memory on its node, MiB (from --mem-per-gpu).
     pub mem_per_node_mb: Option<u64>,
+    /// Its licenses: its own and the gate's.
+    pub licenses: String,
     /// The application key the job was tagged with.
     pub app: String,
 }
@@ -70,6 +92,8 @@ pub enum RejectKind {
     SharedPartition,
     /// A job without --multiplex that asks for GPUs on a node whose GPUs are shared.
     SharedNode,
+    /// A GPU model no shared GPU is, or none named where this Slurm needs one.
+    UnknownModel,
 }
 
 /// The outcome for one job.
@@ -95,6 +119,8 @@ struct TresEntry {
     /// `:` (22.05) or `/` (23.11+) after `gres`; `None` for entries that are not gres.
     sep: Option<char>,
     name: String,
+    /// The type between the name and the count (`tesla` of `gres:gpu:tesla:2`).
+    kind: Option<String>,
     /// The entry as written, for entries kept unchanged.
     text: String,
     count: u64,
@@ -117,17 +143,20 @@ fn parse_tres(s: &str) -> Vec<TresEntry> {
             } else {
                 (None, e)
             };
-            let mut parts = rest.split(':');
-            let name = parts.next().unwrap_or("").to_string();
-            let last = rest.rsplit(':').next().unwrap_or("");
-            let count = if rest.contains(':') {
-                last.parse().unwrap_or(1)
-            } else {
-                1
+            let parts: Vec<&str> = rest.split(':').collect();
+            let name = parts[0].to_string();
+            let last = parts[parts.len() - 1];
+            let count = if parts.len() > 1 { last.parse().unwrap_or(1) } else { 1 };
+            // `gpu:tesla:2`, or `gpu:tesla` (a count of 1).
+            let kind = match parts[..] {
+                [_, k, _] => Some(k.to_string()),
+                [_, k] if k.parse::<u64>().is_err() => Some(k.to_string()),
+                _ => None,
             };
             TresEntry {
                 sep,
                 name,
+                kind,
                 text: e.to_string(),
                 count,
             }
@@ -166,11 +195,11 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         Err(e) => return reject(RejectKind::BadOption, format!("invalid --multiplex value: {e}")),
     };
     let merged;
-    let job = match with_srun_asks(job) {
-        Ok(None) => job,
+    let (job, srun_made) = match with_srun_asks(job) {
+        Ok(None) => (job, false),
         Ok(Some(m)) => {
             merged = m;
-            &merged
+            (&merged, true)
         }
         Err(e) => return reject(RejectKind::BadOption, e),
     };
@@ -257,6 +286,39 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         );
     }
 
+    // The GPU model asked for (`--gres=gpu:v100:1`): the claimer pins the job to a GPU of that
+    // model. The job waits on an untyped shard, which a claim turns into the GPU's type.
+    let mut models: Vec<&str> = parsed
+        .iter()
+        .flatten()
+        .filter(|e| is_gpu(e))
+        .filter_map(|e| e.kind.as_deref())
+        .collect();
+    models.dedup();
+    let model = match models[..] {
+        [] => None,
+        [m] => Some(m.to_string()),
+        _ => {
+            return reject(
+                RejectKind::UnknownModel,
+                format!(
+                    "this job asks for GPUs of {} models; a multiplexed job runs on one GPU of one model",
+                    models.len()
+                ),
+            )
+        }
+    };
+    if let Some(m) = model.as_deref() {
+        if !policy.models.is_empty() && !policy.models.iter().any(|p| p == m) {
+            return reject(
+                RejectKind::UnknownModel,
+                format!(
+                    "no shared GPU here is a {m}; shared GPU models: {}",
+                    policy.models.join(", ")
+                ),
+            );
+        }
+    }
     // The job's own spelling (gres: or gres/) is kept for the shared-GPU request.
     let sep = parsed
         .iter()
@@ -315,9 +377,13 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .app
         .clone()
         .unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
+    // srun asks for the step of a job it made with the job's allocated gres: a typed shard,
+    // which Slurm refuses for a step, so that job is claimed for a node only.
     let tag = Spec {
         app: Some(app.clone()),
         mem_mb: spec.mem_mb,
+        model,
+        node_only: srun_made,
     }
     .tag();
     let admin_comment = match job.admin_comment.as_deref().filter(|c| !c.is_empty()) {
@@ -336,6 +402,7 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         mem_per_tres,
         min_cpus,
         mem_per_node_mb: mem_mb,
+        licenses: with_gate(job.licenses.as_deref()),
         app,
     }))
 }
@@ -349,6 +416,8 @@ fn with_srun_asks(job: &JobView) -> Result<Option<JobView>, String> {
     };
     let asks = srun::decode(carried).map_err(|e| format!("the GPU request srun passed on is unreadable: {e}"))?;
     let mut job = job.clone();
+    // srun asks for its step's share with the job's request too: not the user's ask.
+    job.tres_per_node = job.tres_per_node.as_deref().and_then(srun::without_step_share);
     for (field, value) in asks {
         let slot = match field {
             Field::TresPerNode => &mut job.tres_per_node,
@@ -413,6 +482,9 @@ pub enum ModifyOk {
     AsAsked,
     /// The update's `--exclude`, with the shared nodes added back.
     ExcNodes(String),
+    /// The update's licenses, with the gate's kept: only the claimer (root or the Slurm user)
+    /// lets a multiplexed job through the gate.
+    Licenses(String),
 }
 
 /// An update of a job without --multiplex where the policy names `shared_nodes`. The job's own
@@ -527,6 +599,7 @@ pub fn check_modify(
     update: &JobView,
     current_tag: Option<&str>,
     policy: &Policy,
+    privileged: bool,
 ) -> Result<ModifyOk, (RejectKind, String)> {
     let multiplexed = current_tag.is_some_and(|t| t.starts_with(TAG_PREFIX))
         // An update that also drops the tag (an admin taking the job out of multiplexing) is
@@ -609,7 +682,12 @@ pub fn check_modify(
             ))
         }
     }
-    Ok(ModifyOk::AsAsked)
+    // A user's change of licenses keeps the gate's: dropping it would let the job start where
+    // Slurm puts it, ahead of jobs waiting for a claim.
+    match update.licenses.as_deref() {
+        Some(l) if !privileged => Ok(ModifyOk::Licenses(with_gate(Some(l)))),
+        _ => Ok(ModifyOk::AsAsked),
+    }
 }
 
 #[cfg(test)]
@@ -626,15 +704,19 @@ mod tests {
         }
     }
 
+    fn policy() -> Policy {
+        Policy::default()
+    }
+
     fn rewrite(j: &JobView) -> Rewrite {
-        match decide(j, &Policy::default()) {
+        match decide(j, &policy()) {
             Outcome::Rewrite(r) => *r,
             other => panic!("expected a rewrite, got {other:?}"),
         }
     }
 
     fn rejection(j: &JobView) -> (RejectKind, String) {
-        match decide(j, &Policy::default()) {
+        match decide(j, &policy()) {
             Outcome::Reject { kind, message } => (kind, message),
             other => panic!("expected a rejection, got {other:?}"),
         }
@@ -645,7 +727,7 @@ mod tests {
         for tres in [None, Some("gres:gpu:1"), Some("gres:gpu:8"), Some("gres:shard:1")] {
             let mut j = job(None, tres);
             j.spank_env = vec!["_SLURM_SPANK_OPTION_other_plugin_x=1".into()];
-            assert_eq!(decide(&j, &Policy::default()), Outcome::Untouched);
+            assert_eq!(decide(&j, &policy()), Outcome::Untouched);
         }
     }
 
@@ -658,6 +740,7 @@ mod tests {
             ("node", "gres:gpu", "gres:shard:1"),
             ("node", "gres:gpu:v100:1", "gres:shard:1"),
             ("node", "gres/gpu:v100:1", "gres/shard:1"),
+            ("node", "gres/gpu:v100", "gres/shard:1"),
             ("job", "gres:gpu:1", "gres:shard:1"),
             ("job", "gres/gpu:1", "gres/shard:1"),
             ("task", "gres:gpu:1", "gres:shard:1"),
@@ -680,7 +763,85 @@ mod tests {
                 "{field}={value}"
             );
             assert_eq!(r.partition, "shared");
+            assert_eq!(r.licenses, "multiplex:1", "{field}={value}: it waits for a claim");
+            assert_eq!(
+                r.admin_comment.contains(",model=v100"),
+                value.contains("v100"),
+                "{}",
+                r.admin_comment
+            );
         }
+    }
+
+    #[test]
+    fn a_model_asked_for_goes_into_the_tag_and_one_the_site_does_not_share_is_refused() {
+        let site = Policy {
+            models: vec!["v100".into(), "a100".into()],
+            ..Policy::default()
+        };
+        let j = |tres: &str| job(Some("app=a"), Some(tres));
+        let got = |tres: &str| match decide(&j(tres), &site) {
+            Outcome::Rewrite(r) => (r.tres_per_node.unwrap(), r.admin_comment),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got("gres:gpu:1"), ("gres:shard:1".into(), "multiplex:app=a".into()));
+        assert_eq!(
+            got("gres:gpu:a100:1"),
+            ("gres:shard:1".into(), "multiplex:app=a,model=a100".into())
+        );
+        // A model the site does not share, and two models at once.
+        for (tres, policy, says) in [
+            (
+                "gres:gpu:k80:1",
+                site.clone(),
+                "no shared GPU here is a k80; shared GPU models: v100, a100",
+            ),
+            (
+                "gres:gpu:v100:1,gres:gpu:a100:1",
+                Policy {
+                    max_gpus: 2,
+                    ..site.clone()
+                },
+                "GPUs of 2 models",
+            ),
+        ] {
+            match decide(&j(tres), &policy) {
+                Outcome::Reject { kind, message } => {
+                    assert_eq!(kind, RejectKind::UnknownModel);
+                    assert!(message.contains(says), "{tres}: {message}");
+                }
+                other => panic!("{tres}: {other:?}"),
+            }
+        }
+        // Without a list, any model goes.
+        assert!(matches!(decide(&j("gres:gpu:k80:1"), &policy()), Outcome::Rewrite(_)));
+    }
+
+    #[test]
+    fn the_gate_license_is_added_beside_the_jobs_own_and_a_users_update_keeps_it() {
+        let mut j = job(Some("app=a"), Some("gres:gpu:1"));
+        j.licenses = Some("matlab:2,multiplex:5".into());
+        assert_eq!(rewrite(&j).licenses, "matlab:2,multiplex:1");
+        let tag = Some("multiplex:app=a");
+        let update = JobView {
+            licenses: Some("matlab:1".into()),
+            ..JobView::default()
+        };
+        assert_eq!(
+            check_modify(&update, tag, &policy(), false),
+            Ok(ModifyOk::Licenses("matlab:1,multiplex:1".into()))
+        );
+        let dropped = JobView {
+            licenses: Some(String::new()),
+            ..JobView::default()
+        };
+        assert_eq!(
+            check_modify(&dropped, tag, &policy(), false),
+            Ok(ModifyOk::Licenses("multiplex:1".into()))
+        );
+        // The claimer (root or the Slurm user) lets it through; a plain job's licenses are its own.
+        assert_eq!(check_modify(&dropped, tag, &policy(), true), Ok(ModifyOk::AsAsked));
+        assert_eq!(check_modify(&dropped, None, &policy(), false), Ok(ModifyOk::AsAsked));
     }
 
     #[test]
@@ -815,6 +976,7 @@ mod tests {
             unflagged_on_shared: false,
             allowed: None,
             shared_nodes: None,
+            models: vec![],
         }
     }
 
@@ -888,13 +1050,13 @@ mod tests {
             f(&mut u);
             u
         };
-        assert_eq!(check_modify(&upd(&|_| {}), None, &p), Ok(ModifyOk::AsAsked));
+        assert_eq!(check_modify(&upd(&|_| {}), None, &p, false), Ok(ModifyOk::AsAsked));
         assert_eq!(
-            check_modify(&upd(&|u| u.exc_nodes = Some("gpu05".into())), None, &p),
+            check_modify(&upd(&|u| u.exc_nodes = Some("gpu05".into())), None, &p, false),
             Ok(ModifyOk::ExcNodes("gpu05,gpu[01-02]".into()))
         );
         assert_eq!(
-            check_modify(&upd(&|u| u.exc_nodes = Some(String::new())), None, &p),
+            check_modify(&upd(&|u| u.exc_nodes = Some(String::new())), None, &p, false),
             Ok(ModifyOk::ExcNodes("gpu[01-02]".into()))
         );
         for (u, why) in [
@@ -904,16 +1066,16 @@ mod tests {
                 "not by an update",
             ),
         ] {
-            match check_modify(&u, None, &p) {
+            match check_modify(&u, None, &p, false) {
                 Err((RejectKind::SharedNode, m)) => assert!(m.contains(why), "{m}"),
                 other => panic!("{why}: {other:?}"),
             }
         }
         // Without shared_nodes, and for multiplexed jobs, these rules do not apply.
         let to_gpu01 = upd(&|u| u.req_nodes = vec!["gpu01".into()]);
-        assert_eq!(check_modify(&to_gpu01, None, &site()), Ok(ModifyOk::AsAsked));
+        assert_eq!(check_modify(&to_gpu01, None, &site(), false), Ok(ModifyOk::AsAsked));
         assert_eq!(
-            check_modify(&to_gpu01, Some("multiplex:app=a"), &p),
+            check_modify(&to_gpu01, Some("multiplex:app=a"), &p, false),
             Ok(ModifyOk::AsAsked)
         );
     }
@@ -1027,7 +1189,7 @@ mod tests {
                 user_names: vec!["alice".into()],
                 accounts: vec!["ml".into(), "vision".into()],
             }),
-            ..Policy::default()
+            ..policy()
         };
         let mut j = job(Some("(null)"), Some("gres:gpu:1"));
         j.user_id = 1001;
@@ -1145,7 +1307,7 @@ mod tests {
             ),
         ];
         for (u, tag, want, why) in cases {
-            match (check_modify(&u, tag, &site()), want) {
+            match (check_modify(&u, tag, &site(), false), want) {
                 (Ok(ModifyOk::AsAsked), None) => {}
                 (Err((kind, message)), Some(k)) => {
                     assert_eq!(kind, k, "{message}");

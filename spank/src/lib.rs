@@ -160,7 +160,7 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(sp: spank_t, _ac: c_int, _av:
     })
 }
 
-/// In each task, just before exec: set the daemon's decision, or print the one warning.
+/// In each task, just before exec: set what the daemon recorded, or print the one warning.
 /// # Safety
 /// Called by Slurm with the pointers its plugin API documents.
 #[no_mangle]
@@ -170,7 +170,7 @@ pub unsafe extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mu
         let spank = unsafe { Spank::from_raw(sp) };
         let plan = state().plan.clone();
         match plan {
-            Some(StepPlan::Placed { env }) => {
+            Some(StepPlan::Recorded { env }) => {
                 for (k, v) in env {
                     if let Err(e) = spank.setenv(&k, &v) {
                         log::error(&format!("{PREFIX}: cannot set {k}: {e}"));

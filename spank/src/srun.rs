@@ -1,8 +1,9 @@
 //! srun's side (local context). A multiplexed job holds a share of a GPU, not a GPU, and srun
 //! asks for its step with the same options as for its job: GPU asks left on srun's command
 //! line would make the step ask for a GPU its job does not have. So before srun builds either
-//! request, they are taken off srun's options (a step that asks for no GPU gets its job's)
-//! and, when srun makes the job itself, handed to job_submit (`multiplex_protocol::srun`).
+//! request, they are taken off srun's options and, when srun makes the job itself, handed to
+//! job_submit (`multiplex_protocol::srun`); the step asks for one untyped share of its job's
+//! GPU instead (`STEP_SHARE`: Slurm grants a step of a claimed job nothing else).
 
 use crate::{state, PREFIX};
 use libc::c_int;
@@ -24,12 +25,12 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         return 0;
     };
     let moved = srun::move_gpu_asks(&OPTIONS.map(|name| opts.get(name)), slurm_ffi::GRES_PREFIX);
-    if moved.reset.is_empty() {
-        return 0;
-    }
     match std::env::var("SLURM_JOB_ID") {
         // srun makes the job: job_submit gets the asks and turns them into the shared GPU.
         Err(_) => {
+            if moved.reset.is_empty() {
+                return 0; // no GPU asked: job_submit says what is missing
+            }
             if let Err(e) = spank.job_control_setenv(GPU_REQUEST_ENV, &srun::encode(&moved.carry)) {
                 log::error(&format!("{PREFIX}: cannot pass srun's GPU request on to the job ({e})"));
                 return -1;
@@ -39,8 +40,8 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         // holds a shared GPU that the step takes instead.
         Ok(id) => {
             let Ok(job) = id.trim().parse::<u32>() else { return 0 };
-            match host::job_admin_comment(job) {
-                Ok(comment) if matches!(Spec::from_tag(comment.as_deref()), Some(Ok(_))) => {}
+            match host::job_facts(job) {
+                Ok(facts) if matches!(Spec::from_tag(facts.admin_comment.as_deref()), Some(Ok(_))) => {}
                 Ok(_) => return 0,
                 Err(e) => {
                     log::verbose(&format!(
@@ -57,20 +58,28 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
             return -1;
         }
     }
-    if let Some(keep) = &moved.keep_gres {
-        if !opts.set("gres", keep) {
-            log::error(&format!("{PREFIX}: srun would not take back --gres={keep}"));
-            return -1;
-        }
+    // The step asks for one untyped share of its job's GPU: the only request Slurm grants a
+    // step of a job whose shard the claimer typed (`multiplex_protocol::srun::STEP_SHARE`).
+    let gres = srun::step_gres(moved.keep_gres.as_deref());
+    if !opts.set("gres", &gres) {
+        log::error(&format!("{PREFIX}: srun would not take --gres={gres}"));
+        return -1;
     }
     log::verbose(&format!(
-        "{PREFIX}: the step takes its job's shared GPU; srun's {} moved to the job",
-        moved
-            .reset
-            .iter()
-            .map(|n| format!("--{n}"))
-            .collect::<Vec<_>>()
-            .join(" ")
+        "{PREFIX}: the step takes a share of its job's GPU (--gres={gres}){}",
+        if moved.reset.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; srun's {} moved to the job",
+                moved
+                    .reset
+                    .iter()
+                    .map(|n| format!("--{n}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        }
     ));
     0
 }

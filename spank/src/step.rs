@@ -1,16 +1,16 @@
 //! slurmstepd's side of a job step, read from Slurm: which job, step, user and node this is,
-//! what the daemon said ([`crate::remote`] asks it), and what happens to a declined step. The
+//! where Slurm bound its shard, and what the daemon recorded ([`crate::remote`] tells it). The
 //! callbacks in `lib.rs` call [`post_opt`] and carry out the plan it leaves in the state.
 
 use crate::args::Args;
 use crate::remote::{self, StepInfo, StepPlan};
 use crate::{state, OPTION_ENV, PREFIX};
 use libc::c_int;
-use multiplex_protocol::spec::{with_note, Spec};
+use multiplex_protocol::spec::Spec;
 use slurm_ffi::log;
 use slurm_ffi::spank::Spank;
 
-/// After the options are known, in slurmstepd: asks the daemon where this step runs and
+/// After the options are known, in slurmstepd: tells the daemon where this step started and
 /// leaves the plan for the tasks in the state.
 pub(crate) fn post_opt(spank: &Spank) -> c_int {
     // Steps started inside a multiplexed job see the option through the job's environment.
@@ -30,7 +30,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         ));
     };
     let args = state().args.clone();
-    let (spec, comment) = match tagged_spec(&args, job_id) {
+    let (spec, facts) = match tagged_spec(&args, job_id) {
         Ok(tagged) => tagged,
         Err(plan) => {
             if let StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } = &plan {
@@ -46,39 +46,19 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         uid,
         node: node.clone(),
         job_name: spank.getenv("SLURM_JOB_NAME"),
-        cuda_visible_devices: spank.getenv("CUDA_VISIBLE_DEVICES"),
-        job_gpus: spank.getenv("SLURM_JOB_GPUS"),
-        shards_on_node: spank.getenv("SLURM_SHARDS_ON_NODE"),
-        // slurmstepd's own count, not the job's environment (which its user may set); it is
-        // 0 for batch steps (22.05 to 24.11), so the daemon also counts its own declines.
-        restarts: spank.restart_count().unwrap_or(0),
-        admin_comment: Some(comment.clone()),
+        gres: facts.tres_per_node,
+        // Slurm's allocation, from slurmctld (never the job's environment, which its user
+        // may set): the GPU index its gres detail names.
+        job_gpus: facts
+            .gres_detail
+            .as_deref()
+            .and_then(multiplex_protocol::gres::gpu_of_detail)
+            .map(|g| g.to_string()),
+        admin_comment: facts.admin_comment,
     };
-    let plan = match remote::plan(&args, &spec, &info, false) {
-        StepPlan::Declined { reason, retry_after_s } => {
-            match declined(job_id, step_id, &node, &reason, retry_after_s, &comment) {
-                Declined::Requeued(plan) => plan,
-                // A decline would fail a job that cannot be requeued: ask for any GPU where it fits.
-                Declined::CannotWait(why) => {
-                    log::info(&format!(
-                        "{PREFIX}: job {job_id} cannot be requeued to wait ({why}): asking for any GPU where it fits"
-                    ));
-                    match remote::plan(&args, &spec, &info, true) {
-                        StepPlan::Declined { reason, .. } => StepPlan::Fail {
-                            message: format!(
-                            "multiplex: no GPU on {node} can take this job safely now ({reason}), and it cannot be \
-                             requeued to wait ({why}): submit it again later, or let it requeue (sbatch --requeue)"
-                        ),
-                        },
-                        plan => plan,
-                    }
-                }
-            }
-        }
-        plan => plan,
-    };
+    let plan = remote::plan(&args, &spec, &info);
     match &plan {
-        StepPlan::Placed { env } => {
+        StepPlan::Recorded { env } => {
             let summary: Vec<String> = env.iter().take(3).map(|(k, v)| format!("{k}={v}")).collect();
             log::info(&format!("{PREFIX}: job {job_id} step {step}: {}", summary.join(" ")));
             state().placed = Some((job_id, step_id, node));
@@ -86,10 +66,6 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         StepPlan::NotApplied { warning: text } | StepPlan::Fail { message: text } => {
             // `text` starts with the plugin's prefix already.
             log::info(&format!("{text} (job {job_id} step {step})"));
-        }
-        // Turned into Fail by `declined` above; logged like it should it ever get here.
-        StepPlan::Declined { reason, .. } => {
-            log::info(&format!("{PREFIX}: declined: {reason} (job {job_id} step {step})"))
         }
     }
     // A failure is carried out in the tasks (task_init), not here: a step that fails in
@@ -105,71 +81,21 @@ fn fail_tasks(message: String) -> c_int {
     0
 }
 
-/// What became of a declined step.
-enum Declined {
-    /// Requeued and held back (or failed with the reason): the step's plan.
-    Requeued(StepPlan),
-    /// The job could not be requeued (the error says why).
-    CannotWait(String),
-}
-
-/// A declined batch job is requeued and held back for the daemon's `retry_after_s`; any other
-/// declined step fails with the reason.
-fn declined(job_id: u32, step_id: u32, node: &str, reason: &str, retry_after_s: u32, comment: &str) -> Declined {
-    let delay = match remote::on_decline(node, step_id, reason, retry_after_s) {
-        Ok(delay) => delay,
-        Err(message) => return Declined::Requeued(StepPlan::Fail { message }),
-    };
-    if let Err(e) = slurm_ffi::host::requeue(job_id) {
-        return Declined::CannotWait(e);
-    }
-    let now = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64)
-    };
-    // The reason also goes into the job's admin comment, after the tag: the rerun truncates
-    // the job's output, and `scontrol show job` then says why it waits.
-    let why = format!("requeued, waiting {delay} s: no GPU on {node} can take this job safely now ({reason})");
-    let note = with_note(comment, &why);
-    let begin = now() + i64::from(delay);
-    let mut set = slurm_ffi::host::set_begin_time(job_id, begin, Some(&note));
-    // A slow slurmctld (one that waited 5 s on a name lookup took that long to answer the
-    // update) may apply a start time that has already passed: when the requeue completes,
-    // Slurm replaces such a time by its own requeue delay (120 s by default), and the job
-    // would wait that long. Ask again, from now.
-    if set.is_ok() && now() >= begin {
-        log::info(&format!(
-            "{PREFIX}: job {job_id}: slurmctld took {} s to delay its next start; asking again",
-            now() - begin + i64::from(delay)
-        ));
-        set = slurm_ffi::host::set_begin_time(job_id, now() + i64::from(delay), None);
-    }
-    if let Err(e) = set {
-        log::error(&format!(
-            "{PREFIX}: job {job_id}: requeued, but could not delay its next start: {e}"
-        ));
-    }
-    Declined::Requeued(StepPlan::Fail {
-        message: format!("multiplex: {why}"),
-    })
-}
-
-/// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), with the admin
-/// comment it was read from; or the plan for a step of a job that has no tag (it runs as Slurm
-/// placed it) or whose tag cannot be read.
-fn tagged_spec(args: &Args, job_id: u32) -> Result<(Spec, String), StepPlan> {
-    let comment = match slurm_ffi::host::job_admin_comment(job_id) {
-        Ok(c) => c,
+/// How job `job_id` was submitted, as slurmctld's tag says ([`Spec::from_tag`]), with what
+/// slurmctld holds of the job; or the plan for a step of a job that has no tag (it runs as
+/// Slurm placed it) or whose tag cannot be read.
+fn tagged_spec(args: &Args, job_id: u32) -> Result<(Spec, slurm_ffi::host::JobFacts), StepPlan> {
+    let facts = match slurm_ffi::host::job_facts(job_id) {
+        Ok(f) => f,
         Err(e) => {
-            return Err(remote::unplaced(
+            return Err(remote::unrecorded(
                 args,
                 &format!("cannot ask slurmctld whether job {job_id} was submitted with --multiplex: {e}"),
             ))
         }
     };
-    match Spec::from_tag(comment.as_deref()) {
-        Some(Ok(spec)) => Ok((spec, comment.unwrap_or_default())),
+    match Spec::from_tag(facts.admin_comment.as_deref()) {
+        Some(Ok(spec)) => Ok((spec, facts)),
         Some(Err(e)) => Err(StepPlan::Fail {
             message: format!("{PREFIX}: job {job_id}'s multiplex tag in its admin comment is not valid: {e}"),
         }),
