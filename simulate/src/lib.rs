@@ -38,24 +38,17 @@ pub struct Summary {
     pub makespan_s: f64,
     pub avg_wait_s: f64,
     pub oom_failures: u64,
-    pub declines: u64,
     pub throughput_per_gpu: f64,
     /// Average JCT of the last fifth of the jobs in submit order: where a learning policy
     /// ends, once it has seen most of what it will see.
     pub last_fifth_avg_jct_s: f64,
-    /// The most times one job was declined.
-    pub most_declines: u32,
     /// The 99th percentile of the wait from submission to the run that completed.
     pub p99_wait_s: f64,
-    /// How many times the policy had Slurm start another pending job first.
-    pub steered: u64,
-    /// How many times the policy deferred a pending job it would have declined.
-    pub deferred: u64,
-    /// How many times a node closed itself to Slurm, or renewed its closure.
-    pub closures: u64,
     /// How many running jobs a policy gave back to Slurm (requeued) to run apart from
     /// partners they were measured to lose beside.
     pub separations: u64,
+    /// How many claims the policy made: each one `scontrol update` of a pending job.
+    pub claims: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -198,19 +191,15 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             makespan_s: if jct.is_empty() { 0.0 } else { last - first },
             avg_wait_s: o.jobs.iter().map(|&(submit, start, _)| start - submit).sum::<f64>() / n,
             oom_failures: o.oom_failures,
-            declines: o.declines,
             throughput_per_gpu: if o.busy_seconds > 0.0 {
                 o.speed_seconds / o.busy_seconds
             } else {
                 0.0
             },
             last_fifth_avg_jct_s: tail.iter().sum::<f64>() / tail.len().max(1) as f64,
-            most_declines: o.declines_per_job.iter().copied().max().unwrap_or(0),
             p99_wait_s: percentile(&waits, 0.99),
-            steered: o.steered,
-            deferred: o.deferred,
-            closures: o.closures,
             separations: o.separations,
+            claims: o.claims,
         },
         jct,
         grade: None,
@@ -244,7 +233,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
         "makespan s",
         "wait s",
         "OOM",
-        "declines",
+        "claims",
         "thru/GPU",
         "vs first-fit"
     ));
@@ -261,7 +250,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
             s.makespan_s,
             s.avg_wait_s,
             s.oom_failures,
-            s.declines,
+            s.claims,
             s.throughput_per_gpu,
             vs
         ));
@@ -289,12 +278,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,declines,throughput_per_gpu,last_fifth_avg_jct_s,most_declines,p99_wait_s,steered,deferred,closures,separations\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,throughput_per_gpu,last_fifth_avg_jct_s,p99_wait_s,separations,claims\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{},{:.4},{:.1},{},{:.1},{},{},{},{}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{:.4},{:.1},{:.1},{},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -303,15 +292,11 @@ pub fn csv(runs: &[Run]) -> String {
             s.makespan_s,
             s.avg_wait_s,
             s.oom_failures,
-            s.declines,
             s.throughput_per_gpu,
             s.last_fifth_avg_jct_s,
-            s.most_declines,
             s.p99_wait_s,
-            s.steered,
-            s.deferred,
-            s.closures,
-            s.separations
+            s.separations,
+            s.claims
         ));
     }
     out

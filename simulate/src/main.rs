@@ -1,5 +1,5 @@
 //! `multiplex-simulate`: compares placement policies on a job trace in a simulated cluster, on
-//! measured pair speeds. The `learned` policy is multiplexd's own placement and learning code,
+//! measured pair speeds. The `learned` policy is multiplexd's own claimer and learning code,
 //! each node with its own SQLite history.
 
 use clap::Parser;
@@ -75,46 +75,28 @@ struct Args {
     /// bias b between 0 and this and shows s + b (1 - s) at speed s.
     #[arg(long, default_value_t = 0.0)]
     busy_bias: f64,
-    /// Seconds between merges of the learned policy's node histories, as a site's cron job of
-    /// `multiplexd export` and `import` would do (0: never, each node learns alone).
-    #[arg(long, default_value_t = 0.0)]
+    /// Seconds between merges of the learned policy's node histories, as `[share] dir` pools
+    /// them: node 0's daemon is the cluster's claimer and learns what the others did this way
+    /// (0: never, each node learns alone and the claimer knows only its own node's jobs).
+    #[arg(long, default_value_t = multiplex_simulate::policy::DEFAULT_SHARE_EVERY_S)]
     share_history_every: f64,
-    /// The daemon's `policy.min_gain` for the learned policy and the oracle: decline a job
-    /// whose best GPU would add less throughput than this (0: never decline for a poor pair).
+    /// The daemon's `policy.min_gain` for the learned policy and the oracle: a job is not
+    /// claimed for a share that would add less throughput than this (0: any share).
     #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
     min_gain: f64,
-    /// The daemon's `policy.decline_retry_max_s` for the learned policy and the oracle: a
-    /// declined job's wait (60 s) doubles with each decline up to this (0: it does not grow).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_DECLINE_RETRY_MAX_S)]
-    decline_retry_max: u32,
-    /// The daemon's `policy.max_declines` for the learned policy and the oracle: past this many
-    /// declines a job takes any share that loses no throughput (0: no bound).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_MAX_DECLINES)]
-    max_declines: u32,
     /// The daemon's `policy.separate_below` for the learned policy: a GPU whose jobs were
     /// measured to deliver less than this times what they would without the newest of them
-    /// requeues that one (0: never).
+    /// requeues that one, to be claimed again (0: never).
     #[arg(long, default_value_t = multiplexd::config::DEFAULT_SEPARATE_BELOW)]
     separate_below: f64,
-    /// Queue-level choice for the learned policy and the oracle: when a slot frees, the daemon
-    /// has Slurm start the best partner among this many of the first pending jobs (0: none).
-    #[arg(long, default_value_t = 0)]
-    steer: usize,
-    /// With --steer, the daemon also defers the pending jobs it would decline (sets their
-    /// StartTime) instead of letting Slurm start them to be declined and requeued.
+    /// The claimer's `claim.lookahead` for the learned policy and the oracle: how many of the
+    /// first pending jobs in Slurm's order one look weighs.
+    #[arg(long, default_value_t = multiplexd::config::ClaimConfig::default().lookahead)]
+    lookahead: usize,
+    /// Bind each job to one GPU index from its submission, as job_submit does where Slurm cannot
+    /// move a pending job to another GPU type (22.05): a claim then chooses only the node.
     #[arg(long)]
-    defer: bool,
-    /// With --steer, a node whose daemon would decline the job Slurm starts next (after its
-    /// own raise among the first pending jobs) closes itself to Slurm while that lasts (the
-    /// daemon reserves it for 60 s at a time) instead of being offered them one by one.
-    #[arg(long)]
-    close: bool,
-    /// With --close, a node that opens for the job Slurm starts next defers (sets StartTime)
-    /// up to this many of the jobs right after it that it would decline once that job runs,
-    /// until its daemon hears of the start: Slurm offers the slots still free to them in the
-    /// same pass (the daemon's `[steer] anticipate`; 0: none).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_ANTICIPATE)]
-    anticipate: usize,
+    fixed_gpu: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -213,6 +195,13 @@ fn simulate(a: Args) -> Result<(), String> {
     if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
         return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
     }
+    if !(1..=multiplexd::config::MAX_LOOKAHEAD).contains(&a.lookahead) {
+        return Err(format!(
+            "--lookahead {}: must be between 1 and {}",
+            a.lookahead,
+            multiplexd::config::MAX_LOOKAHEAD
+        ));
+    }
     if !(a.share_history_every.is_finite() && a.share_history_every >= 0.0) {
         return Err(format!(
             "--share-history-every {}: must be 0 or more seconds",
@@ -280,13 +269,9 @@ fn simulate(a: Args) -> Result<(), String> {
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,
             min_gain: a.min_gain,
-            decline_retry_max_s: a.decline_retry_max,
-            max_declines: a.max_declines,
             separate_below: a.separate_below,
-            steer: a.steer,
-            defer: a.defer,
-            close: a.close,
-            anticipate: a.anticipate,
+            lookahead: a.lookahead,
+            fixed_gpu: a.fixed_gpu,
         },
         history,
     };

@@ -1,23 +1,20 @@
 //! The policies compared. `learned` is the daemon itself: one [`Node`] per simulated node,
-//! each with its own SQLite history (in memory), driven through the same place, report and
-//! finish calls the SPANK plugin makes, on the simulated clock. `oracle` is the daemon's
-//! placement code handed the true table instead of a history.
+//! each with its own SQLite history (in memory), driven through the same start, report and
+//! finish calls the SPANK plugin makes, on the simulated clock, and node 0's daemon the
+//! cluster's claimer, its history pooled with the others' as `[share] dir` pools them.
+//! `oracle` is the claimer's code handed the true table instead of a history. The others are
+//! Slurm's own shard placement with one rule or another for the GPU.
 
 use super::input::{Rng, Table};
-use super::world::{Choice, JobRef, Policy, Shape, Steer};
-use multiplex_protocol::{FinishRequest, PlaceRequest, ReportKind, ReportRequest, Response};
-use multiplexd::config::{
-    Config, GpuSpec, PolicyConfig, DEFAULT_ANTICIPATE, DEFAULT_DECLINE_RETRY_MAX_S, DEFAULT_MAX_DECLINES,
-    DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED,
-};
+use super::world::{JobRef, Policy, Shape};
+use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, Response, StartRequest};
+use multiplexd::claim::{self, Candidate, NodeGpus};
+use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
-use multiplexd::node::{Node, NodeLoad, PendingJob};
-use multiplexd::placement::{
-    self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, Offer, PairEstimate, Resident, Wanted,
-};
-use multiplexd::weight::weight_for;
+use multiplexd::node::Node;
+use multiplexd::placement::{Bypasses, Estimates, GpuState, Knobs, PairEstimate, Resident, Wanted};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
 /// The policies by name, in the order they are reported.
@@ -27,49 +24,38 @@ pub const ALL: [&str; 6] = ["exclusive", "first-fit", "least-loaded", "random", 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Options {
     /// The learned policy's nodes merge their histories every this many simulated seconds
-    /// (`multiplexd export` into `multiplexd import`, as a site's cron job would; 0: never,
-    /// each node learns alone).
+    /// (`multiplexd export` into `multiplexd import`, as `[share] dir` does; 0: never, each
+    /// node learns alone and the claimer knows what its own node learned).
     pub share_every_s: f64,
     /// The daemon's `policy.min_gain`.
     pub min_gain: f64,
-    /// The daemon's `policy.decline_retry_max_s`: a declined job's wait doubles with each
-    /// decline up to this (0: it stays `decline_retry_s`).
-    pub decline_retry_max_s: u32,
-    /// The daemon's `policy.max_declines`: past this many declines a job takes any share that
-    /// loses no throughput (0: no bound).
-    pub max_declines: u32,
     /// The daemon's `policy.separate_below`: a GPU whose measured jobs deliver less than this
     /// times what they would without the newest one gives that one back (0: never).
     pub separate_below: f64,
-    /// Queue-level choice among this many of the first pending jobs ([`Policy::steer`]);
-    /// 0: none.
-    pub steer: usize,
-    /// With steering, also defer the pending jobs a node would decline ([`Steer`]).
-    pub defer: bool,
-    /// With steering, a node that would decline the job Slurm starts next closes itself to
-    /// Slurm while that lasts ([`Steer::take`]).
-    pub close: bool,
-    /// With closing, a node that opens for the job Slurm starts next defers (up to this many
-    /// of) the jobs after it that it would decline once that job runs, until it hears of the
-    /// start ([`Policy::declines_after`]): the daemon's `[steer] anticipate`.
-    pub anticipate: usize,
+    /// The claimer's `claim.lookahead`: how many of the first pending jobs in Slurm's order one
+    /// look weighs.
+    pub lookahead: usize,
+    /// Each job is bound to one GPU index from its submission (job_submit's rotation, where
+    /// Slurm cannot move a pending job to another GPU type: 22.05), and a claim chooses only
+    /// its node.
+    pub fixed_gpu: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Options {
-            share_every_s: 0.0,
+            share_every_s: DEFAULT_SHARE_EVERY_S,
             min_gain: DEFAULT_MIN_GAIN,
-            decline_retry_max_s: DEFAULT_DECLINE_RETRY_MAX_S,
-            max_declines: DEFAULT_MAX_DECLINES,
             separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
-            steer: 0,
-            defer: false,
-            close: false,
-            anticipate: DEFAULT_ANTICIPATE,
+            lookahead: multiplexd::config::ClaimConfig::default().lookahead,
+            fixed_gpu: false,
         }
     }
 }
+
+/// How often the learned policy's nodes pool what they learn by default: as a site's
+/// `[share] every_s` does with its default.
+pub const DEFAULT_SHARE_EVERY_S: f64 = 600.0;
 
 impl Options {
     /// The daemon's config for `node` with these settings: the learned policy's daemons and
@@ -77,8 +63,8 @@ impl Options {
     fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
         Config::parse(&format!(
             "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
-             min_gain = {}\ndecline_retry_max_s = {}\nmax_declines = {}\nseparate_below = {}\n",
-            self.min_gain, self.decline_retry_max_s, self.max_declines, self.separate_below
+             min_gain = {}\nseparate_below = {}\n[claim]\nlookahead = {}\n",
+            self.min_gain, self.separate_below, self.lookahead
         ))
     }
 }
@@ -136,6 +122,11 @@ fn free_slot(gpus: &[Vec<JobRef>], slots: usize) -> impl Iterator<Item = usize> 
         .map(|(i, _)| i)
 }
 
+/// Slurm offers a node only when it has a free slot.
+fn offered(gpu: Option<usize>) -> Result<usize, String> {
+    gpu.ok_or_else(|| "Slurm offered a node with no free slot".to_string())
+}
+
 /// One job per GPU: Slurm's plain `gpu` gres.
 struct Exclusive;
 
@@ -143,8 +134,8 @@ impl Policy for Exclusive {
     fn slots(&self, _shape: &Shape) -> u32 {
         1
     }
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
-        Ok(free_slot(gpus, 1).next().into())
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<usize, String> {
+        offered(free_slot(gpus, 1).next())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -155,8 +146,8 @@ impl Policy for Exclusive {
 struct FirstFit(usize);
 
 impl Policy for FirstFit {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
-        Ok(free_slot(gpus, self.0).next().into())
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<usize, String> {
+        offered(free_slot(gpus, self.0).next())
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -167,8 +158,8 @@ impl Policy for FirstFit {
 struct LeastLoaded(usize);
 
 impl Policy for LeastLoaded {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
-        Ok(free_slot(gpus, self.0).min_by_key(|&g| gpus[g].len()).into())
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<usize, String> {
+        offered(free_slot(gpus, self.0).min_by_key(|&g| gpus[g].len()))
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -179,9 +170,9 @@ impl Policy for LeastLoaded {
 struct Random(Rng, usize);
 
 impl Policy for Random {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+    fn place(&mut self, _: f64, _: usize, _: JobRef, gpus: &[Vec<JobRef>]) -> Result<usize, String> {
         let free: Vec<usize> = free_slot(gpus, self.1).collect();
-        Ok((!free.is_empty()).then(|| free[self.0.below(free.len())]).into())
+        offered((!free.is_empty()).then(|| free[self.0.below(free.len())]))
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
@@ -210,62 +201,34 @@ fn truth(table: &Table) -> Estimates {
     e
 }
 
-/// The daemon's placement and weight publishing, knowing the table.
+/// The claimer, knowing the table.
 struct Oracle<'a> {
     table: &'a Table,
     truth: Estimates,
     shape: Shape,
     /// The daemon's default policy, with the run's `min_gain`.
     policy: PolicyConfig,
-    /// Per node: it declined the latest newcomer, and nothing ran or ended there since.
-    refusing: Vec<bool>,
-    steer: usize,
-    defer: bool,
-    close: bool,
-    anticipate: usize,
-    /// Per node, the starvation bound of its queue-level choice.
-    bypasses: Vec<Bypasses>,
+    lookahead: usize,
+    fixed_gpu: bool,
+    bypasses: Bypasses,
 }
 
 impl<'a> Oracle<'a> {
     fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
+        let config = options.config("oracle", shape.jobs_per_gpu)?;
         Ok(Oracle {
             table,
             truth: truth(table),
             shape,
-            policy: options.config("oracle", shape.jobs_per_gpu)?.policy,
-            refusing: vec![false; shape.nodes],
-            steer: options.steer,
-            defer: options.defer,
-            close: options.close,
-            anticipate: options.anticipate,
-            bypasses: (0..shape.nodes).map(|_| Bypasses::default()).collect(),
+            policy: config.policy,
+            lookahead: config.claim.lookahead,
+            fixed_gpu: options.fixed_gpu,
+            bypasses: Bypasses::default(),
         })
     }
 
-    /// The knobs of steering: the daemon's defaults, no back-off (that is for a job declined).
-    fn steering_knobs(&self) -> Knobs {
-        Knobs {
-            slots: self.shape.jobs_per_gpu,
-            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.policy.min_gain,
-            separate_below: self.policy.separate_below,
-        }
-    }
-
-    /// Pending jobs as placement reads them (the oracle knows each one's memory, where the
+    /// The node's GPUs as placement reads them (the oracle knows each job's memory, where the
     /// table has memory).
-    fn newcomers(&self, pending: &[JobRef]) -> Vec<Newcomer<'a>> {
-        pending
-            .iter()
-            .map(|j| Newcomer {
-                app: &self.table.apps[j.app],
-                mem_mb: self.table.memory_of(j.app),
-            })
-            .collect()
-    }
-
-    /// The node's GPUs as placement reads them.
     fn states(&self, gpus: &[Vec<JobRef>]) -> Vec<GpuState> {
         gpus.iter()
             .enumerate()
@@ -287,91 +250,74 @@ impl<'a> Oracle<'a> {
 }
 
 impl Policy for Oracle<'_> {
-    fn lookahead(&self) -> usize {
-        self.steer
+    fn claims(&self) -> bool {
+        true
     }
-    fn defers(&self) -> bool {
-        self.defer
+    fn claim_lookahead(&self) -> usize {
+        self.lookahead
     }
-    fn closes(&self) -> bool {
-        self.close
-    }
-    fn anticipates(&self) -> usize {
-        self.anticipate
-    }
-    fn declines_after(
+    fn claim(
         &mut self,
         _: f64,
-        _: usize,
-        gpus: &[Vec<JobRef>],
+        cluster: &[Vec<Vec<JobRef>>],
         pending: &[JobRef],
-        next: usize,
-        later: &[usize],
-    ) -> Result<Vec<usize>, String> {
-        let (knobs, newcomers) = (self.steering_knobs(), self.newcomers(pending));
-        let Some(first) = newcomers.get(next) else {
-            return Ok(Vec::new());
-        };
-        let onto = placement::in_pass(&self.states(gpus), first, pending[next].id, &self.truth, knobs);
-        let offers: Vec<Vec<Offer>> = onto
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        let nodes: Vec<NodeGpus> = cluster
             .iter()
-            .map(|s| placement::offers(s, &newcomers, &self.truth, knobs))
+            .enumerate()
+            .map(|(n, gpus)| NodeGpus {
+                node: format!("sim{n}"),
+                gpus: self.states(gpus),
+            })
             .collect();
-        Ok(placement::declined_in_pass(&offers, later))
-    }
-    fn steer(&mut self, _: f64, node: usize, gpus: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
-        let ids: Vec<u32> = pending.iter().map(|j| j.id).collect();
-        let (knobs, newcomers) = (self.steering_knobs(), self.newcomers(pending));
-        let offers = placement::offers(&self.states(gpus), &newcomers, &self.truth, knobs);
-        let raise = self.bypasses[node].choose(&ids, |reach| Ok::<_, String>(placement::steer(&offers[..reach])))?;
-        let defer = if self.defer {
-            (0..offers.len()).filter(|&i| offers[i] == Offer::Wait).collect()
-        } else {
-            Vec::new()
-        };
-        let take = (0..offers.len()).filter(|&i| offers[i].admits()).collect();
-        Ok(Steer { raise, defer, take })
-    }
-    fn place(&mut self, _: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
-        let states = self.states(gpus);
-        // The daemon's own bound and back-off, with its defaults.
+        let fixed = self.fixed_gpu.then_some(self.shape.gpus_per_node);
+        let candidates = candidates(self.table, pending, |app| self.table.memory_of(app), fixed);
         let knobs = Knobs {
             slots: self.shape.jobs_per_gpu,
             unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.policy.min_gain_after(job.restarts),
+            min_gain: self.policy.min_gain,
             separate_below: self.policy.separate_below,
         };
-        let newcomer = Newcomer {
-            app: &self.table.apps[job.app],
-            mem_mb: self.table.memory_of(job.app),
-        };
-        Ok(match placement::place(&states, &newcomer, &self.truth, knobs) {
-            Decision::Place { gpu, .. } => {
-                self.refusing[node] = false;
-                Choice::Gpu(gpu as usize)
-            }
-            Decision::Decline { may_retry, .. } => {
-                self.refusing[node] |= may_retry;
-                let wait = self.policy.retry_after(job.restarts);
-                Choice::Decline {
-                    retry_after_s: Some(f64::from(wait)),
-                }
-            }
-        })
+        let choices = claim::choose(&nodes, &candidates, &self.truth, knobs, &mut self.bypasses);
+        pins(&choices)
     }
-    fn weight(&self, node: usize, gpus: &[Vec<JobRef>]) -> u32 {
-        let load = NodeLoad {
-            used: gpus.iter().map(|g| g.len() as u32).sum(),
-            total: gpus.len() as u32 * self.shape.jobs_per_gpu,
-            empty_gpus: gpus.iter().filter(|g| g.is_empty()).count() as u32,
-            refusing: self.refusing[node],
-        };
-        weight_for(load, 1)
-    }
-    fn finished(&mut self, _: f64, node: usize, _: JobRef, _: bool) -> Result<(), String> {
-        self.refusing[node] = false;
+    fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())
     }
+}
+
+/// Pending jobs as the claimer reads them from Slurm's queue (the trace has no memory hints:
+/// `memory` gives what each application is known to need, if anything).
+fn candidates(
+    table: &Table,
+    pending: &[JobRef],
+    memory: impl Fn(usize) -> Option<u64>,
+    fixed_gpu: Option<usize>,
+) -> Vec<Candidate> {
+    pending
+        .iter()
+        .map(|j| Candidate {
+            job_id: j.id,
+            app: table.apps[j.app].clone(),
+            mem_mb: memory(j.app),
+            model: None,
+            // job_submit's rotation over the GPU indices, in submission order.
+            gpu: fixed_gpu.map(|gpus| ((j.id as usize - 1) % gpus) as u32),
+            nodes: None,
+        })
+        .collect()
+}
+
+/// The claims as the world takes them: (pending index, node, GPU). A job refused for good has
+/// no place in the world's trace: every job of it fits some GPU alone.
+fn pins(choices: &[claim::Choice]) -> Result<Vec<(usize, usize, usize)>, String> {
+    choices
+        .iter()
+        .map(|c| match c {
+            claim::Choice::Pin { job, node, gpu, .. } => Ok((*job, *node, *gpu as usize)),
+            claim::Choice::Refuse { job, reason } => Err(format!("pending job {job} refused: {reason}")),
+        })
+        .collect()
 }
 
 /// The daemon: one [`Node`] per simulated node, its history starting empty.
@@ -385,16 +331,17 @@ impl Policy for Oracle<'_> {
 struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
-    steer: usize,
-    defer: bool,
-    close: bool,
-    anticipate: usize,
+    /// Node 0's daemon is the cluster's claimer: what the other nodes learn reaches it as
+    /// pooled histories do (`share_every_s`). How many pending jobs a look weighs, and its
+    /// bypass counts.
+    lookahead: usize,
+    fixed_gpu: bool,
+    bypasses: Bypasses,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
     /// Per node, the simulated time its daemon reads.
     clocks: Arc<Vec<AtomicU64>>,
-    weights: Arc<Vec<AtomicU32>>,
     /// The first thing that went wrong on the learner thread.
     failed: Arc<Mutex<Option<String>>>,
 }
@@ -469,38 +416,18 @@ impl std::ops::DerefMut for NodeGuard<'_> {
     }
 }
 
-/// Pending jobs as a daemon's steering reads them (no memory hint: the trace has none).
-fn pending_jobs<'t>(table: &'t Table, pending: &[JobRef]) -> Vec<PendingJob<'t>> {
-    pending
-        .iter()
-        .map(|j| PendingJob {
-            job_id: j.id,
-            app: &table.apps[j.app],
-            mem_mb: None,
-        })
-        .collect()
-}
-
 fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
     slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<'a> Learned<'a> {
     fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
-        let Options {
-            share_every_s,
-            steer,
-            defer,
-            close,
-            anticipate,
-            ..
-        } = options;
+        let share_every_s = options.share_every_s;
         let clocks = Arc::new(
             (0..shape.nodes)
                 .map(|_| AtomicU64::new(0f64.to_bits()))
                 .collect::<Vec<_>>(),
         );
-        let weights = Arc::new((0..shape.nodes).map(|_| AtomicU32::new(1)).collect::<Vec<_>>());
         let gpus: Vec<GpuSpec> = (0..shape.gpus_per_node as u32)
             .map(|index| GpuSpec {
                 index,
@@ -514,16 +441,12 @@ impl<'a> Learned<'a> {
             .map(|n| {
                 let config = options.config(&format!("sim{n}"), shape.jobs_per_gpu)?;
                 let c = Arc::clone(&clocks);
-                let mut node = Node::open(
+                let node = Node::open(
                     config,
                     gpus.clone(),
                     Box::new(move || f64::from_bits(c[n].load(Ordering::Relaxed))),
                 )
                 .map_err(|e| e.to_string())?;
-                let w = Arc::clone(&weights);
-                // The weight the daemon would publish through scontrol, read by Slurm's part.
-                node.on_load(Box::new(move |load| w[n].store(weight_for(load, 1), Ordering::Relaxed)))
-                    .map_err(|e| e.to_string())?;
                 Ok(Mutex::new(Slot {
                     node,
                     queue: VecDeque::new(),
@@ -550,15 +473,13 @@ impl<'a> Learned<'a> {
         Ok(Learned {
             table,
             share_every_s,
-            steer,
-            defer,
-            close,
-            anticipate,
+            lookahead: options.lookahead,
+            fixed_gpu: options.fixed_gpu,
+            bypasses: Bypasses::default(),
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
             clocks,
-            weights,
             failed,
         })
     }
@@ -644,60 +565,65 @@ impl Policy for Learned<'_> {
             .and_then(|()| self.node(0)?.history().export().map_err(|e| e.to_string()));
         Some(merged)
     }
-    fn place(&mut self, now: f64, node: usize, job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<Choice, String> {
+    fn claims(&self) -> bool {
+        true
+    }
+    fn claim_lookahead(&self) -> usize {
+        self.lookahead
+    }
+    fn started(&mut self, now: f64, node: usize, job: JobRef, gpu: usize) -> Result<(), String> {
         self.at(now)?;
-        let req = PlaceRequest {
-            restarts: job.restarts,
-            ..PlaceRequest::new(job.id, 0, self.table.apps[job.app].clone(), format!("sim{node}"))
-        };
-        let answer = self.node_at(node, now)?.place(&req).map_err(|e| e.to_string())?;
-        match answer {
-            Response::Placed(p) => Ok(Choice::Gpu(p.gpu as usize)),
-            Response::Declined { retry_after_s, .. } => Ok(Choice::Decline {
-                retry_after_s: Some(f64::from(retry_after_s)),
-            }),
+        let req = StartRequest::new(
+            job.id,
+            0,
+            self.table.apps[job.app].clone(),
+            format!("sim{node}"),
+            gpu as u32,
+        );
+        match self.node_at(node, now)?.start(&req).map_err(|e| e.to_string())? {
+            Response::Started(_) => Ok(()),
             other => Err(unexpected(other)),
         }
     }
-    fn weight(&self, node: usize, _: &[Vec<JobRef>]) -> u32 {
-        self.weights[node].load(Ordering::Relaxed)
-    }
-    fn lookahead(&self) -> usize {
-        self.steer
-    }
-    fn defers(&self) -> bool {
-        self.defer
-    }
-    fn closes(&self) -> bool {
-        self.close
-    }
-    fn anticipates(&self) -> usize {
-        self.anticipate
-    }
-    fn declines_after(
+    fn claim(
         &mut self,
         now: f64,
-        node: usize,
-        _: &[Vec<JobRef>],
+        cluster: &[Vec<Vec<JobRef>>],
         pending: &[JobRef],
-        next: usize,
-        later: &[usize],
-    ) -> Result<Vec<usize>, String> {
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
         self.at(now)?;
-        let pending = pending_jobs(self.table, pending);
-        self.node_at(node, now)?
-            .declines_after(&pending, next, later)
-            .map_err(|e| e.to_string())
-    }
-    fn steer(&mut self, now: f64, node: usize, _: &[Vec<JobRef>], pending: &[JobRef]) -> Result<Steer, String> {
-        self.at(now)?;
-        let pending = pending_jobs(self.table, pending);
-        let s = self.node_at(node, now)?.steer(&pending).map_err(|e| e.to_string())?;
-        Ok(Steer {
-            raise: s.raise,
-            defer: if self.defer { s.defer } else { Vec::new() },
-            take: s.take,
-        })
+        let model = &self.table.model;
+        let memory_mb = self.table.gpu_memory().unwrap_or(1 << 40);
+        let nodes: Vec<NodeGpus> = cluster
+            .iter()
+            .enumerate()
+            .map(|(n, gpus)| NodeGpus {
+                node: format!("sim{n}"),
+                gpus: gpus
+                    .iter()
+                    .enumerate()
+                    .map(|(g, jobs)| GpuState {
+                        index: g as u32,
+                        model: model.clone(),
+                        memory_mb,
+                        residents: jobs
+                            .iter()
+                            .map(|r| Resident {
+                                job_id: r.id,
+                                app: self.table.apps[r.app].clone(),
+                                mem_mb: None,
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let fixed = self.fixed_gpu.then_some(cluster.first().map_or(1, Vec::len));
+        let candidates = candidates(self.table, pending, |_| None, fixed);
+        let mut bypasses = std::mem::take(&mut self.bypasses);
+        let choices = self.node_at(0, now)?.claims(&nodes, &candidates, &mut bypasses);
+        self.bypasses = bypasses;
+        pins(&choices.map_err(|e| e.to_string())?)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

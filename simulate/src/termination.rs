@@ -6,7 +6,7 @@
 
 use super::input::{Rng, Table, TraceJob};
 use super::policy;
-use super::world::{self, Choice, JobRef, Outcome, Policy, Progress, Shape};
+use super::world::{self, JobRef, Outcome, Policy, Progress, Shape};
 
 /// The kinds of pair table generated.
 const TABLES: [&str; 6] = [
@@ -114,17 +114,18 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                     busy_noise: 0.1,
                     busy_bias: 0.2,
                 };
-                // The daemon's policies also steer the queue and close their nodes (round 1).
-                let closing = policy::Options {
-                    steer: 8,
-                    close: true,
+                // The claimers also weigh a single pending job at a time, and share nothing
+                // (round 1).
+                let narrow = policy::Options {
+                    lookahead: 1,
+                    share_every_s: 0.0,
                     ..Default::default()
                 };
-                let steering = ["learned", "oracle"].into_iter().filter(|_| round == 1);
+                let claimers = ["learned", "oracle"].into_iter().filter(|_| round == 1);
                 for (name, options) in policy::ALL
                     .iter()
                     .map(|&n| (n, policy::Options::default()))
-                    .chain(steering.map(|n| (n, closing)))
+                    .chain(claimers.map(|n| (n, narrow)))
                 {
                     let what = format!(
                         "{name} on \"{table_name}\" ({} apps), \"{trace_name}\" ({} jobs), {shape:?}, {options:?}",
@@ -185,14 +186,47 @@ fn a_job_that_cannot_share_with_itself_does_not_doom_the_next_one_forever() {
     assert!(o.oom_failures >= 1, "{o:?}");
 }
 
-/// A policy made to loop: it declines every job, for ever.
+/// A claimer that claims nothing: its jobs wait for ever.
 struct Never;
 
 impl Policy for Never {
-    fn place(&mut self, _: f64, _: usize, _: JobRef, _: &[Vec<JobRef>]) -> Result<Choice, String> {
-        Ok(Choice::Decline { retry_after_s: None })
+    fn claims(&self) -> bool {
+        true
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// A claimer made to loop: it claims every job, then gives every running job back at every
+/// round of telemetry, for ever.
+struct GivesBack(Vec<u32>);
+
+impl Policy for GivesBack {
+    fn claims(&self) -> bool {
+        true
+    }
+    fn claim_lookahead(&self) -> usize {
+        8
+    }
+    fn claim(
+        &mut self,
+        _: f64,
+        cluster: &[Vec<Vec<JobRef>>],
+        pending: &[JobRef],
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        let free = 2 - cluster[0][0].len();
+        Ok((0..pending.len().min(free)).map(|i| (i, 0, 0)).collect())
+    }
+    fn started(&mut self, _: f64, _: usize, job: JobRef, _: usize) -> Result<(), String> {
+        self.0.push(job.id);
+        Ok(())
+    }
+    fn separations(&mut self, _: f64, _: usize) -> Result<Vec<u32>, String> {
+        Ok(std::mem::take(&mut self.0))
+    }
+    fn finished(&mut self, _: f64, _: usize, job: JobRef, _: bool) -> Result<(), String> {
+        self.0.retain(|&j| j != job.id);
         Ok(())
     }
 }
@@ -222,7 +256,7 @@ fn two_jobs() -> (Table, Vec<TraceJob>, Shape) {
 }
 
 #[test]
-fn the_watchdog_stops_a_policy_that_declines_for_ever() {
+fn a_run_whose_jobs_are_never_claimed_says_which_never_finished() {
     let (t, jobs, shape) = two_jobs();
     let none = Progress {
         every_s: 0.0,
@@ -232,6 +266,20 @@ fn the_watchdog_stops_a_policy_that_declines_for_ever() {
         busy_bias: 0.0,
     };
     let e = world::run(&t, &jobs, shape, none, 1, &mut Never).unwrap_err();
+    assert_eq!(e, "job first never finished (no GPU would ever take it?)");
+}
+
+#[test]
+fn the_watchdog_stops_a_policy_that_gives_jobs_back_for_ever() {
+    let (t, jobs, shape) = two_jobs();
+    let telemetry = Progress {
+        every_s: 0.0,
+        noise: 0.0,
+        busy_every_s: 10.0,
+        busy_noise: 0.0,
+        busy_bias: 0.0,
+    };
+    let e = world::run(&t, &jobs, shape, telemetry, 1, &mut GivesBack(Vec::new())).unwrap_err();
     assert!(
         e.starts_with("the simulation would not end: the run exceeded its budget"),
         "{e}"

@@ -46,18 +46,6 @@ fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {
     summarise(policy, &o)
 }
 
-/// The oracle's daemons steering 8 jobs ahead with `close`, anticipating `anticipate` jobs.
-fn closing_oracle(t: &Table, trace: &[TraceJob], shape: Shape, anticipate: usize) -> world::Outcome {
-    let options = policy::Options {
-        steer: 8,
-        close: true,
-        anticipate,
-        ..Default::default()
-    };
-    let mut p = policy::make_with("oracle", t, shape, 1, options).unwrap();
-    world::run(t, trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap()
-}
-
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-6
 }
@@ -101,7 +89,8 @@ fn a_pair_that_cannot_share_fails_the_newcomer_and_requeues_it() {
 #[test]
 fn the_daemon_never_repeats_a_pair_that_ran_out_of_memory() {
     // a runs 0-1000; c jobs keep arriving beside it. Slurm's first fit hands each c the slot
-    // beside a again and again; the daemon lets one fail, then declines until a has left.
+    // beside a again and again; the claimer lets one fail, then claims none beside a until a
+    // has left.
     let t = small_table();
     let trace = [
         job(&t, "1", 0.0, "a", 1000.0),
@@ -113,18 +102,19 @@ fn the_daemon_never_repeats_a_pair_that_ran_out_of_memory() {
     let oracle = simulate(&t, &trace, ONE_GPU, "oracle");
     assert!(ff.summary.oom_failures >= 5, "{:?}", ff.summary);
     assert_eq!(learned.summary.oom_failures, 1, "{:?}", learned.summary);
-    assert!(learned.summary.declines > 0);
+    // One claim per run: three jobs, one of them run twice.
+    assert_eq!(learned.summary.claims, 4, "{:?}", learned.summary);
     assert_eq!(oracle.summary.oom_failures, 0);
+    assert_eq!(oracle.summary.claims, 3);
     // Every job still ends, after a.
     assert!(learned.jct[1] > 990.0 && learned.jct[2] > 700.0, "{:?}", learned.jct);
 }
 
 #[test]
 fn a_burst_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
-    // Four jobs at one instant on 2 nodes x 2 GPUs x 2 slots: one scheduling pass, before any
-    // weight is published. Slurm's LLN spreads them over the nodes by its own count (two
-    // each); on each node the daemon puts them on different GPUs, and Slurm's first fit pairs
-    // them on the first.
+    // Four jobs at one instant on 2 nodes x 2 GPUs x 2 slots. Slurm's LLN spreads them over
+    // the nodes by its own count (two each), and its first fit pairs them on each node's first
+    // GPU; one look of the claimer pins each to a GPU of its own.
     let t = small_table();
     let trace: Vec<TraceJob> = (0..4)
         .map(|i| job(&t, &i.to_string(), 0.0, if i % 2 == 0 { "a" } else { "b" }, 100.0))
@@ -137,7 +127,10 @@ fn a_burst_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
     );
     for p in ["learned", "oracle"] {
         let r = simulate(&t, &trace, TWO_BY_TWO, p);
-        assert!(r.jct.iter().all(|&j| close(j, 100.0)), "{p}: {:?}", r.jct);
+        // Each waits for the look and Slurm's pass after the claim, then runs alone.
+        let wait = world::LOOK_S + world::PASS_S;
+        assert!(r.jct.iter().all(|&j| close(j, 100.0 + wait)), "{p}: {:?}", r.jct);
+        assert_eq!(r.summary.claims, 4, "one update per job");
     }
 }
 
@@ -232,10 +225,10 @@ fn the_demo_trace_is_the_generators_seed_1() {
 }
 
 #[test]
-fn steering_hands_a_freed_slot_to_the_pending_job_that_pairs_best() {
+fn a_freed_slot_goes_to_the_pending_job_that_pairs_best() {
     // Two c jobs share the GPU; a (cannot share with c) and then b (0.9 beside c) wait. When
-    // the short c ends, Slurm's order offers the slot to a first, which the daemon declines;
-    // steering hands it to b at once, and a is not declined for it.
+    // the short c ends, the claimer passes over a (no slot for it beside c) and claims b for
+    // the freed slot; a runs once the long c ends.
     let t = small_table();
     let trace = [
         job(&t, "1", 0.0, "c", 1000.0),
@@ -243,188 +236,42 @@ fn steering_hands_a_freed_slot_to_the_pending_job_that_pairs_best() {
         job(&t, "3", 1.0, "a", 100.0),
         job(&t, "4", 2.0, "b", 2000.0),
     ];
-    let run = |steer| {
-        let options = policy::Options {
-            steer,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
-        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
-    let (plain, steered) = (run(0), run(8));
-    assert_eq!((plain.steered, steered.steered), (0, 1));
-    assert!(plain.declines_per_job[2] >= 1, "{:?}", plain.declines_per_job);
-    assert_eq!(steered.declines, plain.declines - 1, "{plain:?}\n{steered:?}");
-    // b started when the short c ended, both ways: only a's decline is saved.
-    let start = |o: &world::Outcome| o.jobs[3].1;
-    assert!(close(start(&plain), start(&steered)), "{plain:?}\n{steered:?}");
-    assert!(steered.jobs.iter().all(|j| j.2.is_finite()));
+    let mut p = policy::make("oracle", &t, ONE_GPU, 1).unwrap();
+    let o = world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap();
+    assert_eq!((o.oom_failures, o.claims), (0, 4), "{o:?}");
+    // b starts at the look after the short c ended, and the pass after its claim.
+    let wait = world::LOOK_S + world::PASS_S;
+    assert!(close(o.jobs[3].1, o.jobs[1].2 + wait), "{:?}", o.jobs);
+    // a waits for the long c to end: beside b then, never beside c.
+    assert!(o.jobs[2].1 >= 1000.0, "{:?}", o.jobs);
 }
 
 #[test]
-fn deferring_saves_the_declines_of_a_job_the_node_would_keep_declining() {
-    // As above, but with a long c beside the free slot: a cannot share with c, so the daemon
-    // would decline it every time Slurm offers it the slot (every 60 s, until c ends). With
-    // deferral the daemon holds a back while it waits instead, and a starts no later.
-    let t = small_table();
-    let trace = [
-        job(&t, "1", 0.0, "c", 3000.0),
-        job(&t, "2", 0.0, "c", 100.0),
-        job(&t, "3", 1.0, "a", 100.0),
-    ];
-    let run = |defer| {
-        let options = policy::Options {
-            steer: 8,
-            defer,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
-        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
-    let (declining, deferring) = (run(false), run(true));
-    assert!(declining.declines_per_job[2] >= 10, "{declining:?}");
-    assert_eq!(declining.deferred, 0);
-    assert!(deferring.declines_per_job[2] <= 1, "{deferring:?}");
-    assert!(deferring.deferred >= 1, "{deferring:?}");
-    // a runs once the long c ends, both ways (within the 60 s a deferral or a decline lasts).
-    let start = |o: &world::Outcome| o.jobs[2].1;
-    assert!(
-        (start(&deferring) - start(&declining)).abs() <= 60.0,
-        "{declining:?}\n{deferring:?}"
-    );
-    assert!(deferring.jobs.iter().all(|j| j.2.is_finite()));
-}
-
-#[test]
-fn a_node_that_would_decline_every_pending_job_closes_instead_and_opens_for_one_it_would_take() {
-    // As above: a cannot share with the long c beside the free slot. With closure the node
-    // closes itself to Slurm while a is all there is (renewing the closure every 60 s), so a
-    // is never started to be declined; b, which pairs well with c, arrives later and opens it.
-    let t = small_table();
-    let trace = [
-        job(&t, "1", 0.0, "c", 3000.0),
-        job(&t, "2", 0.0, "c", 100.0),
-        job(&t, "3", 1.0, "a", 100.0),
-        job(&t, "4", 500.0, "b", 100.0),
-    ];
-    let run = |close| {
-        let options = policy::Options {
-            steer: 8,
-            close,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
-        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
-    let (declining, closing) = (run(false), run(true));
-    assert!(declining.declines_per_job[2] >= 5, "{declining:?}");
-    assert_eq!(declining.closures, 0);
-    assert_eq!(closing.declines, 0, "{closing:?}");
-    // Closed at 100 s, renewed every 60 s until b's arrival opens it; closed again after b.
-    assert!(closing.closures >= 6, "{closing:?}");
-    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
-    assert_eq!(start(&closing, 3), 500.0, "b starts as it arrives: {closing:?}");
-    // a runs once the long c ends, both ways (within the 60 s a decline lasts).
-    assert!(
-        (start(&closing, 2) - start(&declining, 2)).abs() <= 60.0,
-        "{declining:?}\n{closing:?}"
-    );
-    assert!(closing.jobs.iter().all(|j| j.2.is_finite()));
-}
-
-#[test]
-fn the_daemons_decline_bounds_reach_the_simulated_daemon() {
-    // a beside a gains 0.2, less than min_gain: the second a is declined while the long first
-    // one runs. `policy.max_declines` 3 lets it take the share after three declines;
-    // `policy.decline_retry_max_s` 960 makes it come back less and less often.
-    let t = small_table();
-    let trace = [job(&t, "1", 0.0, "a", 3000.0), job(&t, "2", 1.0, "a", 100.0)];
-    let run = |decline_retry_max_s, max_declines| {
-        let options = policy::Options {
-            decline_retry_max_s,
-            max_declines,
-            ..Default::default()
-        };
-        let mut p = policy::make_with("oracle", &t, ONE_GPU, 1, options).unwrap();
-        world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, p.as_mut()).unwrap()
-    };
-    let (unbounded, bounded, backing_off) = (run(0, 0), run(0, 3), run(960, 0));
-    let start = |o: &world::Outcome| o.jobs[1].1;
-    // Declined every 60 s until the first a ends, then alone.
-    assert!(unbounded.declines_per_job[1] >= 40, "{unbounded:?}");
-    assert!(start(&unbounded) >= 3000.0, "{unbounded:?}");
-    // Three declines (waits of 60 s each), then shared.
-    assert_eq!(bounded.declines_per_job[1], 3, "{bounded:?}");
-    assert!(start(&bounded) < 300.0, "{bounded:?}");
-    // Waits of 60, 120, 240, 480, 960, 960... s: six or seven declines before the first a ends.
-    assert!((5..=8).contains(&backing_off.declines_per_job[1]), "{backing_off:?}");
-    assert!(start(&backing_off) >= 3000.0, "{backing_off:?}");
-}
-
-#[test]
-fn a_node_opening_for_one_job_defers_the_next_it_would_decline_until_it_hears_of_the_start() {
-    // Two long c, one per GPU; a cannot share with c, b pairs well with it. a arrives and the
-    // closing node closes; b arrives and the node opens for it, with two slots free. The pass
-    // that starts b offers the slot still free (beside the other c) to a: declined, unless the
-    // node deferred a before it opened, until it heard of b's start, and closed then.
-    let t = small_table();
-    let shape = Shape {
-        nodes: 1,
-        gpus_per_node: 2,
-        jobs_per_gpu: 2,
-    };
-    let trace = [
-        job(&t, "1", 0.0, "c", 3000.0),
-        job(&t, "2", 0.0, "c", 3000.0),
-        job(&t, "3", 1.0, "a", 100.0),
-        job(&t, "4", 500.0, "b", 100.0),
-    ];
-    // The oracle: the learned daemons would first learn from an out-of-memory what a beside c
-    // does (the node's part is the daemon's own code, tested in multiplexd).
-    let run = |anticipate| closing_oracle(&t, &trace, shape, anticipate);
-    let (opening, anticipating) = (run(0), run(8));
-    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
-    // a arrives at an open node and is declined once either way; then, closed, the node takes
-    // b, and the pass that starts b declines a once more unless a was deferred.
-    assert_eq!(opening.declines_per_job[2], 2, "{opening:?}");
-    assert_eq!(anticipating.declines_per_job[2], 1, "{anticipating:?}");
-    assert!(anticipating.deferred >= 1, "{anticipating:?}");
-    for o in [&opening, &anticipating] {
-        assert_eq!(start(o, 3), 500.0, "b starts as it arrives: {o:?}");
-        assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
+fn a_job_passed_over_too_often_still_never_takes_a_losing_share_and_starts_when_a_gpu_frees() {
+    // r runs 3000 s; x pairs poorly with r (0.3 and 0.3, a loss) while y jobs (0.95 beside r)
+    // keep arriving and are claimed before it, more than `Bypasses::MAX` of them. Starved, x
+    // still never joins r: it starts the look after r ends.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,r,0.3,0.3\nv100,y,r,0.95,0.95\nv100,x,y,0.9,0.9\n\
+         v100,x,x,0.9,0.9\nv100,y,y,0.9,0.9\nv100,r,r,0.9,0.9\n",
+        "starve",
+    )
+    .unwrap();
+    let mut trace = vec![job(&t, "1", 0.0, "r", 3000.0), job(&t, "2", 10.0, "x", 100.0)];
+    for k in 0..8 {
+        trace.push(job(&t, &format!("{}", 3 + k), 11.0 + 300.0 * k as f64, "y", 200.0));
     }
-}
-
-#[test]
-fn a_node_opening_for_a_job_slurm_starts_elsewhere_is_not_offered_the_next_to_decline() {
-    // Two nodes of one GPU, a long c on each, one slot free beside it. a cannot share with c,
-    // b pairs well with it. a arrives, is declined once (nothing was pending: both nodes were
-    // open), and both nodes close. b arrives: both open for it, and Slurm starts it on the
-    // first, which is then full. Its pass goes on to a, on the second, still open beside its
-    // c: declined again, unless the nodes deferred a before they opened (b might start on
-    // either), and the second closed once a was back.
-    let t = small_table();
-    let shape = Shape {
-        nodes: 2,
-        gpus_per_node: 1,
-        jobs_per_gpu: 2,
-    };
-    let trace = [
-        job(&t, "1", 0.0, "c", 3000.0),
-        job(&t, "2", 0.0, "c", 3000.0),
-        job(&t, "3", 1.0, "a", 100.0),
-        job(&t, "4", 500.0, "b", 100.0),
-    ];
-    let run = |anticipate| closing_oracle(&t, &trace, shape, anticipate);
-    let (opening, anticipating) = (run(0), run(8));
-    let start = |o: &world::Outcome, j: usize| o.jobs[j].1;
-    assert_eq!(opening.declines_per_job[2], 2, "{opening:?}");
-    assert_eq!(anticipating.declines_per_job[2], 1, "{anticipating:?}");
-    assert!(anticipating.deferred >= 1, "{anticipating:?}");
-    for o in [&opening, &anticipating] {
-        assert_eq!(start(o, 3), 500.0, "b starts as it arrives: {o:?}");
-        assert!(start(o, 2) >= 3000.0, "a waits for a c to end: {o:?}");
-    }
+    const { assert!(8 > multiplexd::placement::Bypasses::MAX) };
+    let r = simulate(&t, &trace, ONE_GPU, "oracle");
+    // x (arrived at 10 s, 100 s of work alone) ends 100 s after r's end and a look and a pass.
+    let x_end = r.jct[1] + 10.0;
+    let r_end = r.jct[0];
+    let wait = world::LOOK_S + world::PASS_S;
+    assert!(
+        x_end >= r_end + 100.0 && x_end <= r_end + 100.0 + wait + 1.0,
+        "{:?}",
+        r.jct
+    );
 }
 
 /// x beside y runs at 0.3 and y beside x at 0.1: worse than taking turns.

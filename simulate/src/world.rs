@@ -1,29 +1,28 @@
-//! The simulated world: Slurm's part (a FIFO queue, before which a policy may raise a
-//! pending job; node choice by the published `Weight`, then, as the shared partition's
-//! `LLN=YES` does, the node with the fewest jobs, then index; requeue after a decline or a
-//! failure) and reality's part (each job runs at the table's speed beside its current
-//! partners; a newcomer beside a job it cannot share with fails with out-of-memory unless that
-//! job leaves first). The policy only chooses a GPU on the node Slurm picked, declines, or
-//! raises a pending job. A watchdog stops a run that would never end.
+//! The simulated world: Slurm's part and reality's part.
+//!
+//! Slurm's part: a FIFO queue, and two ways a job gets its GPU. A policy that places jobs
+//! itself ([`Policy::place`]) is Slurm's own shard placement: Slurm picks the node (the shared
+//! partition's `LLN=YES`: the node with the fewest jobs, then the first) and the policy the GPU
+//! there, as gres first-fit does. A policy that claims ([`Policy::claims`]) is the claimer:
+//! every job waits out of Slurm's placement until a look ([`LOOK_S`] after anything changed)
+//! pins it to a GPU of a node, and Slurm starts it there at its next pass ([`PASS_S`] later).
+//! Reality's part: each job runs at the table's speed beside its current partners; a newcomer
+//! beside a job it cannot share with fails with out-of-memory unless that job leaves first, and
+//! is requeued. A watchdog stops a run that would never end.
 
 use super::input::{Rng, Table, TraceJob};
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, BinaryHeap};
 
-/// How long a job declined by a policy that does not say waits before it is eligible again,
-/// seconds (the daemon's default `decline_retry_s`).
-pub const DECLINE_RETRY_S: f64 = 60.0;
-/// How long after a node's state changed its new weight reaches Slurm: the daemon learns of a
-/// job when its step starts on the node and publishes the weight through scontrol after that.
-/// Until then Slurm places by the old one: a burst started in one pass sees none of them.
-pub const WEIGHT_LAG_S: f64 = 2.0;
-/// How long after Slurm starts a job on a node its daemon hears of it (the job's step asks it
-/// where to run), as for [`WEIGHT_LAG_S`]: an anticipated deferral lasts this long.
-pub const START_SEEN_S: f64 = WEIGHT_LAG_S;
-/// How long a daemon waits to hear of an anticipated start that is not on its node (Slurm
-/// started the job elsewhere, or not yet) before it takes the deferrals back all the same
-/// (the daemon's `SEEN_WITHIN`).
-pub const SEEN_WITHIN_S: f64 = 15.0;
+/// How long after something changed (a job arrived, ended or came back) the claimer looks at
+/// the cluster: it reads Slurm's queue about once a second.
+pub const LOOK_S: f64 = 1.0;
+/// How long after a claim (one `scontrol update` of the pending job) Slurm starts the job on
+/// the GPU it was pinned to: its next scheduling pass, which the update triggers.
+pub const PASS_S: f64 = 1.0;
+/// How long a job given back to Slurm to run apart waits before it may be claimed again (the
+/// claimer's `PIN_GRACE`: its old pin goes stale).
+pub const SEPARATED_WAIT_S: f64 = 30.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 /// How long a job that failed waits, requeued, before it is eligible again.
@@ -57,105 +56,48 @@ pub struct Progress {
     pub busy_bias: f64,
 }
 
-/// A job as a policy sees it: its id (as Slurm would number it), application, and how many
-/// times it was requeued so far (declines and failures: Slurm's restart count).
+/// A job as a policy sees it: its id (as Slurm would number it) and application.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct JobRef {
     pub id: u32,
     pub app: usize,
-    pub restarts: u32,
 }
 
-/// A policy's answer for a job on a node.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Choice {
-    /// Run it on this GPU of the node.
-    Gpu(usize),
-    /// Requeue it to wait this long (`None`: the world's default, [`DECLINE_RETRY_S`]).
-    Decline { retry_after_s: Option<f64> },
-}
-
-impl From<Option<usize>> for Choice {
-    fn from(gpu: Option<usize>) -> Choice {
-        gpu.map_or(Choice::Decline { retry_after_s: None }, Choice::Gpu)
-    }
-}
-
-/// A policy's queue-level choice for a free slot of a node ([`Policy::steer`]): indices into
-/// the pending jobs it was shown.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Steer {
-    /// The job Slurm should start first, if not its own first.
-    pub raise: Option<usize>,
-    /// Jobs the node would decline now, deferred while still pending: not eligible again for
-    /// [`DECLINE_RETRY_S`] (the daemon sets their `StartTime`), with no launch and no requeue.
-    pub defer: Vec<usize>,
-    /// The jobs the node would take now. When the job Slurm starts next (after the raise) is
-    /// not one of them, a policy that [`Policy::closes`] closes the node to Slurm (the daemon
-    /// reserves the node for [`DECLINE_RETRY_S`], renewed while that lasts) instead of having
-    /// it offered the pending jobs one by one to decline each.
-    pub take: Vec<usize>,
-}
-
-/// A policy: the node daemon's part.
+/// A policy: Slurm's own GPU choice, or the claimer and the node daemons.
 pub trait Policy {
     /// Jobs per GPU Slurm may put on one GPU under this policy.
     fn slots(&self, shape: &Shape) -> u32 {
         shape.jobs_per_gpu
     }
-    /// Chooses a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), or declines.
-    fn place(&mut self, now: f64, node: usize, job: JobRef, gpus: &[Vec<JobRef>]) -> Result<Choice, String>;
-    /// How many of the first pending jobs in Slurm's priority order the policy chooses among
-    /// when a slot of a node frees ([`Policy::steer`]); 0: it does not steer.
-    fn lookahead(&self) -> usize {
-        0
+    /// Slurm's own placement: a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), of
+    /// those with a free slot (Slurm offers the node only when it has one).
+    fn place(&mut self, _now: f64, _node: usize, _job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<usize, String> {
+        Err("this policy claims jobs; Slurm places none".into())
     }
-    /// Whether the policy defers pending jobs it would decline ([`Steer::defer`]): then the
-    /// steering sees, besides the jobs Slurm could start, those the node deferred.
-    fn defers(&self) -> bool {
+    /// Whether the policy claims jobs before Slurm allocates them: every job then waits, out
+    /// of Slurm's own placement, until [`Policy::claim`] pins it to a GPU of a node.
+    fn claims(&self) -> bool {
         false
     }
-    /// Whether a node closes itself while it would decline the job Slurm starts next
-    /// ([`Steer::take`]): then the steering also sees the jobs waiting out a decline, in
-    /// Slurm's order.
-    fn closes(&self) -> bool {
-        false
-    }
-    /// How many of the jobs after the one Slurm starts next a node that [`Policy::closes`]
-    /// and opens for it may defer, those it would decline once that job runs here or
-    /// elsewhere ([`Policy::declines_after`]), until its daemon hears of the start
-    /// ([`START_SEEN_S`]) or gives up waiting ([`SEEN_WITHIN_S`]); 0: none (`[steer]
-    /// anticipate`).
-    fn anticipates(&self) -> usize {
+    /// How many of the first pending jobs in Slurm's order a look weighs ([`Policy::claim`]).
+    fn claim_lookahead(&self) -> usize {
         0
     }
-    /// Which of `later` (indices into `pending`, in the order Slurm offers them) the node would
-    /// decline for now in the pass that starts `pending[next]`, whether it runs on this node or
-    /// another, up to the first it would take.
-    fn declines_after(
+    /// One look at the cluster: `cluster[n][g]` are the jobs on GPU g of node n (running, or
+    /// claimed and about to start), `pending` the first jobs waiting, in Slurm's order. Answers
+    /// the claims made: (index into `pending`, node, GPU), in the order they were made.
+    fn claim(
         &mut self,
         _now: f64,
-        _node: usize,
-        _gpus: &[Vec<JobRef>],
+        _cluster: &[Vec<Vec<JobRef>>],
         _pending: &[JobRef],
-        _next: usize,
-        _later: &[usize],
-    ) -> Result<Vec<usize>, String> {
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
         Ok(Vec::new())
     }
-    /// Queue-level choice, as a daemon steers Slurm by raising a pending job's priority and
-    /// deferring those it would decline: a slot of `node` (`gpus` as in `place`) freed or
-    /// stayed free after a decline, and `pending` are the first jobs Slurm would start next,
-    /// in its order. It reaches Slurm before its next pass (the daemon hears of a job's end
-    /// from slurmstepd before slurmctld does, and of a decline before the job's requeue frees
-    /// the slot); a raised job goes to whichever node Slurm picks.
-    fn steer(&mut self, _now: f64, _node: usize, _gpus: &[Vec<JobRef>], _pending: &[JobRef]) -> Result<Steer, String> {
-        Ok(Steer::default())
-    }
-    /// The node's Slurm `Weight` (lower is preferred; `gpus` as in `place`), read
-    /// [`WEIGHT_LAG_S`] after each change; equal unless the policy publishes it.
-    fn weight(&self, _node: usize, _gpus: &[Vec<JobRef>]) -> u32 {
-        1
+    /// Slurm started `job` on GPU `gpu` of `node` (pinned there by a claim, or placed by
+    /// Slurm): its step tells the node's daemon.
+    fn started(&mut self, _now: f64, _node: usize, _job: JobRef, _gpu: usize) -> Result<(), String> {
+        Ok(())
     }
     /// A running job reports its progress (in its own unit, from its start).
     fn progress(&mut self, _now: f64, _node: usize, _job: JobRef, _done: f64) -> Result<(), String> {
@@ -198,18 +140,11 @@ pub struct Outcome {
     /// Per job, in trace order: (submit, start of the run that completed, completion).
     pub jobs: Vec<(f64, f64, f64)>,
     pub oom_failures: u64,
-    pub declines: u64,
-    /// Per job in trace order: how many times it was declined.
-    pub declines_per_job: Vec<u32>,
-    /// How many times a policy had Slurm start another pending job first.
-    pub steered: u64,
-    /// How many times a policy deferred a pending job (a decline without a launch).
-    pub deferred: u64,
-    /// How many times a node closed itself to Slurm, or renewed a closure that lapsed (each is
-    /// one `scontrol` call of its daemon).
-    pub closures: u64,
     /// How many running jobs a policy gave back to Slurm to run apart ([`Policy::separations`]).
     pub separations: u64,
+    /// How many claims a policy made ([`Policy::claim`]), each one `scontrol update` of a
+    /// pending job.
+    pub claims: u64,
     /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
     pub speed_seconds: f64,
     pub busy_seconds: f64,
@@ -218,24 +153,17 @@ pub struct Outcome {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {
     Arrive,
+    /// A requeued job may be started again.
     Eligible,
-    /// A deferral lapses: the node that set it looks again first (the daemon renews a
-    /// deferral shortly before it lapses, if it still has a free slot and would still
-    /// decline the job).
-    Deferred,
     Complete(u32),
     OutOfMemory(u32),
     Report(u32),
     /// A round of GPU telemetry on every node (the event's job means nothing).
     Telemetry,
-    /// A node's new weight reaches Slurm (the event's job is the one whose move changed it).
-    Weight(usize),
-    /// A node's closure lapses unless its daemon renews it (the node, and which closure).
-    Closure(usize, u32),
-    /// A node's daemon may hear of the start it anticipated ([`Policy::declines_after`]): if
-    /// that job runs there, or the daemon waited [`SEEN_WITHIN_S`], it looks at the queue, then
-    /// takes back the deferrals it set for that start (the node, and when it opened).
-    Seen(usize, f64),
+    /// The claimer looks at the cluster ([`Policy::claim`]).
+    Look,
+    /// Slurm's pass after a claim: the job starts on the GPU it was pinned to.
+    Pass,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -282,13 +210,8 @@ struct Job {
     run: u32,
     doomed: bool,
     finished: Option<f64>,
-    /// Requeues so far, and how many of them were declines.
-    restarts: u32,
-    declines: u32,
-    /// A policy raised its priority: Slurm starts it before the FIFO queue.
-    bumped: bool,
-    /// The node whose policy deferred it, while the deferral lasts.
-    deferred_by: Option<usize>,
+    /// Claimed: the node and GPU it was pinned to, until Slurm starts it there.
+    pinned: Option<(usize, usize)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -312,37 +235,20 @@ struct World<'a> {
     jobs: Vec<Job>,
     gpus: Vec<Gpu>,
     used: Vec<u32>,
-    /// Nodes with a free slot, by (published weight, jobs on it, index): Slurm's order.
-    free: BTreeSet<(u32, u32, usize)>,
-    weight: Vec<u32>,
-    /// Whether a weight event is already due for the node.
-    weight_due: Vec<bool>,
-    /// The node's jobs when it was last filed in `free`.
-    filed_used: Vec<u32>,
+    /// Nodes with a free slot, by (jobs on it, index): Slurm's order with `LLN=YES`.
+    free: BTreeSet<(u32, usize)>,
     /// Waiting jobs in FIFO order (trace order).
     queue: BTreeSet<usize>,
-    /// Waiting jobs whose priority a policy raised, in the order it did: the latest first.
-    bumped: Vec<usize>,
-    lookahead: usize,
-    defers: bool,
-    /// Per node, the jobs its policy deferred (some may have lapsed or started since).
-    deferrals: Vec<Vec<usize>>,
-    closes: bool,
-    /// How many jobs after the one a node opens for it may defer ([`Policy::anticipates`]).
-    anticipates: usize,
-    /// Per node, the jobs it deferred until it hears of a start ([`Kind::Seen`]).
-    anticipated: Vec<Vec<usize>>,
-    /// Per node: closed to Slurm, and how many closures it had (stale lapses are skipped).
-    closed: Vec<bool>,
-    closure: Vec<u32>,
-    steered: u64,
-    deferred: u64,
-    closures: u64,
     separations: u64,
+    /// Whether the policy claims jobs ([`Policy::claims`]), how many pending jobs a look
+    /// weighs, whether a look is due, and how many claims were made.
+    claims: bool,
+    claim_lookahead: usize,
+    look_due: bool,
+    claimed: u64,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
-    declines: u64,
     speed_seconds: f64,
     busy_seconds: f64,
 }
@@ -396,47 +302,24 @@ pub fn run(
                 run: 0,
                 doomed: false,
                 finished: None,
-                restarts: 0,
-                declines: 0,
-                bumped: false,
-                deferred_by: None,
+                pinned: None,
             })
             .collect(),
         gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
         used: vec![0; shape.nodes],
-        free: BTreeSet::new(),
-        weight: vec![0; shape.nodes],
-        weight_due: vec![false; shape.nodes],
-        filed_used: vec![0; shape.nodes],
+        free: (0..shape.nodes).map(|n| (0, n)).collect(),
         queue: BTreeSet::new(),
-        bumped: Vec::new(),
-        lookahead: policy.lookahead(),
-        defers: policy.lookahead() >= 2 && policy.defers(),
-        deferrals: vec![Vec::new(); shape.nodes],
-        closes: policy.lookahead() >= 1 && policy.closes(),
-        anticipates: if policy.lookahead() >= 1 && policy.closes() {
-            policy.anticipates()
-        } else {
-            0
-        },
-        anticipated: vec![Vec::new(); shape.nodes],
-        closed: vec![false; shape.nodes],
-        closure: vec![0; shape.nodes],
-        steered: 0,
-        deferred: 0,
-        closures: 0,
         separations: 0,
+        claims: policy.claims(),
+        claim_lookahead: policy.claim_lookahead().max(1),
+        look_due: false,
+        claimed: 0,
         events: BinaryHeap::new(),
         seq: 0,
         oom_failures: 0,
-        declines: 0,
         speed_seconds: 0.0,
         busy_seconds: 0.0,
     };
-    for n in 0..shape.nodes {
-        w.weight[n] = policy.weight(n, &w.view(n));
-        w.free.insert((w.weight[n], 0, n));
-    }
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
     }
@@ -456,46 +339,8 @@ pub fn run(
             Kind::Arrive => {
                 w.queue.insert(e.job);
             }
-            Kind::Eligible => {
-                // A job comes back from a wait (after a decline or a failure).
-                w.look_open(now, policy)?;
-            }
-            Kind::Closure(node, closure) => {
-                if w.closure[node] != closure || !w.closed[node] {
-                    continue;
-                }
-                // It lapses; its daemon renews it if the node would still decline them all.
-                w.open(node);
-                w.steer(now, node, policy)?;
-            }
-            Kind::Deferred => {
-                // Stale: started, taken back or renewed since.
-                let job = &w.jobs[e.job];
-                if let Some(node) = job.deferred_by.filter(|_| job.at.is_none() && job.eligible <= now) {
-                    w.steer(now, node, policy)?;
-                }
-            }
-            Kind::Seen(node, since) => {
-                let here = w.jobs[e.job].at.is_some_and(|(n, _)| n == node);
-                if !here && now < since + SEEN_WITHIN_S {
-                    w.push(since + SEEN_WITHIN_S, e.job, Kind::Seen(node, since));
-                    continue;
-                }
-                let lifting = std::mem::take(&mut w.anticipated[node]);
-                w.steer(now, node, policy)?;
-                for j in lifting {
-                    if w.anticipated[node].contains(&j) {
-                        continue; // deferred again, for the next start
-                    }
-                    let job = &mut w.jobs[j];
-                    if job.at.is_none() && job.deferred_by == Some(node) {
-                        job.deferred_by = None;
-                        job.eligible = job.eligible.min(now);
-                    }
-                }
-                // The jobs deferred for this start come back.
-                w.look_open(now, policy)?;
-            }
+            // A job comes back from a wait after a failure or a separation.
+            Kind::Eligible => {}
             Kind::Complete(epoch) => {
                 let job = &w.jobs[e.job];
                 if job.epoch != epoch || job.at.is_none() {
@@ -504,8 +349,6 @@ pub fn run(
                 let (node, _) = w.leave(now, e.job);
                 w.jobs[e.job].finished = Some(now);
                 policy.finished(now, node, w.job_ref(e.job), true)?;
-                w.reweigh(now, node, e.job);
-                w.steer(now, node, policy)?;
             }
             Kind::OutOfMemory(run) => {
                 let job = &w.jobs[e.job];
@@ -517,9 +360,7 @@ pub fn run(
                 w.oom_failures += 1;
                 policy.out_of_memory(now, node, w.job_ref(e.job))?;
                 policy.finished(now, node, w.job_ref(e.job), false)?;
-                w.reweigh(now, node, e.job);
-                w.requeue(now, e.job);
-                w.steer(now, node, policy)?;
+                w.requeue_for(now, e.job, OOM_REQUEUE_S);
             }
             Kind::Report(run) => {
                 let job = &w.jobs[e.job];
@@ -551,28 +392,33 @@ pub fn run(
                     continue; // nothing changed for Slurm
                 }
             }
-            Kind::Weight(node) => {
-                w.weight_due[node] = false;
-                let weight = policy.weight(node, &w.view(node));
-                w.refile(node, weight);
+            Kind::Look => {
+                w.look_due = false;
+                w.look(now, policy)?;
+                continue;
+            }
+            Kind::Pass => {
+                let Some((node, g)) = w.jobs[e.job].pinned.take() else {
+                    continue;
+                };
+                w.start(now, e.job, node, g);
+                policy.started(now, node, w.job_ref(e.job), g)?;
+                continue;
             }
         }
-        w.schedule(now, policy)?;
-        // Slurm tries a new or requeued job at once; the daemons of closed nodes see the queue
-        // as it is after that (jobs that arrived, came back or started elsewhere) and open if
-        // they would take one of its first.
-        if w.closes && w.closed.iter().any(|&c| c) {
-            for node in 0..w.shape.nodes {
-                if w.closed[node] {
-                    w.steer(now, node, policy)?;
-                }
+        if w.claims {
+            // Something changed: the claimer sees it at its next read of the queue.
+            if !w.look_due {
+                w.look_due = true;
+                w.push(now + LOOK_S, 0, Kind::Look);
             }
+        } else {
             w.schedule(now, policy)?;
         }
     }
     if let Some(j) = w.jobs.iter().position(|j| j.finished.is_none()) {
         return Err(format!(
-            "job {} never finished (the policy declined it forever?)",
+            "job {} never finished (no GPU would ever take it?)",
             trace[j].id
         ));
     }
@@ -584,12 +430,8 @@ pub fn run(
             .map(|j| (j.submit, j.start, j.finished.unwrap_or(f64::NAN)))
             .collect(),
         oom_failures: w.oom_failures,
-        declines: w.declines,
-        declines_per_job: w.jobs.iter().map(|j| j.declines).collect(),
-        steered: w.steered,
-        deferred: w.deferred,
-        closures: w.closures,
         separations: w.separations,
+        claims: w.claimed,
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
@@ -703,11 +545,69 @@ impl World<'_> {
         });
     }
 
+    /// The claimer's look: the first pending jobs in Slurm's order (none claimed yet, none
+    /// waiting out a requeue), the cluster as Slurm's books show it (running and claimed jobs
+    /// alike), and the claims the policy makes, each started by Slurm [`PASS_S`] later on the
+    /// GPU it was pinned to.
+    fn look(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
+        let gpn = self.shape.gpus_per_node;
+        let mut on: Vec<Vec<usize>> = self.gpus.iter().map(|g| g.jobs.clone()).collect();
+        for (j, job) in self.jobs.iter().enumerate() {
+            if let Some((n, g)) = job.pinned {
+                on[n * gpn + g].push(j);
+            }
+        }
+        if on.iter().all(|jobs| jobs.len() as u32 >= self.slots) {
+            return Ok(());
+        }
+        let pending: Vec<usize> = self
+            .queue
+            .iter()
+            .copied()
+            .filter(|&j| self.jobs[j].eligible <= now)
+            .take(self.claim_lookahead)
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let cluster: Vec<Vec<Vec<JobRef>>> = (0..self.shape.nodes)
+            .map(|n| {
+                (0..gpn)
+                    .map(|g| on[n * gpn + g].iter().map(|&j| self.job_ref(j)).collect())
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
+        for (i, node, g) in policy.claim(now, &cluster, &refs)? {
+            let Some(&j) = pending.get(i) else {
+                return Err(format!("the policy claimed pending job {i} of {}", pending.len()));
+            };
+            if node >= self.shape.nodes || g >= gpn || self.jobs[j].pinned.is_some() {
+                return Err(format!(
+                    "the policy claimed job {} twice or for GPU {g} of node {node}",
+                    j + 1
+                ));
+            }
+            let gi = node * gpn + g;
+            if on[gi].len() as u32 >= self.slots {
+                return Err(format!(
+                    "the policy claimed job {} for GPU {g} of node {node}, which has no free slot",
+                    j + 1
+                ));
+            }
+            on[gi].push(j);
+            self.queue.remove(&j);
+            self.jobs[j].pinned = Some((node, g));
+            self.claimed += 1;
+            self.push(now + PASS_S, j, Kind::Pass);
+        }
+        Ok(())
+    }
+
     fn job_ref(&self, j: usize) -> JobRef {
         JobRef {
             id: j as u32 + 1,
             app: self.jobs[j].app,
-            restarts: self.jobs[j].restarts,
         }
     }
 
@@ -724,261 +624,41 @@ impl World<'_> {
         self.shape.gpus_per_node as u32 * self.slots
     }
 
-    /// Slurm's part: start waiting, eligible jobs in priority order (those a policy raised,
-    /// then FIFO) on the first node with a free slot in Slurm's order, until no node has one.
-    /// Every job started at one instant is one scheduling pass: the weights are those
-    /// published before it.
+    /// Slurm's own placement: waiting, eligible jobs in FIFO order, each on the node with the
+    /// fewest jobs that has a free slot (`LLN=YES`), the policy choosing the GPU there, until no
+    /// node has a free slot.
     fn schedule(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
-        while let Some(&(_, _, node)) = self.free.iter().next() {
-            let Some(&j) = self.pending(now, 1).first() else {
+        while let Some(&(_, node)) = self.free.iter().next() {
+            let Some(j) = self.queue.iter().copied().find(|&j| self.jobs[j].eligible <= now) else {
                 break;
             };
             let view = self.view(node);
-            match policy.place(now, node, self.job_ref(j), &view)? {
-                Choice::Gpu(g) if g < self.shape.gpus_per_node && (view[g].len() as u32) < self.slots => {
-                    self.queue.remove(&j);
-                    self.unbump(j);
-                    self.start(now, j, node, g);
-                    self.reweigh(now, node, j);
-                }
-                Choice::Gpu(g) => {
-                    return Err(format!(
-                        "the policy chose GPU {g} of node {node}, which has no free slot"
-                    ))
-                }
-                Choice::Decline { retry_after_s } => {
-                    // The declining daemon takes back a raised priority: it was meant for
-                    // one slot, and the job is requeued with its place in the queue.
-                    self.unbump(j);
-                    let job = &mut self.jobs[j];
-                    let wait = retry_after_s.unwrap_or(DECLINE_RETRY_S).max(1.0);
-                    job.restarts += 1;
-                    job.declines += 1;
-                    job.eligible = now + wait;
-                    self.declines += 1;
-                    // The declining daemon watches the job's wait as its own deferral.
-                    let node_defers = self.defers && self.deferrals[node].len() < self.lookahead;
-                    if node_defers {
-                        self.deferrals[node].push(j);
-                        self.jobs[j].deferred_by = Some(node);
-                    }
-                    self.push(now + wait, j, if node_defers { Kind::Deferred } else { Kind::Eligible });
-                    // A decline may change what the node publishes.
-                    self.reweigh(now, node, j);
-                    self.steer(now, node, policy)?;
-                }
+            let g = policy.place(now, node, self.job_ref(j), &view)?;
+            if g >= self.shape.gpus_per_node || view[g].len() as u32 >= self.slots {
+                return Err(format!(
+                    "the policy chose GPU {g} of node {node}, which has no free slot"
+                ));
             }
+            self.queue.remove(&j);
+            self.start(now, j, node, g);
+            policy.started(now, node, self.job_ref(j), g)?;
         }
         Ok(())
-    }
-
-    /// The first `k` jobs Slurm would start now, in its order: those a policy raised (the
-    /// latest first), then the FIFO queue; only jobs eligible now.
-    fn pending(&self, now: f64, k: usize) -> Vec<usize> {
-        self.pending_for(now, k, None)
-    }
-
-    /// [`World::pending`], as the policy of `node` sees it: with the jobs it deferred.
-    fn pending_for(&self, now: f64, k: usize, node: Option<usize>) -> Vec<usize> {
-        let eligible = |j: &usize| {
-            let job = &self.jobs[*j];
-            job.eligible <= now || (node.is_some() && (self.closes || job.deferred_by == node))
-        };
-        let raised = self.bumped.iter().rev().copied().filter(eligible);
-        let fifo = self
-            .queue
-            .iter()
-            .copied()
-            .filter(|j| !self.jobs[*j].bumped && eligible(j));
-        raised.chain(fifo).take(k).collect()
-    }
-
-    /// Queue-level choice: a slot of `node` freed or stayed free; the policy may have Slurm
-    /// start another of the first pending jobs first, and defer those the node would decline.
-    fn steer(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<(), String> {
-        if self.lookahead < 1 || self.used[node] >= self.capacity() || (self.lookahead < 2 && !self.closes) {
-            return Ok(());
-        }
-        let pending = self.pending_for(now, self.lookahead, (self.defers || self.closes).then_some(node));
-        if pending.is_empty() {
-            // Nothing to judge a newcomer by: the node is open.
-            self.open(node);
-            return Ok(());
-        }
-        let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
-        let steer = policy.steer(now, node, &self.view(node), &refs)?;
-        // Only a job Slurm could start now is raised.
-        if let Some(i) = steer.raise.filter(|&i| i > 0) {
-            let Some(&j) = pending.get(i) else {
-                return Err(format!("the policy steered pending job {i} of {}", pending.len()));
-            };
-            if self.jobs[j].eligible <= now {
-                self.steered += 1;
-                self.bump(j);
-            }
-        }
-        // Open only while the node would take the job Slurm starts next (after the raise);
-        // with none eligible now, the first waiting out a decline that it does not defer again.
-        let mut opened_for = None;
-        if self.closes {
-            let head = self.pending(now, 1).first().copied().or_else(|| {
-                (0..pending.len())
-                    .find(|i| !steer.defer.contains(i))
-                    .map(|i| pending[i])
-            });
-            let close = !head.is_some_and(|h| steer.take.iter().any(|&i| pending.get(i) == Some(&h)));
-            if !close {
-                opened_for = head.filter(|&h| self.jobs[h].eligible <= now);
-            }
-            if close && !self.closed[node] {
-                self.closed[node] = true;
-                self.closure[node] += 1;
-                self.closures += 1;
-                self.refile(node, self.weight[node]);
-                self.push(
-                    now + DECLINE_RETRY_S,
-                    pending[0],
-                    Kind::Closure(node, self.closure[node]),
-                );
-            } else if !close {
-                self.open(node);
-            }
-        }
-        // A deferral holds the job back from every node: only a node among those Slurm offers
-        // jobs to first (the lightest weight among those with a free slot) defers one, or
-        // renews its deferral; and at most `lookahead` at a time.
-        let first = self.free.iter().next().map(|&(w, _, _)| w) == Some(self.weight[node]);
-        let jobs = &self.jobs;
-        self.deferrals[node].retain(|&j| jobs[j].deferred_by == Some(node) && jobs[j].eligible > now);
-        for &i in steer.defer.iter().filter(|_| first) {
-            let Some(&j) = pending.get(i).filter(|_| steer.raise != Some(i)) else {
-                return Err(format!("the policy deferred pending job {i} of {}", pending.len()));
-            };
-            if self.jobs[j].deferred_by == Some(node) && self.jobs[j].eligible > now {
-                continue; // deferred already; renewed when it lapses
-            }
-            if !self.deferrals[node].contains(&j) {
-                if self.deferrals[node].len() >= self.lookahead {
-                    continue;
-                }
-                self.deferrals[node].push(j);
-            }
-            self.deferred += 1;
-            self.unbump(j);
-            self.jobs[j].deferred_by = Some(node);
-            self.jobs[j].eligible = now + DECLINE_RETRY_S;
-            self.push(now + DECLINE_RETRY_S, j, Kind::Deferred);
-        }
-        // Its own deferrals of jobs it would take now are taken back.
-        for (i, &j) in pending.iter().enumerate() {
-            if self.jobs[j].deferred_by == Some(node) && !steer.defer.contains(&i) {
-                self.jobs[j].deferred_by = None;
-                self.jobs[j].eligible = self.jobs[j].eligible.min(now);
-            }
-        }
-        // Open for `h`: in the pass that starts it, here or on another node Slurm prefers, Slurm
-        // offers the slots of this node still free to the jobs after it, before the daemon
-        // hears of the start (or, with `h` elsewhere, looks again). Those the node would
-        // decline either way wait until it does; it then closes, or takes them. As the daemon
-        // does, any node that opens defers them (not only the first in Slurm's order: within
-        // a pass, LLN's order changes with every start).
-        if let Some(h) = opened_for.filter(|_| self.anticipates > 0 && self.capacity() > self.used[node]) {
-            // The jobs Slurm could start now, after `h` in its order (those waiting out a
-            // decline are not offered in this pass, however high they stand).
-            let mut offered = vec![h];
-            let cap = self.anticipates;
-            offered.extend(self.pending(now, cap + 1).into_iter().filter(|&j| j != h));
-            offered.truncate(cap + 1);
-            let refs: Vec<JobRef> = offered.iter().map(|&j| self.job_ref(j)).collect();
-            let later: Vec<usize> = (1..offered.len()).collect();
-            let declined = policy.declines_after(now, node, &self.view(node), &refs, 0, &later)?;
-            for i in declined {
-                let Some(&j) = offered.get(i).filter(|_| i >= 1) else {
-                    return Err(format!("the policy anticipated pending job {i} of {}", offered.len()));
-                };
-                self.deferred += 1;
-                self.unbump(j);
-                self.jobs[j].deferred_by = Some(node);
-                self.jobs[j].eligible = self.jobs[j].eligible.max(now + DECLINE_RETRY_S);
-                self.anticipated[node].push(j);
-            }
-            if !self.anticipated[node].is_empty() {
-                self.push(now + START_SEEN_S, h, Kind::Seen(node, now));
-            }
-        }
-        Ok(())
-    }
-
-    /// Before a job waiting out a decline, a failure or a deferral comes back: every open
-    /// node with a free slot has looked at the queue meanwhile (with `close`, a node looks
-    /// every `look_ms` while it has a free slot), and closed if it would decline the job
-    /// Slurm starts next, the one coming back among them.
-    fn look_open(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
-        if self.closes {
-            for node in 0..self.shape.nodes {
-                if !self.closed[node] {
-                    self.steer(now, node, policy)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The node is open to Slurm again (its daemon deleted the reservation, or it lapsed).
-    fn open(&mut self, node: usize) {
-        if self.closed[node] {
-            self.closed[node] = false;
-            self.closure[node] += 1;
-            self.refile(node, self.weight[node]);
-        }
-    }
-
-    /// Slurm requeues job `j` after a failure: it waits [`OOM_REQUEUE_S`] with its place in
-    /// the queue (a job its daemon gives back waits as a declined job, [`Self::requeue_for`]).
-    fn requeue(&mut self, now: f64, j: usize) {
-        self.requeue_for(now, j, OOM_REQUEUE_S);
     }
 
     /// A job requeued to wait `wait_s` with its place in the queue.
     fn requeue_for(&mut self, now: f64, j: usize, wait_s: f64) {
-        self.jobs[j].restarts += 1;
         self.jobs[j].eligible = now + wait_s;
         self.queue.insert(j);
         self.push(now + wait_s, j, Kind::Eligible);
     }
 
-    /// A job's priority is Slurm's own again.
-    fn unbump(&mut self, j: usize) {
-        if self.jobs[j].bumped {
-            self.jobs[j].bumped = false;
-            self.bumped.retain(|&b| b != j);
-        }
-    }
-
-    /// A waiting job's priority is raised: it goes before every other waiting job.
-    fn bump(&mut self, j: usize) {
-        self.bumped.retain(|&b| b != j);
-        self.bumped.push(j);
-        self.jobs[j].bumped = true;
-    }
-
-    /// After the node's state changed: its weight, as the policy then says, reaches Slurm
-    /// [`WEIGHT_LAG_S`] later.
-    fn reweigh(&mut self, now: f64, node: usize, job: usize) {
-        if !self.weight_due[node] {
-            self.weight_due[node] = true;
-            self.push(now + WEIGHT_LAG_S, job, Kind::Weight(node));
-        }
-    }
-
-    /// Puts the node in its place among the nodes with a free slot, by `weight` and its jobs
-    /// now (Slurm counts those itself, at once).
-    fn refile(&mut self, node: usize, weight: u32) {
-        self.free.remove(&(self.weight[node], self.filed_used[node], node));
-        self.weight[node] = weight;
-        self.filed_used[node] = self.used[node];
-        if self.used[node] < self.capacity() && !self.closed[node] {
-            self.free.insert((weight, self.used[node], node));
+    /// Puts the node in its place among the nodes with a free slot (Slurm counts its jobs
+    /// itself, at once).
+    fn refile(&mut self, node: usize, before: u32) {
+        self.free.remove(&(before, node));
+        if self.used[node] < self.capacity() {
+            self.free.insert((self.used[node], node));
         }
     }
 
@@ -1008,7 +688,6 @@ impl World<'_> {
         let doomed = self.clashes(j, gi);
         self.settle(now, gi);
         let job = &mut self.jobs[j];
-        job.deferred_by = None;
         job.at = Some((node, g));
         job.start = now;
         job.done = 0.0;
@@ -1020,7 +699,7 @@ impl World<'_> {
         let run = job.run;
         self.gpus[gi].jobs.push(j);
         self.used[node] += 1;
-        self.refile(node, self.weight[node]);
+        self.refile(node, self.used[node] - 1);
         if doomed {
             self.push(now + OOM_AFTER_S, j, Kind::OutOfMemory(run));
         } else if self.progress.every_s > 0.0 {
@@ -1030,12 +709,13 @@ impl World<'_> {
     }
 
     /// After a report or telemetry on `node`: the running jobs the policy gives back to Slurm
-    /// there leave and are requeued. Whether there were any.
+    /// there leave and are requeued, to be claimed again once their pin is stale. Whether there
+    /// were any.
     fn give_back(&mut self, now: f64, node: usize, policy: &mut dyn Policy) -> Result<bool, String> {
         let given = policy.separations(now, node)?;
-        let Some(&first) = given.first() else {
+        if given.is_empty() {
             return Ok(false);
-        };
+        }
         for &id in &given {
             let j = id as usize - 1;
             if self.jobs.get(j).and_then(|job| job.at).map(|(n, _)| n) != Some(node) {
@@ -1043,15 +723,11 @@ impl World<'_> {
                     "the policy gave back job {id}, which does not run on node {node}"
                 ));
             }
-            // Requeued by the daemon, which then holds it back as long as a declined job
-            // (its default `decline_retry_s`), not Slurm's requeue delay.
             self.leave(now, j);
             self.separations += 1;
             policy.finished(now, node, self.job_ref(j), false)?;
-            self.requeue_for(now, j, DECLINE_RETRY_S);
+            self.requeue_for(now, j, SEPARATED_WAIT_S);
         }
-        self.reweigh(now, node, first as usize - 1);
-        self.steer(now, node, policy)?;
         Ok(true)
     }
 
@@ -1090,7 +766,7 @@ impl World<'_> {
         self.settle(now, gi);
         self.gpus[gi].jobs.retain(|&o| o != j);
         self.used[node] -= 1;
-        self.refile(node, self.weight[node]);
+        self.refile(node, self.used[node] + 1);
         self.jobs[j].epoch += 1;
         self.rescue(now, gi);
         self.respeed(now, gi);

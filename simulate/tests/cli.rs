@@ -45,7 +45,8 @@ fn simulate_compares_every_policy_and_refuses_bad_input() {
             "makespan_s",
             "avg_wait_s",
             "oom_failures",
-            "declines",
+            "separations",
+            "claims",
             "throughput_per_gpu",
         ] {
             assert!(r[key].is_number(), "{key} in {r}");
