@@ -11,7 +11,12 @@ pub fn gpu_of_detail(detail: &str) -> Option<u32> {
     }
     inside
         .split(',')
-        .position(|used| used.split('/').next().and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n > 0))
+        .position(|used| {
+            used.split('/')
+                .next()
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_some_and(|n| n > 0)
+        })
         .map(|i| i as u32)
 }
 
