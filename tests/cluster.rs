@@ -1,26 +1,26 @@
-//! The thin path on a real local Slurm cluster: sbatch with and without --multiplex, through
-//! slurmctld's job_submit plugin, slurmstepd's SPANK plugin and each node's multiplexd.
+//! The thin path on a real local Slurm cluster: sbatch, srun and salloc with and without
+//! --multiplex, through slurmctld's job_submit plugin, the claimer (n1's multiplexd), which
+//! pins each pending multiplexed job to the GPU it chose before Slurm allocates, slurmstepd's
+//! SPANK plugin and each node's multiplexd.
 //!
-//! These need the cluster that `tests/run` starts (`tests/cluster/up`), hence `#[ignore]`:
-//! `tests/run` runs them with `--ignored`.
+//! These need the cluster that `tests/run` starts (`tests/cluster/up --lease 60`), hence
+//! `#[ignore]`: `tests/run` runs them with `--ignored`. The cluster fences devices
+//! (`task/cgroup`, `ConstrainDevices=yes`) and its fake GPUs are character devices of their
+//! own: a job may open its GPU's file (no driver answers: ENXIO) and no other's (EPERM).
 
 use multiplex_tests::{env_of, wait_until, Cluster};
+use multiplexd::slurm::{Commands, Pin, Slurm};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
-/// How long Slurm itself may hold a requeued batch job back: its requeue delay (the credential
-/// lifetime, 120 s) when the requeue completes after the start time the plugin asked for.
-const REQUEUE_HOLD: Duration = Duration::from_secs(125);
-const ENV_DUMP: &str = "env | grep -E '^(CUDA_|MULTIPLEX_|SLURM_JOB_GPUS|SLURM_SHARDS|SLURMD_NODENAME)' | sort";
+const ENV_DUMP: &str =
+    "env | grep -E '^(CUDA_|MULTIPLEX_|SLURM_JOB_GPUS|SLURM_STEP_GPUS|SLURM_SHARDS|SLURMD_NODENAME)' | sort";
 
-/// `ENV_DUMP`, then stays (30 s at most) until the daemon's note of where the job runs is in
-/// its admin comment. slurmctld refuses updates to a finished job, and the note is written off
-/// the launch path: a job that ends at once may end before it arrives, on a busy machine.
-fn env_dump_until_noted() -> String {
-    format!(
-        "{ENV_DUMP}; for i in $(seq 150); do scontrol show job $SLURM_JOB_ID | grep -q ' | multiplex: runs on GPU ' && break; sleep 0.2; done"
-    )
-}
+/// A shell line that prints, from inside a job, slurmctld's detail of its allocation while it
+/// runs (`detail= GRES=shard:1(IDX:1)`; `scontrol show job -d` shows it no longer once the
+/// job ended).
+const ALLOCATION: &str = "echo \"detail=$(scontrol show job -d $SLURM_JOB_ID | grep -o ' GRES=[^ ]*' | head -1)\"";
 
 fn out_arg(c: &Cluster, tag: &str) -> String {
     format!("--output={}", c.output_path(tag).display())
@@ -41,46 +41,98 @@ fn daemons_that_recorded(c: &Cluster, job: u32) -> Vec<&'static str> {
         .collect()
 }
 
+/// A shell line that prints, for each fake GPU of the job's node, what opening its device
+/// file gives: `open<i>=ENXIO` (allowed: no driver answers), `open<i>=EPERM` (the job's device
+/// cgroup denies it).
+fn probe_devices(c: &Cluster) -> String {
+    format!(
+        "for d in {}/dev/$SLURMD_NODENAME/nvidia*; do i=${{d##*nvidia}}; e=$(cat $d 2>&1 </dev/null); \
+         case $e in *'No such device or address'*) echo open$i=ENXIO ;; *'Operation not permitted'*) echo open$i=EPERM ;; *) echo \"open$i=$e\" ;; esac; done",
+        c.path("").display()
+    )
+}
+
+/// What a job that ran `probe_devices`, `ALLOCATION` and `ENV_DUMP` shows: it ran on the GPU
+/// Slurm allocated it, which is the one the claimer chose, and could open no other.
+fn assert_fenced_to_its_gpu(c: &Cluster, what: &str, job: u32, env: &HashMap<String, String>) {
+    assert_fenced(c, what, job, env, true);
+}
+
+/// As [`assert_fenced_to_its_gpu`], for a job claimed by type (`typed`), or for its node only
+/// (a job srun made: Slurm picks the GPU there).
+fn assert_fenced(c: &Cluster, what: &str, job: u32, env: &HashMap<String, String>, typed: bool) {
+    let rec = c.show_job(job);
+    let gpu: u32 = env
+        .get("MULTIPLEX_GPU")
+        .and_then(|g| g.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: no MULTIPLEX_GPU: {env:?}"));
+    // Slurm's own books: the shard it allocated, and the type the claim named.
+    let detail = env.get("detail").map(String::as_str).unwrap_or("");
+    assert_eq!(
+        multiplexd::slurm::parse_job_gpu(detail),
+        Some(gpu),
+        "{what}: scontrol show job -d names GPU {gpu}: {detail:?}"
+    );
+    let note = if typed {
+        assert!(
+            rec["TresPerNode"].contains(&format!("shard:v100_{gpu}:1")),
+            "{what}: claimed for v100_{gpu}: {rec:?}"
+        );
+        format!(" | multiplex: claimed for {} GPU v100_{gpu} ", rec["NodeList"])
+    } else {
+        format!(
+            " | multiplex: claimed for {} (GPU Slurm's choice: srun made the job)",
+            rec["NodeList"]
+        )
+    };
+    assert!(rec["AdminComment"].contains(&note), "{what}: {note:?} in {rec:?}");
+    assert_eq!(rec["Restarts"], "0", "{what}: {rec:?}");
+    assert_eq!(env.get("MULTIPLEX_NODE"), rec.get("NodeList"), "{what}: {env:?}");
+    for i in 0..2 {
+        let want = if i == gpu { "ENXIO" } else { "EPERM" };
+        assert_eq!(
+            env.get(&format!("open{i}")).map(String::as_str),
+            Some(want),
+            "{what}: GPU {i}'s device file, from a job on GPU {gpu}: {env:?}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn multiplexed_job_runs_where_the_daemon_decided() {
+fn a_multiplexed_job_runs_on_the_gpu_the_claimer_chose_and_can_open_no_other() {
     let c = Cluster::from_env();
     let job = c.submit(&[
         "--multiplex=app=itest-bert,mem=4G",
         "--gres=gpu:1",
         &out_arg(&c, "placed"),
         "--wrap",
-        &env_dump_until_noted(),
+        &format!("{ENV_DUMP}; {ALLOCATION}; {}", probe_devices(&c)),
     ]);
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
-    // job_submit rewrote the request and tagged the job.
+    // job_submit rewrote the request and tagged the job; the claimer pinned it and took the
+    // gate's license away, leaving its note after the tag.
     assert_eq!(rec["Partition"], "shared");
-    assert_eq!(rec["TresPerNode"], c.tres_gres("shard", 1));
     assert!(
-        rec["AdminComment"].starts_with("multiplex:app=itest-bert,mem=4096M"),
+        rec["AdminComment"].starts_with("multiplex:app=itest-bert,mem=4096M | multiplex: claimed for "),
         "{rec:?}"
     );
-    // The SPANK plugin set what the daemon decided.
+    assert!(!rec.get("Licenses").is_some_and(|l| l.contains("multiplex")), "{rec:?}");
     let env = env_of(&c.output(&rec));
-    let node = &env["SLURMD_NODENAME"];
-    let gpu: u32 = env["MULTIPLEX_GPU"].parse().expect("MULTIPLEX_GPU is a GPU index");
-    // And Slurm's own record says where it ran, after the tag (written by the daemon off the
-    // launch path, so perhaps a moment later).
-    let want = format!("multiplex:app=itest-bert,mem=4096M | multiplex: runs on GPU {gpu} ");
+    assert_fenced_to_its_gpu(&c, "sbatch", job, &env);
+    let gpu: u32 = env["MULTIPLEX_GPU"].parse().unwrap();
+    // The plugin left Slurm's binding alone and said why the job is there.
+    assert_eq!(env["SLURM_JOB_GPUS"], gpu.to_string(), "{env:?}");
     assert!(
-        wait_until(Duration::from_secs(10), || c.show_job(job)["AdminComment"]
-            .starts_with(&want)),
-        "{want:?}: {:?}",
-        c.show_job(job)["AdminComment"]
-    );
-    assert_eq!(env["CUDA_VISIBLE_DEVICES"], gpu.to_string());
-    assert_eq!(&env["MULTIPLEX_NODE"], node);
-    assert!(
-        env.contains_key("MULTIPLEX_DECISION") && env.contains_key("MULTIPLEX_PREDICTED_SPEED"),
+        env["MULTIPLEX_DECISION"].contains(&format!(
+            "GPU {gpu} (v100_{gpu}), claimed for it before Slurm allocated it"
+        )),
         "{env:?}"
     );
-    // The daemon of that node recorded the job, and its end.
+    assert!(env.contains_key("MULTIPLEX_PREDICTED_SPEED"), "{env:?}");
+    // The daemon of that node recorded the job on that GPU, and its end.
+    let node = &env["SLURMD_NODENAME"];
     let db = c.history(node);
     let (app, db_gpu, exit, finished): (String, u32, Option<i32>, Option<f64>) = db
         .query_row(
@@ -218,7 +270,7 @@ fn with_the_daemon_down_the_job_runs_and_says_why() {
     let out = c.output(&rec);
     let warnings: Vec<&str> = out
         .lines()
-        .filter(|l| l.starts_with("multiplex: not applied"))
+        .filter(|l| l.starts_with("multiplex: not recorded, running where Slurm started it: cannot connect"))
         .collect();
     assert_eq!(warnings.len(), 1, "one warning line: {out}");
     assert!(warnings[0].contains("cannot connect to multiplexd"), "{out}");
@@ -257,7 +309,7 @@ fn with_on_daemon_error_fail_the_job_fails_with_the_sentence_and_the_node_stays_
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("multiplex: ")).collect();
     assert_eq!(lines.len(), 1, "one sentence: {out}");
     assert!(
-        lines[0].contains("cannot place this step") && lines[0].contains("cannot connect to multiplexd"),
+        lines[0].contains("cannot record this step") && lines[0].contains("cannot connect to multiplexd"),
         "{out}"
     );
     assert!(!out.contains("the script ran"), "{out}");
@@ -267,7 +319,7 @@ fn with_on_daemon_error_fail_the_job_fails_with_the_sentence_and_the_node_stays_
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_job_no_gpu_here_could_ever_hold_fails_with_the_reason() {
+fn a_job_no_gpu_could_ever_hold_is_refused_by_the_claimer_and_fails_with_the_reason() {
     let c = Cluster::from_env();
     let job = c.submit(&[
         "--multiplex=app=itest-huge,mem=100G",
@@ -281,6 +333,11 @@ fn a_job_no_gpu_here_could_ever_hold_fails_with_the_reason() {
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "FAILED", "{rec:?}");
     assert_eq!(rec["Restarts"], "0", "not requeued: it can never fit");
+    // The claimer let it through the gate unpinned, with the reason in its record.
+    assert!(
+        rec["AdminComment"].contains(" | multiplex: refused: it needs 102400 MiB of GPU memory"),
+        "{rec:?}"
+    );
     let out = c.output(&rec);
     assert!(
         out.lines().any(|l| l
@@ -334,168 +391,41 @@ fn fill_the_memory_of_n1(c: &Cluster, tag: &str, secs: u32) -> Vec<u32> {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_declined_job_is_requeued_says_why_and_runs_later() {
+fn a_job_that_fits_no_free_slot_waits_unclaimed_and_starts_once_where_one_frees() {
     let c = Cluster::from_env();
-    // Three 12 GiB jobs for n1's two 16 GiB GPUs (Slurm has 4 shards there), held and then
-    // released by one scontrol call: slurmctld starts all three at once, before n1's daemon has
-    // looked at the queue, so one of them is declined. (Started one at a time, the third would
-    // find n1 closed to Slurm instead: see the closure test.) The other two run 12 s, long
-    // enough for it to be declined twice, usually.
-    let (jobs, _cancel) = submit_at_once(&c, 3, |_| {
-        vec![
-            "--multiplex=app=itest-waits,mem=12G".into(),
-            "--gres=gpu:1".into(),
-            "-w".into(),
-            "n1".into(),
-            "--open-mode=append".into(),
-            out_arg(&c, "waits"),
-            "--wrap".into(),
-            format!("{ENV_DUMP}; sleep 12"),
-        ]
-    });
-    let requeued = || jobs.iter().copied().find(|&j| c.show_job(j)["Restarts"] != "0");
-    assert!(
-        wait_until(WAIT, || requeued().is_some()),
-        "one of them was requeued: {:?}",
-        jobs.iter().map(|&j| c.show_job(j)).collect::<Vec<_>>()
+    let fillers = fill_the_memory_of_n1(&c, "waits-big", 12);
+    let _cancel = multiplex_tests::Cancel(fillers.clone());
+    // n1 has a free shard on each GPU, but no memory for 12 GiB more: the job waits behind the
+    // gate, never started, never requeued.
+    let job = c.submit(&[
+        "--multiplex=app=itest-waits,mem=12G",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        &out_arg(&c, "waits"),
+        "--wrap",
+        &format!("{ENV_DUMP}; {ALLOCATION}; {}", probe_devices(&c)),
+    ]);
+    std::thread::sleep(Duration::from_secs(5));
+    let rec = c.show_job(job);
+    assert_eq!(
+        (
+            rec["JobState"].as_str(),
+            rec["Reason"].as_str(),
+            rec["Restarts"].as_str()
+        ),
+        ("PENDING", "Licenses", "0"),
+        "{rec:?}"
     );
-    let job = requeued().unwrap();
-    let fillers: Vec<u32> = jobs.iter().copied().filter(|&j| j != job).collect();
-    // Why it waits is in its record too, after the tag (its output is truncated on the rerun).
-    let comment = c.show_job(job)["AdminComment"].clone();
-    assert!(
-        comment.starts_with(
-            "multiplex:app=itest-waits,mem=12288M | multiplex: requeued, waiting 5 s: no GPU on n1 can take this job safely now ("
-        ) || comment.contains("waiting 10 s"),
-        "{comment}"
-    );
-    // Usually it starts again after the plugin's 5 s BeginTime. When the requeue completes
-    // after that time (the node's epilog-complete message reached slurmctld late: 5 s late on
-    // 24.11 while its root could not resolve names), Slurm sets its own, 121 s after: the job
-    // still runs later, as this test claims, only later than the daemon asked.
-    let rec = c.wait(job, WAIT + REQUEUE_HOLD);
+    // The fillers end: it is claimed for the GPU that freed, and runs there once.
+    let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     let out = c.output(&rec);
-    let waits: Vec<&str> = out.lines().filter(|l| l.starts_with("multiplex: requeued")).collect();
-    assert!(!waits.is_empty(), "{out}");
-    assert!(
-        waits[0].starts_with("multiplex: requeued, waiting 5 s: no GPU on n1 can take this job safely now ("),
-        "{out}"
-    );
-    // The wait doubles with Slurm's restart count, which slurmstepd gives the daemon. (Slurm
-    // may hold a requeued job longer on its own, past the fillers' end: then there is one.)
-    if let Some(second) = waits.get(1) {
-        assert!(second.starts_with("multiplex: requeued, waiting 10 s: "), "{out}");
-    }
-    assert!(
-        env_of(&out).contains_key("MULTIPLEX_GPU"),
-        "it ran multiplexed in the end: {out}"
-    );
-    // Why it waited stays after it ran, beside where it ran.
-    let ran = || c.show_job(job)["AdminComment"].contains(" | multiplex: runs on GPU ");
-    assert!(wait_until(Duration::from_secs(10), ran), "{:?}", c.show_job(job));
-    assert!(
-        c.show_job(job)["AdminComment"]
-            .starts_with("multiplex:app=itest-waits,mem=12288M | multiplex: requeued, waiting "),
-        "{:?}",
-        c.show_job(job)
-    );
+    assert!(!out.contains("requeued"), "{out}");
+    assert_fenced_to_its_gpu(&c, "the waiting job", job, &env_of(&out));
     for f in fillers {
         assert_eq!(c.wait(f, WAIT)["JobState"], "COMPLETED");
     }
-    let state = c.node_state("n1");
-    assert!(!state.starts_with("drain"), "n1 is {state}");
-}
-
-#[test]
-#[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_declined_job_whose_requeue_completes_late_waits_what_the_daemon_asked_not_slurms_delay() {
-    let c = Cluster::from_env();
-    // The daemon's defaults (no closing): what keeps a declined job's wait is then the daemon's
-    // requeue keeper. A wait of 1 s, and an epilog of 3 s: each requeue completes in slurmctld
-    // after the start time the plugin set, and slurmctld replaces a start time that has passed
-    // by its own, 121 s ahead.
-    let _daemon = c.daemon_config("n1", |toml| {
-        toml.replace("close = true\n", "")
-            .replace("decline_retry_s = 5\n", "decline_retry_s = 1\n")
-    });
-    let _epilog = c.epilog_seconds(3);
-    let (jobs, _cancel) = submit_at_once(&c, 3, |_| {
-        vec![
-            "--multiplex=app=itest-kept,mem=12G".into(),
-            "--gres=gpu:1".into(),
-            "-w".into(),
-            "n1".into(),
-            out_arg(&c, "kept"),
-            "--wrap".into(),
-            "sleep 8".into(),
-        ]
-    });
-    let requeued = || jobs.iter().copied().find(|&j| c.show_job(j)["Restarts"] != "0");
-    assert!(
-        wait_until(WAIT, || requeued().is_some()),
-        "one of them was declined and requeued: {:?}",
-        jobs.iter().map(|&j| c.show_job(j)).collect::<Vec<_>>()
-    );
-    let declined = Instant::now();
-    let job = requeued().unwrap();
-    let rec = c.wait(job, WAIT + REQUEUE_HOLD);
-    let took = declined.elapsed();
-    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
-    // Its partners run 8 s and end in 3 s more; each decline costs a second and an epilog.
-    // Slurm's own delay alone would be 121 s.
-    assert!(
-        took < Duration::from_secs(60),
-        "the declined job ended {took:?} after its first decline: {rec:?}"
-    );
-    assert!(rec["Restarts"] != "0", "{rec:?}");
-}
-
-#[test]
-#[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_job_that_may_not_requeue_is_never_lost_to_a_decline_and_explain_says_why_it_waited() {
-    let c = Cluster::from_env();
-    let fillers = fill_the_memory_of_n1(&c, "norq-big", 10);
-    let _cancel = multiplex_tests::Cancel(fillers);
-    // It cannot wait and it cannot fit: it fails with both reasons, and is not requeued.
-    let job = c.submit(&[
-        "--multiplex=app=itest-norq,mem=12G",
-        "--gres=gpu:1",
-        "--no-requeue",
-        "-w",
-        "n1",
-        &out_arg(&c, "norq"),
-        "--wrap",
-        ENV_DUMP,
-    ]);
-    let rec = c.wait(job, WAIT);
-    assert_eq!(rec["JobState"], "FAILED", "{rec:?}");
-    assert_eq!(rec["Restarts"], "0", "{rec:?}");
-    let out = c.output(&rec);
-    assert!(
-        out.contains("multiplex: no GPU on n1 can take this job safely now (")
-            && out.contains("and it cannot be requeued to wait ("),
-        "{out}"
-    );
-    // Why it never ran is in n1's history, not only in the output a rerun would truncate.
-    let config = c.path("multiplexd/n1/multiplexd.toml");
-    let explain = std::process::Command::new(c.path("plugins/multiplexd"))
-        .args(["explain", &job.to_string(), "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&explain.stdout);
-    assert!(
-        explain.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&explain.stderr)
-    );
-    assert!(
-        text.starts_with(&format!("job {job} has not run on n1\ndeclined 2 times over ")),
-        "first asked to wait, then asked for any GPU where it fits: {text}"
-    );
-    assert!(text.contains(" on n1; the latest (sent to wait "), "{text}");
-    assert!(text.contains("memory: 12288 MiB asked"), "{text}");
 }
 
 #[test]
@@ -579,7 +509,10 @@ fn an_srun_step_inside_a_multiplexed_job_joins_its_gpu() {
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     let env = env_of(&c.output(&rec));
     assert_eq!(env["batch"], env["step"], "the step runs on the job's GPU");
-    assert!(env["decision"].starts_with("step 0 joins GPU"), "{env:?}");
+    assert!(
+        env["decision"].starts_with(&format!("step 0 joins GPU {} held by its job", env["batch"])),
+        "{env:?}"
+    );
     let node = rec["NodeList"].clone();
     let db = c.history(&node);
     let finished_steps = || -> u32 {
@@ -620,15 +553,18 @@ fn run_tool(c: &Cluster, tool: &str, args: &[&str]) -> (bool, String, String) {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
+fn srun_and_salloc_wait_at_the_terminal_until_claimed_and_run_on_that_gpu_alone() {
     let c = Cluster::from_env();
-    let probe = "echo job=$SLURM_JOB_ID; echo gpu=$MULTIPLEX_GPU; echo node=$MULTIPLEX_NODE";
+    let probe = format!(
+        "echo job=$SLURM_JOB_ID; {ENV_DUMP}; {ALLOCATION}; {}",
+        probe_devices(&c)
+    );
     // srun making its own job asks for the job and its step with the same --gres/--gpus; the
     // step must take the job's shared GPU, not ask for a whole one.
     let ways: [(&str, Vec<&str>); 5] = [
         (
             "srun",
-            vec!["--multiplex=app=itest-srun", "--gres=gpu:1", "bash", "-c", probe],
+            vec!["--multiplex=app=itest-srun", "--gres=gpu:1", "bash", "-c", &probe],
         ),
         (
             "srun",
@@ -638,7 +574,7 @@ fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
                 "--cpus-per-gpu=1",
                 "bash",
                 "-c",
-                probe,
+                &probe,
             ],
         ),
         (
@@ -649,7 +585,7 @@ fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
                 "srun",
                 "bash",
                 "-c",
-                probe,
+                &probe,
             ],
         ),
         (
@@ -661,7 +597,7 @@ fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
                 "--gres=gpu:1",
                 "bash",
                 "-c",
-                probe,
+                &probe,
             ],
         ),
         (
@@ -673,33 +609,27 @@ fn every_way_a_user_starts_work_gets_a_gpu_the_daemon_chose() {
                 "--gpus=1",
                 "bash",
                 "-c",
-                probe,
+                &probe,
             ],
         ),
     ];
-    for (tool, args) in &ways {
+    for (way, (tool, args)) in ways.iter().enumerate() {
+        let what = format!("{tool} {}", args[..args.len() - 3].join(" "));
         let (ok, stdout, stderr) = run_tool(&c, tool, args);
-        assert!(ok, "{tool} {args:?} failed: {stderr}");
+        assert!(ok, "{what} failed: {stderr}");
         let env = env_of(&stdout);
         let job: u32 = env["job"].parse().unwrap();
         let rec = c.show_job(job);
-        assert_eq!(rec["Partition"], "shared", "{tool} {args:?}: {rec:?}");
-        assert!(
-            rec["AdminComment"].starts_with("multiplex:app=itest-srun"),
-            "{tool} {args:?}: {rec:?}"
-        );
-        assert!(
-            rec["TresPerNode"].contains(&c.tres_gres("shard", 1)) && !rec["TresPerNode"].contains("gpu"),
-            "{tool} {args:?}: {rec:?}"
-        );
-        assert!(
-            !env["gpu"].is_empty(),
-            "{tool} {args:?}: no GPU from the daemon: {stdout}"
-        );
+        assert_eq!(rec["Partition"], "shared", "{what}: {rec:?}");
+        assert!(!rec["TresPerNode"].contains("gpu"), "{what}: {rec:?}");
+        // srun making its own job asks for its step with the job's allocated gres, a typed
+        // shard Slurm refuses for a step: such a job is claimed for its node only.
+        let srun_made = way < 2;
+        assert_fenced(&c, &what, job, &env, !srun_made);
         assert_eq!(
             daemons_that_recorded(&c, job),
-            [env["node"].as_str()],
-            "{tool} {args:?}"
+            [env["MULTIPLEX_NODE"].as_str()],
+            "{what}"
         );
     }
     // srun --gres=gpu:1 inside a multiplexed batch job joins the job's GPU.
@@ -1094,35 +1024,71 @@ fn a_multiplexed_job_cannot_be_updated_into_what_submission_rejects() {
         .unwrap();
 }
 
+/// A claim made by hand, through the same adapter and the same updates as the claimer's:
+/// pins pending `job` to GPU `kind` of `node`; it keeps the gate's license while `gated`.
+fn claim_by_hand(
+    c: &Cluster,
+    job: u32,
+    node: &str,
+    kind: &str,
+    gated: bool,
+) -> Result<(), multiplexd::slurm::SlurmError> {
+    let rec = c.show_job(job);
+    let comment = format!("{} | itest: claimed by hand for {node} GPU {kind}", rec["AdminComment"]);
+    Commands::new(std::path::Path::new("")).claim(&Pin {
+        job,
+        node: node.into(),
+        gres: Some(format!("shard:{kind}:1")),
+        untyped: !rec["TresPerNode"].contains(":v100_"),
+        licenses: if gated { "multiplex:1".into() } else { String::new() },
+        admin_comment: comment,
+        start_now: false,
+    })
+}
+
+/// The claimer's lease in this cluster (`claim.lease_s` in n1's configuration; the daemon's
+/// default, 300 s, where it sets none).
+fn lease(c: &Cluster) -> Duration {
+    let text = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
+    let s = text
+        .lines()
+        .find_map(|l| l.strip_prefix("lease_s = "))
+        .map_or(300, |v| v.trim().parse().unwrap());
+    Duration::from_secs(s)
+}
+
+/// Waits until slurmctld counts no shard allocated: every job of the test ended and no claim
+/// left one behind.
+fn assert_no_shard_leaked(c: &Cluster) {
+    assert!(
+        wait_until(Duration::from_secs(30), || c.shards_in_use() == 0),
+        "slurmctld still counts {} shards allocated: {}",
+        c.shards_in_use(),
+        String::from_utf8_lossy(
+            &std::process::Command::new("sinfo")
+                .args(["-N", "-O", "NodeHost,GresUsed:200"])
+                .output()
+                .unwrap()
+                .stdout
+        )
+    );
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
+fn a_burst_is_claimed_one_job_per_gpu_before_any_gpu_gets_two() {
     let c = Cluster::from_env();
-    let weight = |node: &str| {
-        let out = c.scontrol(&["show", "node", node]).unwrap();
-        multiplex_tests::parse_show(&out)["Weight"].clone()
-    };
+    assert_no_shard_leaked(&c);
+    // 2 x N jobs for N nodes x 2 GPUs, held and then released by one scontrol call: they wait
+    // behind the gate together, and one look of the claimer pins them.
     let nodes = ["n1", "n2"];
-    // Each daemon publishes a tier as its node's Weight: 1 while a shared GPU is idle, 101 once
-    // every one runs a job. Weights reach slurmctld only after a job starts; within one pass
-    // the shared partition's LLN=YES spreads by Slurm's own count.
-    // Idle in Slurm's eyes too: a node still completing an earlier test's jobs takes none.
-    assert!(
-        wait_until(WAIT, || nodes
-            .iter()
-            .all(|n| weight(n) == "1" && c.node_state(n) == "idle")),
-        "idle nodes weigh 1"
-    );
-    // 2 x N jobs on N nodes x 2 GPUs x 2 slots, held and then released by one scontrol call:
-    // slurmctld starts them within a second (22.05 in one pass; 24.11 releases them one by
-    // one and may allocate each at once), before any daemon has published anything.
     let (jobs, cancel) = submit_at_once(&c, 2 * nodes.len(), |i| {
         vec![
             format!("--multiplex=app=itest-burst{i}"),
             "--gres=gpu:1".into(),
             out_arg(&c, "burst"),
             "--wrap".into(),
-            format!("{ENV_DUMP}; sleep 90"),
+            format!("{ENV_DUMP}; {ALLOCATION}; {}; sleep 60", probe_devices(&c)),
         ]
     });
     let mut gpus = std::collections::BTreeMap::new();
@@ -1130,28 +1096,260 @@ fn a_burst_started_in_one_pass_gets_one_job_per_gpu_before_any_gpu_gets_two() {
         assert!(
             wait_until(WAIT, || {
                 let rec = c.show_job(job);
-                rec["JobState"] == "RUNNING" && env_of(&c.output_so_far(&rec)).contains_key("MULTIPLEX_GPU")
+                rec["JobState"] == "RUNNING" && env_of(&c.output_so_far(&rec)).contains_key("open1")
             }),
             "job {job} runs: {:?}",
             c.show_job(job)
         );
         let rec = c.show_job(job);
         let env = env_of(&c.output(&rec));
+        assert_fenced_to_its_gpu(&c, "a burst's job", job, &env);
         gpus.insert(job, (rec["NodeList"].clone(), env["MULTIPLEX_GPU"].clone()));
     }
-    // On 24.11 an update of the weight reached slurmctld about 5 s after the jobs started,
-    // and once more than 20 s: slurmctld is busy starting jobs.
-    let busy = || nodes.iter().all(|n| weight(n) == "101");
-    let all_busy = wait_until(WAIT, busy);
-    let weights: Vec<String> = nodes.iter().map(|n| weight(n)).collect();
     drop(cancel);
     let distinct: std::collections::BTreeSet<_> = gpus.values().collect();
     assert_eq!(distinct.len(), jobs.len(), "one job per GPU: {gpus:?}");
-    assert!(all_busy, "every GPU runs a job: the nodes weigh 101, not {weights:?}");
+    assert_no_shard_leaked(&c);
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn two_claims_for_one_job_leave_it_on_one_gpu_and_nothing_allocated_twice() {
+    let c = Cluster::from_env();
+    assert_no_shard_leaked(&c);
+    let claimer = c.stop_daemon("n1");
+    let job = c.submit(&[
+        "--multiplex=app=itest-twice",
+        "--gres=gpu:1",
+        &out_arg(&c, "twice"),
+        "--wrap",
+        &format!("{ENV_DUMP}; {ALLOCATION}; {}", probe_devices(&c)),
+    ]);
+    let _cancel = multiplex_tests::Cancel(vec![job]);
     assert!(
-        wait_until(Duration::from_secs(20), || nodes.iter().all(|n| weight(n) == "1")),
-        "weights fall back when the jobs end"
+        wait_until(WAIT, || c.show_job(job)["Reason"] == "Licenses"),
+        "it waits behind the gate: {:?}",
+        c.show_job(job)
     );
+    // A first claim, still gated (as one whose second update has not come yet), then the
+    // claimer's own: the last one wins.
+    claim_by_hand(&c, job, "n2", "v100_1", true).expect("the first claim");
+    assert!(
+        c.show_job(job)["TresPerNode"].contains("shard:v100_1:1"),
+        "{:?}",
+        c.show_job(job)
+    );
+    drop(claimer);
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    assert_fenced_to_its_gpu(&c, "the job claimed twice", job, &env_of(&c.output(&rec)));
+    assert_no_shard_leaked(&c);
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_slurm_starts_before_its_claim_runs_where_slurm_put_it_and_the_claim_is_refused() {
+    let c = Cluster::from_env();
+    let claimer = c.stop_daemon("n1");
+    let job = c.submit(&[
+        "--multiplex=app=itest-race",
+        "--gres=gpu:1",
+        // Where a daemon runs: n1's is the claimer, stopped.
+        "-w",
+        "n2",
+        &out_arg(&c, "race"),
+        "--wrap",
+        &format!("{ENV_DUMP}; {ALLOCATION}; {}; sleep 5", probe_devices(&c)),
+    ]);
+    let _cancel = multiplex_tests::Cancel(vec![job]);
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["Reason"] == "Licenses"),
+        "{:?}",
+        c.show_job(job)
+    );
+    // Slurm wins the race: the gate goes (as when its lease lapses) and Slurm starts the job
+    // on its own choice.
+    c.scontrol(&["delete", "reservation", "multiplex-gate"])
+        .expect("delete the gate");
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["JobState"] == "RUNNING"),
+        "{:?}",
+        c.show_job(job)
+    );
+    // A claim that arrives now is refused by slurmctld and changes nothing.
+    let late = claim_by_hand(&c, job, "n2", "v100_1", false);
+    assert!(
+        matches!(late, Err(multiplexd::slurm::SlurmError::NotPending(j)) if j == job),
+        "{late:?}"
+    );
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let env = env_of(&c.output(&rec));
+    // Recorded where Slurm put it, fenced there all the same.
+    let gpu: u32 = env["MULTIPLEX_GPU"].parse().unwrap();
+    assert_eq!(multiplexd::slurm::parse_job_gpu(&env["detail"]), Some(gpu), "{env:?}");
+    assert!(
+        env["MULTIPLEX_DECISION"].contains("where Slurm bound it on its own choice (not claimed)"),
+        "{env:?}"
+    );
+    for i in 0..2 {
+        let want = if i == gpu { "ENXIO" } else { "EPERM" };
+        assert_eq!(env[&format!("open{i}")], want, "{env:?}");
+    }
+    // The claimer, back, closes the gate again.
+    drop(claimer);
+    assert!(
+        wait_until(WAIT, || c.scontrol(&["show", "reservation", "multiplex-gate"]).is_ok()),
+        "the gate is back"
+    );
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn with_every_daemon_down_a_multiplexed_job_starts_once_the_gates_lease_lapses() {
+    let c = Cluster::from_env();
+    let bound = lease(&c) + Duration::from_secs(15);
+    let stopped = [c.stop_daemon("n1"), c.stop_daemon("n2")];
+    let down = Instant::now();
+    let job = c.submit(&[
+        "--multiplex=app=itest-failopen",
+        "--gres=gpu:1",
+        &out_arg(&c, "failopen"),
+        "--wrap",
+        ENV_DUMP,
+    ]);
+    let _cancel = multiplex_tests::Cancel(vec![job]);
+    assert!(
+        wait_until(bound, || c.show_job(job)["JobState"] != "PENDING"),
+        "the job still waits {:?} after every daemon stopped (bound: the lease and a pass, {bound:?}): {:?}",
+        down.elapsed(),
+        c.show_job(job)
+    );
+    let rec = c.wait(job, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    let out = c.output(&rec);
+    assert!(
+        out.contains("multiplex: not recorded, running where Slurm started it: cannot connect"),
+        "the job says why: {out}"
+    );
+    drop(stopped);
+    // Back: the next job is claimed again.
+    let job = c.submit(&[
+        "--multiplex=app=itest-failopen",
+        "--gres=gpu:1",
+        "--output=/dev/null",
+        "--wrap",
+        "true",
+    ]);
+    let rec = c.wait(job, WAIT);
+    assert!(rec["AdminComment"].contains(" | multiplex: claimed for "), "{rec:?}");
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_pinned_to_a_slot_taken_meanwhile_is_claimed_again_where_one_is_free() {
+    let c = Cluster::from_env();
+    let claimer = c.stop_daemon("n1");
+    // Two jobs fill n1's GPU 1, pinned there by hand.
+    let sub = |app: &str, script: &str| {
+        c.submit(&[
+            &format!("--multiplex=app={app}"),
+            "--gres=gpu:1",
+            &out_arg(&c, "taken"),
+            "--wrap",
+            script,
+        ])
+    };
+    let fillers = [sub("itest-taken-f", "sleep 300"), sub("itest-taken-f", "sleep 300")];
+    let mut cancel = multiplex_tests::Cancel(fillers.to_vec());
+    for f in fillers {
+        assert!(
+            wait_until(WAIT, || c.show_job(f)["Reason"] == "Licenses"),
+            "{:?}",
+            c.show_job(f)
+        );
+        claim_by_hand(&c, f, "n1", "v100_1", false).unwrap();
+    }
+    assert!(
+        wait_until(WAIT, || fillers.iter().all(|&f| c.show_job(f)["JobState"] == "RUNNING")),
+        "{:?}",
+        fillers.map(|f| c.show_job(f))
+    );
+    // A third job pinned to the same, full GPU: its slot was taken before Slurm could start it.
+    let job = sub(
+        "itest-taken",
+        &format!("{ENV_DUMP}; {ALLOCATION}; {}", probe_devices(&c)),
+    );
+    cancel.0.push(job);
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["Reason"] == "Licenses"),
+        "{:?}",
+        c.show_job(job)
+    );
+    claim_by_hand(&c, job, "n1", "v100_1", false).unwrap();
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["Reason"] == "Resources"),
+        "{:?}",
+        c.show_job(job)
+    );
+    // The claimer, back, sees a pin that has not started for its grace period, and claims the
+    // job again for a free GPU (where Slurm before 23.02.6 merges gres updates, one of the same
+    // index: n2's GPU 1).
+    let back = Instant::now();
+    drop(claimer);
+    let rec = c.wait(job, WAIT + multiplexd::claimer::PIN_GRACE);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    assert!(
+        back.elapsed() >= multiplexd::claimer::PIN_GRACE,
+        "it waited for the pin's grace period"
+    );
+    let env = env_of(&c.output(&rec));
+    assert_fenced_to_its_gpu(&c, "the job claimed again", job, &env);
+    assert_ne!(
+        (rec["NodeList"].as_str(), env["MULTIPLEX_GPU"].as_str()),
+        ("n1", "1"),
+        "{rec:?}"
+    );
+    drop(cancel);
+    assert_no_shard_leaked(&c);
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_claimer_killed_amid_a_burst_claims_every_job_once_it_is_back() {
+    let c = Cluster::from_env();
+    assert_no_shard_leaked(&c);
+    // On n2: n1's daemon, the claimer, also records n1's jobs, and a job that starts there
+    // while it is down runs unrecorded (as it should).
+    let (jobs, cancel) = submit_at_once(&c, 4, |i| {
+        vec![
+            format!("--multiplex=app=itest-killed{i}"),
+            "--gres=gpu:1".into(),
+            "-w".into(),
+            "n2".into(),
+            out_arg(&c, "killed"),
+            "--wrap".into(),
+            format!("{ENV_DUMP}; {ALLOCATION}; {}; sleep 10", probe_devices(&c)),
+        ]
+    });
+    // SIGKILL while the claimer looks at the burst: some jobs may be claimed, one perhaps half
+    // (on 22.05 a claim is two updates), the others not yet.
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = c.kill_daemon("n1");
+    std::thread::sleep(Duration::from_secs(2));
+    drop(killed);
+    let mut per_gpu = std::collections::BTreeMap::<String, u32>::new();
+    for &job in &jobs {
+        let rec = c.wait(job, WAIT);
+        assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+        let env = env_of(&c.output(&rec));
+        assert_fenced_to_its_gpu(&c, "a job of the burst", job, &env);
+        *per_gpu.entry(env["MULTIPLEX_GPU"].clone()).or_default() += 1;
+    }
+    // n2's two GPUs, two slots each: every slot claimed once.
+    assert_eq!(per_gpu.values().copied().collect::<Vec<_>>(), [2, 2], "{per_gpu:?}");
+    drop(cancel);
+    assert_no_shard_leaked(&c);
 }
 
 #[test]
@@ -1319,6 +1517,9 @@ fn check_config_says_what_disagrees_with_slurm() {
     assert!(!text.contains("error:"), "{text}");
     for want in [
         "ok: GPUs 0, 1 of multiplexd.toml are in gres.conf",
+        "ok: each GPU's gpu and shard lines in gres.conf carry its own Type",
+        "ok: cgroup.conf has ConstrainDevices=yes",
+        "ok: slurmctld has 100000 of the gate's license multiplex",
         "ok: slurmctld gives n1 gpu:2,shard:4",
         "ok: plugstack.conf's socket is",
         // This cluster's nodes are in the default partition too.
@@ -1339,6 +1540,7 @@ fn check_config_says_what_disagrees_with_slurm() {
     assert_eq!(code, Some(1), "{text}");
     for want in [
         "error: multiplexd.toml lists GPU 5 that gres.conf does not give node n1",
+        "error: the claimer cannot name this node's GPUs to Slurm: GPU 5's gpu line has Type=none, not v100_5",
         "error: jobs_per_gpu = 3 but gres.conf's shards disagree",
         "wants shard:6",
         "error: plugstack.conf sends this node's jobs to",
@@ -1382,7 +1584,6 @@ fn promql(port: u16, query: &str) -> Option<f64> {
     let v: serde_json::Value = serde_json::from_str(&body).ok()?;
     v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
 }
-
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn a_real_prometheus_scrapes_what_the_daemons_count() {
@@ -1404,7 +1605,8 @@ fn a_real_prometheus_scrapes_what_the_daemons_count() {
     let text = http_get(port_of(&targets[0]), "/metrics").expect("GET /metrics answers 200");
     for name in [
         "multiplexd_slots_per_gpu 2",
-        "# TYPE multiplexd_placements counter",
+        "# TYPE multiplexd_starts counter",
+        "# TYPE multiplexd_claims counter",
         "multiplexd_history_jobs",
     ] {
         assert!(text.contains(name), "{name:?} not in:\n{text}");
@@ -1447,7 +1649,9 @@ fn a_real_prometheus_scrapes_what_the_daemons_count() {
         "both targets up: {:?}",
         std::fs::read_to_string(dir.join("prometheus.log"))
     );
-    let placed = || promql(port, "sum(multiplexd_placements_total{outcome=\"placed\"})").unwrap_or(0.0);
+    let placed = || promql(port, "sum(multiplexd_starts_total{outcome=\"claimed\"})").unwrap_or(0.0);
+    let claims = || promql(port, "sum(multiplexd_claims_total{outcome=\"claimed\"})").unwrap_or(0.0);
+    let claimed_before = claims();
     let before = placed();
     let job = c.submit(&[
         "--multiplex=app=itest-metrics",
@@ -1459,11 +1663,16 @@ fn a_real_prometheus_scrapes_what_the_daemons_count() {
     assert_eq!(c.wait(job, WAIT)["JobState"], "COMPLETED");
     assert!(
         wait_until(WAIT, || placed() > before),
-        "the placement reached Prometheus: {before} -> {}",
+        "the claimed start reached Prometheus: {before} -> {}",
         placed()
     );
-    let served = promql(port, "sum(multiplexd_request_seconds_count{kind=\"place\"})").unwrap_or(0.0);
-    assert!(served >= 1.0, "placement latency is recorded: {served}");
+    assert!(
+        claims() > claimed_before,
+        "the claim is counted: {claimed_before} -> {}",
+        claims()
+    );
+    let served = promql(port, "sum(multiplexd_request_seconds_count{kind=\"start\"})").unwrap_or(0.0);
+    assert!(served >= 1.0, "start latency is recorded: {served}");
     assert_eq!(promql(port, "max(multiplexd_slots_per_gpu)"), Some(2.0));
     // The shipped alerting rules load and evaluate against these metrics.
     let rules_healthy = || {
@@ -1503,16 +1712,17 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
         "--gres=gpu:1",
         &out_arg(&c, "sacct"),
         "--wrap",
-        &env_dump_until_noted(),
+        ENV_DUMP,
     ]);
     let rec = c.wait(job, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     let env = env_of(&c.output(&rec));
-    // The tag job_submit wrote, then where the daemon ran it: slurmdbd's record, as sacct
-    // reads it from MariaDB once the job has ended.
+    // The tag job_submit wrote, the claimer's note, and the GPU Slurm allocated: slurmdbd's
+    // record, as sacct reads it from MariaDB once the job has ended.
+    let gpu = &env["MULTIPLEX_GPU"];
     let want = format!(
-        "{job}|COMPLETED|multiplex:app=itest-sacct | multiplex: runs on GPU {} ",
-        env["MULTIPLEX_GPU"]
+        "{job}|COMPLETED|multiplex:app=itest-sacct | multiplex: claimed for {} GPU v100_{gpu} ",
+        rec["NodeList"]
     );
     let sacct = || {
         let out = std::process::Command::new("sacct")
@@ -1536,17 +1746,15 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
     );
 }
 
-/// Teaches both daemons a history through `multiplexd import`: `pairs` are (app, other,
-/// speed of app, speed of other), each seen 5 times.
-/// Every slot of both nodes runs a job of `x` (`sleep_s` long), the last one, on n1, until the
+/// Every slot of both nodes runs a job of `x` (`sleep_s` long), the last one until the
 /// returned file appears; returns once all run, with the jobs (that one last) to cancel.
 fn fill_every_slot(c: &Cluster, x: &str, tag: &str, sleep_s: u32) -> (multiplex_tests::Cancel, std::path::PathBuf) {
     let release = c.path(&format!("{tag}-release"));
     let _ = std::fs::remove_file(&release);
     let wait_for_release = format!("while [ ! -e {} ]; do sleep 0.2; done", release.display());
     let mut jobs = Vec::new();
-    for node in ["n1", "n1", "n1", "n2", "n2", "n2", "n2", "n1"] {
-        let script = if jobs.len() == 7 {
+    for i in 0..8 {
+        let script = if i == 7 {
             wait_for_release.clone()
         } else {
             format!("sleep {sleep_s}")
@@ -1554,8 +1762,6 @@ fn fill_every_slot(c: &Cluster, x: &str, tag: &str, sleep_s: u32) -> (multiplex_
         jobs.push(c.submit(&[
             &format!("--multiplex=app={x}"),
             "--gres=gpu:1",
-            "-w",
-            node,
             &out_arg(c, tag),
             "--wrap",
             &script,
@@ -1572,6 +1778,8 @@ fn fill_every_slot(c: &Cluster, x: &str, tag: &str, sleep_s: u32) -> (multiplex_
     (cancel, release)
 }
 
+/// Teaches both daemons a history through `multiplexd import`: `pairs` are (app, other,
+/// speed of app, speed of other), each seen 5 times.
 fn import_pairs(c: &Cluster, pairs: &[(&str, &str, f64, f64)]) {
     let rows: Vec<String> = pairs
         .iter()
@@ -1582,7 +1790,7 @@ fn import_pairs(c: &Cluster, pairs: &[(&str, &str, f64, f64)]) {
             )
         })
         .collect();
-    let file = c.path("steer-history.json");
+    let file = c.path("itest-history.json");
     std::fs::write(
         &file,
         format!(
@@ -1605,25 +1813,20 @@ fn import_pairs(c: &Cluster, pairs: &[(&str, &str, f64, f64)]) {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
+fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_and_a_losing_one_waits_unstarted() {
     let c = Cluster::from_env();
-    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
-    assert!(
-        config.contains("[steer]"),
-        "the daemons do not steer: start the cluster with tests/cluster/up --steer 8 (as tests/run does)"
-    );
-    // Beside x, a loses (0.3 each: the daemon declines it) and b gains (0.9 each).
-    let (x, a, b) = ("itest-steer-x", "itest-steer-a", "itest-steer-b");
+    // Beside x, a loses (0.3 each: never worth a claim) and b gains (0.9 each).
+    let (x, a, b) = ("itest-pair-x", "itest-pair-a", "itest-pair-b");
     import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
-    let (mut cancel, release) = fill_every_slot(&c, x, "steer", 120);
-    // a first in Slurm's order, then b; neither may start before the short x ends.
+    let (mut cancel, release) = fill_every_slot(&c, x, "pair", 120);
+    // a first in Slurm's order, then b: both wait behind the gate.
     let pending: Vec<u32> = [a, b]
         .iter()
         .map(|app| {
             c.submit(&[
                 &format!("--multiplex=app={app}"),
                 "--gres=gpu:1",
-                &out_arg(&c, "steer"),
+                &out_arg(&c, "pair"),
                 "--wrap",
                 "sleep 30",
             ])
@@ -1631,274 +1834,35 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best_without_a_decline() {
         .collect();
     cancel.0.extend(&pending);
     let (ja, jb) = (pending[0], pending[1]);
-    // Both wait, a first in Slurm's order (priority, then the earlier submission: on 24.11 both
-    // have priority 1). Reasons: a Resources and b Priority, or, with close on, ReqNodeNotAvail
-    // for both once the full nodes closed ahead of a freed slot (each would decline a, Slurm's
-    // next, if Slurm started it there before the daemon raised b).
-    let waiting = |job: &std::collections::HashMap<String, String>, first: bool| {
-        let reason = job["Reason"].as_str();
-        reason == (if first { "Resources" } else { "Priority" }) || reason.starts_with("ReqNodeNotAvail")
-    };
     assert!(
-        wait_until(WAIT, || {
-            let (ra, rb) = (c.show_job(ja), c.show_job(jb));
-            waiting(&ra, true)
-                && waiting(&rb, false)
-                && ra["Priority"].parse::<u64>().ok() >= rb["Priority"].parse::<u64>().ok()
-                && ja < jb
-        }),
-        "a and b wait for a slot, a first: {:?} {:?}",
+        wait_until(WAIT, || [ja, jb].iter().all(|&j| c.show_job(j)["Reason"] == "Licenses")),
+        "a and b wait for a claim: {:?} {:?}",
         c.show_job(ja),
         c.show_job(jb)
     );
-    // With close on, the full n1 closes ahead of a freed slot (it looks every look_ms): else
-    // slurmctld may start a on the freed slot before slurmstepd tells the daemon of the end.
-    if config.contains("close = true") {
-        let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
-        assert!(
-            wait_until(WAIT, || reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
-            "the full n1 closes ahead of a freed slot: {:?}",
-            reservation()
-        );
-    }
+    // The short x ends: its slot goes to b, which pairs well with the x left there, ahead of
+    // a; a is never started to find out.
     std::fs::write(&release, "").unwrap();
     assert!(
         wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
         "b takes the freed slot: {:?}",
         c.show_job(jb)
     );
+    std::thread::sleep(Duration::from_secs(3));
     let (ra, rb) = (c.show_job(ja), c.show_job(jb));
-    assert_eq!(rb["NodeList"], "n1", "{rb:?}");
-    assert_eq!(ra["JobState"], "PENDING", "{ra:?}");
-    assert_eq!(ra["Restarts"], "0", "a was never started to be declined: {ra:?}");
-    // b's raised priority was given back once it started.
-    assert!(
-        wait_until(Duration::from_secs(10), || c.show_job(jb)["Nice"] == "0"),
-        "{:?}",
-        c.show_job(jb)
+    assert!(rb["AdminComment"].contains(" beside job "), "{rb:?}");
+    assert_eq!(
+        (ra["JobState"].as_str(), ra["Reason"].as_str(), ra["Restarts"].as_str()),
+        ("PENDING", "Licenses", "0"),
+        "{ra:?}"
     );
-    assert_eq!(c.show_job(ja)["Nice"], "0");
-    let steered: Vec<String> = std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
+    let claimed: Vec<String> = std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
         .unwrap()
         .lines()
-        .filter(|l| l.contains("steered") && l.contains(&format!("job={jb}")))
+        .filter(|l| l.contains(" claimed ") && l.contains(&format!("job={jb} ")))
         .map(String::from)
         .collect();
-    assert_eq!(steered.len(), 1, "n1's daemon says it steered b once: {steered:?}");
-}
-
-#[test]
-#[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_node_that_would_decline_every_pending_job_closes_to_slurm_until_it_would_take_one() {
-    let c = Cluster::from_env();
-    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
-    assert!(
-        config.contains("close = true"),
-        "the daemons do not close their nodes: start the cluster with tests/cluster/up --steer 8 --close (as tests/run does)"
-    );
-    // Beside x, a loses (0.3 each: the daemon would decline it) and b gains (0.9 each).
-    let (x, a, b) = ("itest-close-x", "itest-close-a", "itest-close-b");
-    import_pairs(&c, &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9)]);
-    let (mut cancel, release) = fill_every_slot(&c, x, "close", 150);
-    let jobs = cancel.0.clone();
-    let ja = c.submit(&[
-        &format!("--multiplex=app={a}"),
-        "--gres=gpu:1",
-        &out_arg(&c, "close"),
-        "--wrap",
-        "sleep 30",
-    ]);
-    cancel.0.push(ja);
-    // a waits: for a slot, or already for a node that closed itself before Slurm looked at a
-    // (the reservation's reason).
-    assert!(
-        wait_until(WAIT, || {
-            let reason = c.show_job(ja)["Reason"].clone();
-            reason == "Resources" || reason.starts_with("ReqNodeNotAvail")
-        }),
-        "a waits for a slot: {:?}",
-        c.show_job(ja)
-    );
-    // n1 would decline a whichever of its x ends: it closes itself to Slurm ahead of a freed
-    // slot (Slurm may start a there before slurmstepd tells the daemon of the end).
-    let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
-    assert!(
-        wait_until(WAIT, || reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
-        "n1 closes itself: {:?}",
-        reservation()
-    );
-    // The short x ends: n1 has a free slot, and stays closed.
-    std::fs::write(&release, "").unwrap();
-    assert!(
-        wait_until(WAIT, || c.show_job(jobs[7])["JobState"] == "COMPLETED"),
-        "{:?}",
-        c.show_job(jobs[7])
-    );
-    // Slurm's scheduler passes over a on n1 for a while.
-    std::thread::sleep(Duration::from_secs(5));
-    let ra = c.show_job(ja);
-    assert_eq!(ra["JobState"], "PENDING", "{ra:?}");
-    assert_eq!(ra["Restarts"], "0", "a was never started to be declined: {ra:?}");
-    // b pairs well with x: n1's daemon sees it in the queue, has Slurm start it first, and
-    // opens n1 again.
-    let jb = c.submit(&[
-        &format!("--multiplex=app={b}"),
-        "--gres=gpu:1",
-        &out_arg(&c, "close"),
-        "--wrap",
-        "sleep 30",
-    ]);
-    cancel.0.push(jb);
-    assert!(
-        wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
-        "b takes the free slot: {:?} {:?}",
-        c.show_job(jb),
-        reservation()
-    );
-    let (ra, rb) = (c.show_job(ja), c.show_job(jb));
-    assert_eq!(rb["NodeList"], "n1", "{rb:?}");
-    assert_eq!(rb["Restarts"], "0", "{rb:?}");
-    assert_eq!(
-        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
-        ("PENDING", "0"),
-        "{ra:?}"
-    );
-    assert!(
-        wait_until(WAIT, || !reservation().is_ok_and(|r| r.contains("State=ACTIVE"))),
-        "n1 is open again: {:?}",
-        reservation()
-    );
-    let log = std::fs::read_to_string(c.path("log/multiplexd-n1.log")).unwrap();
-    for says in ["closed: this node would decline", "opened: this node would take"] {
-        assert!(log.contains(says), "n1's daemon says {says:?}:\n{log}");
-    }
-}
-
-#[test]
-#[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_node_opening_for_one_job_defers_the_next_it_would_decline_then_closes_without_a_decline() {
-    let c = Cluster::from_env();
-    let config = std::fs::read_to_string(c.path("multiplexd/n1/multiplexd.toml")).unwrap();
-    assert!(
-        config.contains("close = true") && !config.contains("anticipate = 0"),
-        "the daemons do not close their nodes, or do not anticipate: start the cluster with tests/cluster/up --steer 8 --close (as tests/run does)"
-    );
-    // Beside x, a loses (0.3 each: the daemon would decline it) and b gains (0.9 each); a
-    // beside b loses too.
-    let (x, a, b) = ("itest-antic-x", "itest-antic-a", "itest-antic-b");
-    import_pairs(
-        &c,
-        &[(x, x, 0.8, 0.8), (x, a, 0.3, 0.3), (x, b, 0.9, 0.9), (a, b, 0.3, 0.3)],
-    );
-    // Every slot runs an x; on n1 each waits for a file of its own.
-    let dir = c.path("antic");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut cancel = multiplex_tests::Cancel(Vec::new());
-    for node in ["n2", "n2", "n2", "n2", "n1", "n1", "n1", "n1"] {
-        let script = if node == "n1" {
-            format!(
-                "while [ ! -e {}/release-$SLURM_JOB_ID ]; do sleep 0.2; done",
-                dir.display()
-            )
-        } else {
-            "sleep 150".to_string()
-        };
-        cancel.0.push(c.submit(&[
-            &format!("--multiplex=app={x}"),
-            "--gres=gpu:1",
-            "-w",
-            node,
-            &out_arg(&c, "antic"),
-            "--wrap",
-            &script,
-        ]));
-    }
-    let xs = cancel.0.clone();
-    // Where n1's daemon put each of its x (two per GPU).
-    let gpu_of = |job: u32| -> Option<u32> {
-        c.history("n1")
-            .query_row("SELECT gpu FROM jobs WHERE job_id = ?1", [job], |r| r.get(0))
-            .ok()
-    };
-    assert!(
-        wait_until(WAIT, || xs.iter().all(|&j| c.show_job(j)["JobState"] == "RUNNING")
-            && xs[4..].iter().all(|&j| gpu_of(j).is_some())),
-        "every slot runs an x: {:?}",
-        xs.iter()
-            .map(|&j| c.show_job(j)["JobState"].clone())
-            .collect::<Vec<_>>()
-    );
-    let on = |gpu: u32| xs[4..].iter().copied().find(|&j| gpu_of(j) == Some(gpu)).unwrap();
-    let (end0, end1) = (on(0), on(1));
-    // a waits, and n1 closes ahead of a freed slot (it would decline a beside either x).
-    let ja = c.submit(&[
-        &format!("--multiplex=app={a}"),
-        "--gres=gpu:1",
-        &out_arg(&c, "antic"),
-        "--wrap",
-        "sleep 30",
-    ]);
-    cancel.0.push(ja);
-    let reservation = || c.scontrol(&["show", "reservation", "multiplex-n1"]);
-    let closed = || reservation().is_ok_and(|r| r.contains("State=ACTIVE"));
-    assert!(wait_until(WAIT, closed), "n1 closes itself: {:?}", reservation());
-    // One x ends on each GPU: n1 has two free slots, each beside an x, and stays closed.
-    for j in [end0, end1] {
-        std::fs::write(dir.join(format!("release-{j}")), "").unwrap();
-    }
-    assert!(
-        wait_until(WAIT, || [end0, end1]
-            .iter()
-            .all(|&j| c.show_job(j)["JobState"] == "COMPLETED")),
-        "{:?} {:?}",
-        c.show_job(end0),
-        c.show_job(end1)
-    );
-    std::thread::sleep(Duration::from_secs(3));
-    let ra = c.show_job(ja);
-    assert_eq!(
-        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
-        ("PENDING", "0"),
-        "{ra:?}"
-    );
-    // b pairs well with x: n1 raises it and opens for it. The pass that starts b would offer
-    // the slot still free to a, which n1 would decline beside x: a is deferred before n1
-    // opens, and once b runs n1 closes again and takes the deferral back.
-    let jb = c.submit(&[
-        &format!("--multiplex=app={b}"),
-        "--gres=gpu:1",
-        &out_arg(&c, "antic"),
-        "--wrap",
-        "sleep 60",
-    ]);
-    cancel.0.push(jb);
-    assert!(
-        wait_until(WAIT, || c.show_job(jb)["JobState"] == "RUNNING"),
-        "b takes a free slot: {:?} {:?}",
-        c.show_job(jb),
-        reservation()
-    );
-    assert_eq!(c.show_job(jb)["NodeList"], "n1");
-    let log = || std::fs::read_to_string(c.path("log/multiplexd-n1.log")).unwrap();
-    let anticipated = format!("job={jb} deferred=[{ja}]");
-    assert!(
-        wait_until(WAIT, || log().lines().any(
-            |l| l.contains("anticipated start seen") && l.contains(&format!("job={jb}"))
-        )),
-        "n1's daemon deferred a while it opened for b, and took it back once b ran:\n{}",
-        log()
-    );
-    assert!(log().contains(&anticipated), "{anticipated:?}:\n{}", log());
-    assert!(wait_until(WAIT, closed), "n1 closed again: {:?}", reservation());
-    // a was never started to be declined, and waits for a slot again, not for a begin time.
-    std::thread::sleep(Duration::from_secs(3));
-    let ra = c.show_job(ja);
-    assert_eq!(
-        (ra["JobState"].as_str(), ra["Restarts"].as_str()),
-        ("PENDING", "0"),
-        "{ra:?}"
-    );
-    assert_ne!(ra["Reason"], "BeginTime", "{ra:?}");
+    assert_eq!(claimed.len(), 1, "n1's daemon says it claimed b once: {claimed:?}");
 }
 
 /// A job script that "trains" at `speed` of 100 iterations a second for 3 s, reports its
@@ -1913,7 +1877,7 @@ fn training(c: &Cluster, speed: f64, rest: u32) -> String {
 
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
-fn a_job_measured_to_lose_beside_its_partner_is_requeued_to_run_apart() {
+fn a_job_measured_to_lose_beside_its_partner_is_given_back_and_claimed_again_apart() {
     let c = Cluster::from_env();
     let submit = |app: &str, mem: &str, script: String| {
         c.submit(&[
@@ -1981,35 +1945,26 @@ fn a_job_measured_to_lose_beside_its_partner_is_requeued_to_run_apart() {
     );
     assert!(ok, "{text}{err}");
     assert!(text.contains("requeued to run apart"), "{text}");
-    // y waits as long as a declined job (decline_retry_s, 5 s here), not Slurm's own requeue
-    // delay (121 s): once the requeue completed, n1's daemon set when it may start again.
-    let held = || {
-        std::fs::read_to_string(c.path("log/multiplexd-n1.log"))
-            .unwrap()
-            .lines()
-            .any(|l| {
-                l.contains("given back: Slurm may start it again in 5 s")
-                    && l.split_whitespace().any(|w| w == format!("job={y}"))
-            })
-    };
-    assert!(wait_until(Duration::from_secs(40), held), "{:?}", c.show_job(y));
-    let eligible = c.show_job(y)["EligibleTime"].clone();
-    let out = std::process::Command::new("date")
-        .args(["-d", &eligible, "+%s"])
-        .output()
-        .unwrap();
-    let at: i64 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("{eligible:?}"));
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
+    // Requeued, y waits for its pin to go stale (the claimer's grace period), not for Slurm's
+    // own requeue delay (121 s): the claimer claims it again and lets it start at once,
+    // apart from x.
+    let given_back = Instant::now();
     assert!(
-        at - now <= 45,
-        "y may start again only in {} s (EligibleTime {eligible}): Slurm's requeue delay, not the daemon's",
-        at - now
+        wait_until(WAIT + multiplexd::claimer::PIN_GRACE, || c.show_job(y)["JobState"]
+            == "RUNNING"),
+        "y runs again: {:?}",
+        c.show_job(y)
+    );
+    assert!(
+        given_back.elapsed() < Duration::from_secs(100),
+        "{:?}",
+        given_back.elapsed()
+    );
+    let ry = c.show_job(y);
+    let gpu_x = c.job_gpu(x);
+    assert!(
+        ry["NodeList"] != "n1" || c.job_gpu(y) != gpu_x,
+        "y runs apart from x: {ry:?} (x on n1 GPU {gpu_x:?})"
     );
     let state = c.node_state("n1");
     assert!(!state.starts_with("drain"), "n1 is {state}");

@@ -159,6 +159,58 @@ impl Cluster {
         stop_daemon(&self.state, node)
     }
 
+    /// Kills node `node`'s multiplexd with SIGKILL (by its pid file), as a crash or the OOM
+    /// killer would: it leaves its socket file behind. Dropping the guard starts it again.
+    pub fn kill_daemon(&self, node: &str) -> DaemonStopped {
+        let pid = std::fs::read_to_string(self.state.join(format!("run/multiplexd-{node}.pid")))
+            .expect("multiplexd pid file");
+        let pid: libc::pid_t = pid.trim().parse().expect("a pid in the pid file");
+        // SAFETY: kill(2) with a pid read from the daemon's own pid file and a plain signal.
+        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+        assert_eq!(
+            rc,
+            0,
+            "kill -9 multiplexd {node} ({pid}): {}",
+            std::io::Error::last_os_error()
+        );
+        assert!(
+            wait_until(Duration::from_secs(10), || exited(pid)),
+            "multiplexd {node} ({pid}) died"
+        );
+        DaemonStopped {
+            state: self.state.clone(),
+            node: node.to_string(),
+        }
+    }
+
+    /// The index of the GPU whose shard Slurm allocated to `job`, from `scontrol show job -d`
+    /// (its allocation's detail); `None` while it has none.
+    pub fn job_gpu(&self, job: u32) -> Option<u32> {
+        let out = Command::new("scontrol")
+            .args(["show", "job", "-d", "-o", &job.to_string()])
+            .output()
+            .expect("run scontrol");
+        multiplexd::slurm::parse_job_gpu(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// How many shards slurmctld counts as allocated on the cluster's nodes (`sinfo -O
+    /// GresUsed`): 0 once every job ended, unless a claim leaked one.
+    pub fn shards_in_use(&self) -> u32 {
+        let out = Command::new("sinfo")
+            .args(["-h", "-N", "-O", "GresUsed:200"])
+            .output()
+            .expect("run sinfo");
+        let text = String::from_utf8_lossy(&out.stdout);
+        // Entries such as shard:v100_0:1(IDX:0) or shard:v100_1:0(0/2).
+        text.split(|c: char| c == ',' || c.is_whitespace())
+            .filter_map(|e| e.strip_prefix("shard:"))
+            .filter_map(|e| {
+                let before = e.split('(').next().unwrap_or("");
+                before.rsplit(':').next().and_then(|n| n.parse::<u32>().ok())
+            })
+            .sum()
+    }
+
     /// Runs node `node`'s multiplexd with the configuration `edit` makes of its own until the
     /// guard is dropped, which runs it with its own again. Panics if `edit` changes nothing:
     /// a test would otherwise pass on a configuration it did not mean.
@@ -269,6 +321,14 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Whether process `pid` is gone (one this process started and never waited for stays a
+/// zombie: that counts as gone).
+fn exited(pid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
+        .unwrap_or(true)
+}
+
 /// Node `node`'s multiplexd configuration in the cluster in `state`, as tests/cluster/up writes it.
 fn config_path(state: &Path, node: &str) -> PathBuf {
     state.join(format!("multiplexd/{node}/multiplexd.toml"))
@@ -294,14 +354,9 @@ fn stop_daemon(state: &Path, node: &str) -> DaemonStopped {
         "multiplexd {node} removed its socket on SIGTERM"
     );
     // It holds its metrics port until it exits: a daemon started again before then cannot
-    // listen there, and stops. (One this process started and never waited for stays a zombie.)
-    let exited = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
-            .unwrap_or(true)
-    };
+    // listen there, and stops.
     assert!(
-        wait_until(Duration::from_secs(10), exited),
+        wait_until(Duration::from_secs(10), || exited(pid)),
         "multiplexd {node} ({pid}) exited after SIGTERM"
     );
     DaemonStopped {
@@ -358,8 +413,10 @@ impl Drop for DaemonStopped {
             child.id().to_string(),
         )
         .expect("write multiplexd pid file");
+        // Listening, not merely there: a killed daemon left its socket file behind.
         let socket = self.state.join(format!("multiplexd/{node}.sock"));
-        if !wait_until(Duration::from_secs(5), || socket.exists()) && !std::thread::panicking() {
+        let listening = || std::os::unix::net::UnixStream::connect(&socket).is_ok();
+        if !wait_until(Duration::from_secs(5), listening) && !std::thread::panicking() {
             panic!("multiplexd {node} did not come back");
         }
     }
