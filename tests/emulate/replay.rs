@@ -76,17 +76,16 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 1800.0)]
     timeout: f64,
     /// The cluster's log directory: the daemons' logs (`multiplexd-*.log`) say each time they
-    /// steered, deferred or closed their node, or gave a job back to run apart; counted at the end. Without it those counts
-    /// read 0 (they are not seen from the jobs' side).
+    /// claimed a pending job for a GPU or gave a running one back to run apart; counted at
+    /// the end. Without it those counts read 0 (they are not seen from the jobs' side).
     #[arg(long)]
     daemon_logs: Option<PathBuf>,
 }
 
-/// What the daemons' logs under `dir` say they did: (steered, deferred, closures, jobs given
-/// back to run apart), each counted by the line its daemon logs for it (`tracing`'s message
-/// text).
-fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64, u64), String> {
-    let mut counts = (0, 0, 0, 0);
+/// What the daemons' logs under `dir` say they did: (claims, jobs given back to run apart),
+/// each counted by the line its daemon logs for it (`tracing`'s message text).
+fn actions_in_logs(dir: &Path) -> Result<(u64, u64), String> {
+    let mut counts = (0, 0);
     let entries = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for e in entries.flatten() {
         let name = e.file_name();
@@ -96,14 +95,10 @@ fn steering_in_logs(dir: &Path) -> Result<(u64, u64, u64, u64), String> {
         }
         let text = fs::read_to_string(e.path()).map_err(|err| format!("{}: {err}", e.path().display()))?;
         for line in text.lines() {
-            if line.contains(" steered: ") {
+            if line.contains("multiplexd::claimer: claimed job=") {
                 counts.0 += 1;
-            } else if line.contains(" deferred: ") {
-                counts.1 += 1;
-            } else if line.contains(" closed: ") {
-                counts.2 += 1;
             } else if line.contains(" requeued to run apart: ") {
-                counts.3 += 1;
+                counts.1 += 1;
             }
         }
     }
@@ -346,19 +341,6 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
     }
     let wall_s = started.elapsed().as_secs_f64();
 
-    // Declines: each requeue leaves its one line in the job's output (opened for appending).
-    let mut declines_per_job = Vec::new();
-    for e in fs::read_dir(&dir).map_err(|e| e.to_string())?.flatten() {
-        if e.path().extension().is_some_and(|x| x == "out") {
-            let n = fs::read_to_string(e.path())
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| l.starts_with("multiplex: requeued"))
-                .count();
-            declines_per_job.push(n as u32);
-        }
-    }
-    let declines = declines_per_job.iter().map(|&n| u64::from(n)).sum::<u64>();
     // Busy time per GPU: the union of its runs (failed ones too); work done: every job's.
     let mut by_gpu: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
     for r in &runs {
@@ -382,10 +364,10 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
             busy += ce - cs;
         }
     }
-    // Not seen from the jobs' side: the daemons log each time they steer, defer or close.
-    let (steered, deferred, closures, separations) = match &a.daemon_logs {
-        Some(dir) => steering_in_logs(dir)?,
-        None => (0, 0, 0, 0),
+    // Not seen from the jobs' side: the daemons log each claim and each job given back.
+    let (claims, separations) = match &a.daemon_logs {
+        Some(dir) => actions_in_logs(dir)?,
+        None => (0, 0),
     };
     let outcome = Outcome {
         jobs: jobs
@@ -396,13 +378,8 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
             })
             .collect(),
         oom_failures: ooms,
-        declines,
-        // One count per job's output file (the order is not the trace's; only the most is used).
-        declines_per_job,
-        steered,
-        deferred,
-        closures,
         separations,
+        claims,
         speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
         busy_seconds: busy * scale,
     };
@@ -420,12 +397,12 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
     )
     .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
     eprintln!(
-        "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} declines",
+        "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} claims",
         a.label,
         jobs.len(),
         run.summary.avg_jct_s,
         ooms,
-        declines
+        claims
     );
     Ok(())
 }
@@ -488,15 +465,11 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             makespan_s: get("makespan_s"),
             avg_wait_s: get("avg_wait_s"),
             oom_failures: get("oom_failures") as u64,
-            declines: get("declines") as u64,
             throughput_per_gpu: get("throughput_per_gpu"),
             last_fifth_avg_jct_s: get("last_fifth_avg_jct_s"),
-            most_declines: get("most_declines") as u32,
             p99_wait_s: get("p99_wait_s"),
-            steered: get("steered") as u64,
-            deferred: get("deferred") as u64,
-            closures: get("closures") as u64,
             separations: get("separations") as u64,
+            claims: get("claims") as u64,
         },
         v,
     ))
@@ -570,21 +543,12 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
             );
             println!(
                 "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "declines",
-                p.declines,
-                d.declines,
+                "claims",
+                p.claims,
+                d.claims,
                 "",
-                num(sp, "declines"),
-                num(sd, "declines")
-            );
-            println!(
-                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "steered / closed",
-                format!("{} / {}", p.steered, p.closures),
-                format!("{} / {}", d.steered, d.closures),
-                "",
-                format!("{} / {}", num(sp, "steered"), num(sp, "closures")),
-                format!("{} / {}", num(sd, "steered"), num(sd, "closures"))
+                num(sp, "claims"),
+                num(sd, "claims")
             );
             println!(
                 "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
@@ -610,9 +574,9 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                     .and_then(Value::as_f64)
                     .map_or(String::new(), |x| format!("{x:.1}"))
             };
-            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,plain_declines,daemons_declines,daemons_steered,daemons_closures,daemons_separations");
+            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations");
             println!(
-                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{},{},{},{}",
+                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{}",
                 p.avg_jct_s,
                 d.avg_jct_s,
                 p.p95_jct_s,
@@ -623,10 +587,7 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
                 sim(sd, "avg_jct_s"),
                 sim(sp, "oom_failures"),
                 sim(sd, "oom_failures"),
-                p.declines,
-                d.declines,
-                d.steered,
-                d.closures,
+                d.claims,
                 d.separations
             );
         }
@@ -638,30 +599,38 @@ fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str)
 
 #[cfg(test)]
 mod tests {
-    use super::steering_in_logs;
+    use super::actions_in_logs;
 
     #[test]
-    fn steering_is_counted_from_the_lines_each_daemon_logs() {
+    fn claims_and_separations_are_counted_from_the_lines_each_daemon_logs() {
         let dir = tempfile::tempdir().unwrap();
-        let line = |what: &str| format!("2026-11-25T04:04:44.650599Z  INFO multiplexd::steer: {what}\n");
+        let line =
+            |target: &str, what: &str| format!("2026-11-25T04:04:44.650599Z  INFO multiplexd::{target}: {what}\n");
         let n1 = [
-            line("steered: Slurm starts this pending job next job=25 nice=-2 own_nice=0"),
-            line("closed: this node would decline the job Slurm starts next hold_s=60"),
-            line("opened: this node would take the job Slurm starts next, or none is pending"),
-            line("closed: this node would decline the job Slurm starts next hold_s=60"),
+            line("claimer", "claimed job=25 node=n1 gpu=v100_0"),
+            line("claimer", "claiming works again"),
+            line("claimer", "claimed job=26 node=n2 gpu=v100_1"),
         ];
         let n2 = [
-            line("deferred: this node would decline the job now job=7 hold_s=60"),
-            line("deferral renewed: this node would still decline the job job=7"),
-            line("steered: Slurm starts this pending job next job=9 nice=-1 own_nice=0"),
-            "2026-11-25T04:05:01.000000Z  INFO multiplexd::separate: requeued to run apart: measured beside a (job 3) job=4 gpu=0\n".to_string(),
+            line(
+                "claimer",
+                "refused: no GPU of the cluster could ever hold it job=7 reason=too big",
+            ),
+            line(
+                "separate",
+                "requeued to run apart: measured beside a (job 3) job=4 gpu=0",
+            ),
         ];
         std::fs::write(dir.path().join("multiplexd-n1.log"), n1.concat()).unwrap();
         std::fs::write(dir.path().join("multiplexd-n2.log"), n2.concat()).unwrap();
         // Slurm's own logs beside them are not the daemons'.
-        std::fs::write(dir.path().join("slurmctld.log"), line("steered: not a daemon's")).unwrap();
-        assert_eq!(steering_in_logs(dir.path()).unwrap(), (2, 1, 2, 1));
-        let e = steering_in_logs(&dir.path().join("missing")).unwrap_err();
+        std::fs::write(
+            dir.path().join("slurmctld.log"),
+            line("claimer", "claimed job=1 node=n1 gpu=x"),
+        )
+        .unwrap();
+        assert_eq!(actions_in_logs(dir.path()).unwrap(), (2, 1));
+        let e = actions_in_logs(&dir.path().join("missing")).unwrap_err();
         assert!(e.contains("missing"), "{e}");
     }
 }

@@ -3,8 +3,8 @@
 //! gives for whoever shares its GPU now (1.0 alone), so that sharing a GPU costs what it cost
 //! on the real GPU the table was measured on, and the daemons have something real to learn.
 //!
-//! Its GPU is the node (`SLURMD_NODENAME`) and the first of `CUDA_VISIBLE_DEVICES`, as the
-//! SPANK plugin (or Slurm) set them. Jobs on one GPU find each other in a registry directory:
+//! Its GPU is the node (`SLURMD_NODENAME`) and the GPU Slurm allocated (`SLURM_JOB_GPUS`, the
+//! node's own index: inside the job's device cgroup `CUDA_VISIBLE_DEVICES` counts from 0). Jobs on one GPU find each other in a registry directory:
 //! one file per running job, held under an exclusive `flock` for the job's life, so a job
 //! killed mid-run (scancel, a crash) stops counting at once and its file is cleared by the
 //! next job that looks. The emulated world is the one of `multiplex-simulate`: speed beside
@@ -60,7 +60,7 @@ struct Args {
     /// The node (default: $SLURMD_NODENAME).
     #[arg(long)]
     node: Option<String>,
-    /// The GPU (default: the first of $CUDA_VISIBLE_DEVICES).
+    /// The GPU (default: the first of $SLURM_JOB_GPUS).
     #[arg(long)]
     gpu: Option<String>,
     /// The job id (default: $SLURM_JOB_ID).
@@ -106,9 +106,9 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     let gpu = a
         .gpu
         .clone()
-        .or_else(|| env("CUDA_VISIBLE_DEVICES").map(|v| v.split(',').next().unwrap_or("").to_string()))
+        .or_else(|| env("SLURM_JOB_GPUS").map(|v| v.split(',').next().unwrap_or("").to_string()))
         .filter(|g| !g.is_empty() && g.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
-        .ok_or("no GPU: CUDA_VISIBLE_DEVICES is unset or not a device list, and no --gpu given")?;
+        .ok_or("no GPU: SLURM_JOB_GPUS is unset or not a device list, and no --gpu given")?;
     let job = a
         .job
         .or_else(|| env("SLURM_JOB_ID").and_then(|v| v.parse().ok()))
@@ -134,9 +134,8 @@ fn run(a: &Args) -> Result<ExitCode, String> {
             .join(",")
     };
     println!(
-        "standin: job {job} app {} on {node} GPU {gpu} (Slurm's shard: GPU {}), {:.1} s of work, beside [{}]",
+        "standin: job {job} app {} on {node} GPU {gpu}, {:.1} s of work, beside [{}]",
         a.app,
-        env("SLURM_JOB_GPUS").unwrap_or_else(|| "-".into()),
         a.work,
         names(&first_partners)
     );

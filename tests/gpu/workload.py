@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A real GPU job for tests/gpu/nvml-check: asks multiplexd for its GPU the way the SPANK
-plugin does (same socket protocol), does a fixed amount of work with PyTorch, reports its
-progress, tells the daemon it finished, and prints its own measured rate.
+"""A real GPU job for tests/gpu/nvml-check: tells multiplexd it starts on its GPU the way the
+SPANK plugin does (same socket protocol; Slurm's allocation is GPU $GPU_INDEX, default 0),
+does a fixed amount of work with PyTorch, reports its progress, tells the daemon it
+finished, and prints its own measured rate.
 
     workload.py SOCKET NODE JOB_ID APP ITERATIONS
 APP is "matmul" (bf16 8192^3 products, compute bound) or "stream" (large copies, memory bound).
@@ -16,7 +17,7 @@ import torch
 def call(path, request):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
-    body = json.dumps({"version": 1, "request": request}).encode()
+    body = json.dumps({"version": 2, "request": request}).encode()
     s.sendall(struct.pack(">I", len(body)) + body)
     n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
     reply = json.loads(s.recv(n, socket.MSG_WAITALL))
@@ -38,10 +39,11 @@ def main():
         step = lambda: b.copy_(a)
     step()
     torch.cuda.synchronize()
-    placed = call(path, {"type": "place", "job_id": job, "step_id": 0, "uid": 0, "app": app,
-                         "mem_mb": None, "node": node, "slurm_cuda_visible_devices": None,
-                         "slurm_job_gpus": None, "slurm_shards_on_node": None})
-    print(f"job {job} ({app}) placed: {json.dumps(placed)}", flush=True)
+    gpu = os.environ.get("GPU_INDEX", "0")
+    started = call(path, {"type": "start", "job_id": job, "step_id": 0, "uid": 0, "app": app,
+                          "mem_mb": None, "node": node, "slurm_gres": None,
+                          "slurm_job_gpus": gpu, "admin_comment": None})
+    print(f"job {job} ({app}) started: {json.dumps(started)}", flush=True)
     reports = os.environ.get("REPORTS", "1") != "0"
     t0 = time.monotonic()
     for i in range(1, iters + 1):
