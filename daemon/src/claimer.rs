@@ -35,6 +35,9 @@ pub const LICENSE: &str = "multiplex";
 pub const RESERVATION: &str = "multiplex-gate";
 /// How often the node list is read again (sinfo).
 const NODES_EVERY: Duration = Duration::from_secs(60);
+/// How soon it is read again when a job names a node it lacks (one added since): a job's
+/// node list is its user's, so this bounds what such a job costs slurmctld.
+const NODES_AGAIN: Duration = Duration::from_secs(10);
 /// How long a job pinned to a GPU but not yet started keeps its slot there: Slurm's next pass
 /// starts it within a second or two. Past this (the slot was taken meanwhile, or the pin is
 /// left from an earlier run of the job), it is claimed again.
@@ -115,10 +118,10 @@ impl Claimer {
     pub fn look(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Looked, SlurmError> {
         self.hold_gate(slurm, now)?;
         let jobs = slurm.jobs(&self.config.partition)?;
-        let stale = self
-            .nodes
-            .as_ref()
-            .is_none_or(|(at, nodes)| now.duration_since(*at) >= NODES_EVERY || names_unknown(nodes, &jobs));
+        let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
+            let age = now.duration_since(*at);
+            age >= NODES_EVERY || (age >= NODES_AGAIN && names_unknown(nodes, &jobs))
+        });
         if stale {
             self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
         }
@@ -130,6 +133,11 @@ impl Claimer {
             .retain(|id, _| jobs.iter().any(|j| j.id == *id && j.pending));
         self.untyped
             .retain(|id, _| jobs.iter().any(|j| j.id == *id && !j.pending));
+        // Host lists are users' text: keep only those a job still names.
+        self.hostlists.retain(|list, _| {
+            jobs.iter()
+                .any(|j| j.node.as_deref() == Some(list) || j.excluded.as_deref() == Some(list))
+        });
         let mut nodes = cluster(&infos, &memory);
         let mut candidates: Vec<(Candidate, &Job)> = Vec::new();
         for job in &jobs {
@@ -146,11 +154,15 @@ impl Claimer {
             if !job.pending {
                 let gpu = match job.gres_type() {
                     Some(t) => split_type(t).map(|(model, index)| (Some(model), index)),
-                    None => self
-                        .untyped
-                        .entry(job.id)
-                        .or_insert_with(|| slurm.job_gpu(job.id).ok().flatten())
-                        .map(|index| (None, index)),
+                    None => match self.untyped.get(&job.id) {
+                        Some(&known) => known,
+                        // Asked once; a failed ask is asked again at the next look.
+                        None => match slurm.job_gpu(job.id) {
+                            Ok(index) => *self.untyped.entry(job.id).or_insert(index),
+                            Err(_) => None,
+                        },
+                    }
+                    .map(|index| (None, index)),
                 };
                 add_resident(&mut nodes, job, spec.as_ref(), gpu);
                 continue;
@@ -272,11 +284,15 @@ impl Claimer {
         if job.node.is_none() && job.excluded.is_none() {
             return None;
         }
+        // A list scontrol could not expand names no node this look, and is asked again.
         let mut expand = |list: &str| -> Vec<String> {
-            self.hostlists
-                .entry(list.to_string())
-                .or_insert_with(|| slurm.hostnames(list).unwrap_or_default())
-                .clone()
+            if let Some(hosts) = self.hostlists.get(list) {
+                return hosts.clone();
+            }
+            match slurm.hostnames(list) {
+                Ok(hosts) => self.hostlists.entry(list.to_string()).or_insert(hosts).clone(),
+                Err(_) => Vec::new(),
+            }
         };
         let asked = job.node.as_deref().map(&mut expand);
         let excluded = job.excluded.as_deref().map(&mut expand).unwrap_or_default();

@@ -448,14 +448,16 @@ impl Node {
     /// The GPU of this node's pool that Slurm bound the job to: the one its gres names by type
     /// (a claim's), else the GPU of its allocation's detail.
     fn bound_gpu(&self, req: &StartRequest) -> Option<u32> {
-        let typed = req.slurm_gres.as_deref().and_then(|gres| {
-            let gres = gres.replace("gres/", "").replace("gres:", "");
-            let kind = gres.split(',').next()?.split(':').nth(1)?.to_string();
-            self.gpus
-                .iter()
-                .find(|g| crate::claimer::gres_type(&g.model, g.index) == kind)
-                .map(|g| g.index)
-        });
+        let typed = req
+            .slurm_gres
+            .as_deref()
+            .and_then(crate::slurm::gres_type)
+            .and_then(|kind| {
+                self.gpus
+                    .iter()
+                    .find(|g| crate::claimer::gres_type(&g.model, g.index) == kind)
+                    .map(|g| g.index)
+            });
         typed.or_else(|| {
             req.slurm_job_gpus
                 .as_deref()?

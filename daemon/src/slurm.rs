@@ -50,10 +50,7 @@ pub struct Job {
 impl Job {
     /// The gres type it asks for (the GPU it is pinned to): `v100_1` of `shard:v100_1:1`.
     pub fn gres_type(&self) -> Option<&str> {
-        let mut parts = self.gres.split(',').next()?.split(':');
-        parts.next()?;
-        let second = parts.next()?;
-        parts.next().map(|_| second)
+        gres_type(&self.gres)
     }
 
     /// How many of its gres it asks for per node (1 when unreadable).
@@ -72,6 +69,20 @@ impl Job {
             .split(',')
             .any(|l| l.split([':', '=']).next().is_some_and(|n| n.trim() == name))
     }
+}
+
+/// The type of a gres request's first item, with or without Slurm's `gres:`/`gres/` prefix:
+/// `v100_1` of `shard:v100_1:1` or `gres/shard:v100_1:1`; `None` for `shard:1`.
+pub fn gres_type(gres: &str) -> Option<&str> {
+    let first = gres.split(',').next()?;
+    let first = first
+        .strip_prefix("gres:")
+        .or_else(|| first.strip_prefix("gres/"))
+        .unwrap_or(first);
+    let mut parts = first.split(':');
+    parts.next()?;
+    let second = parts.next()?;
+    parts.next().map(|_| second)
 }
 
 /// A node of the shared partition, as sinfo lists it.

@@ -247,6 +247,14 @@ fn read(path: &Path) -> Result<String, String> {
 /// `multiplexd check-config`: compares the daemon's config with gres.conf, slurmctld's record of
 /// the node, plugstack.conf and job_submit's policy, and prints one line per check. `Ok(false)`
 /// when something disagrees.
+/// The value of `key` in a Slurm `key=value` file (slurm.conf, cgroup.conf), case aside.
+fn conf_key(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split('#').next()?.trim().split_once('=')?;
+        k.trim().eq_ignore_ascii_case(key).then(|| v.trim().to_string())
+    })
+}
+
 pub fn check_config(config_path: &Path) -> Result<bool, String> {
     use crate::check::{self, Finding, Inputs, Level, PolicyView};
     use crate::slurm::Slurm;
@@ -265,14 +273,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
     let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
     let slurm_conf = PathBuf::from(std::env::var_os("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into()));
     let etc = slurm_conf.parent().unwrap_or(Path::new("/etc/slurm")).to_path_buf();
-    let conf_value = |key: &str| {
-        read(&slurm_conf).ok().and_then(|text| {
-            text.lines().find_map(|l| {
-                let (k, v) = l.split('#').next()?.trim().split_once('=')?;
-                k.trim().eq_ignore_ascii_case(key).then(|| v.trim().to_string())
-            })
-        })
-    };
+    let conf_value = |key: &str| read(&slurm_conf).ok().and_then(|text| conf_key(&text, key));
     let plugstack_path = conf_value("PlugStackConfig").map_or_else(|| etc.join("plugstack.conf"), PathBuf::from);
     let plugstack = read(&plugstack_path).map(|text| {
         // Lines of the files it includes (`include /etc/slurm/plugstack.conf.d/*.conf`) too.
@@ -339,14 +340,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
     };
     // cgroup.conf's ConstrainDevices (a key=value file as slurm.conf is).
     let cgroup_path = etc.join("cgroup.conf");
-    let constrain_devices = read(&cgroup_path).map(|text| {
-        text.lines().find_map(|l| {
-            let (k, v) = l.split('#').next()?.trim().split_once('=')?;
-            k.trim()
-                .eq_ignore_ascii_case("ConstrainDevices")
-                .then(|| v.trim().to_string())
-        })
-    });
+    let constrain_devices = read(&cgroup_path).map(|text| conf_key(&text, "ConstrainDevices"));
     let inputs = Inputs {
         config: &config,
         gres: gres.map_err(|e| format!("{e} ({} is read beside SLURM_CONF)", gres_path.display())),

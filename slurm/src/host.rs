@@ -257,7 +257,8 @@ pub fn job_facts(job_id: u32) -> Result<JobFacts, String> {
         return Err(last_error());
     }
     // SAFETY: msg is the message slurm_load_job returned: `record_count` records at
-    // `job_array`, each string NUL-terminated or NULL; it is read here and freed once below.
+    // `job_array`, each string NUL-terminated or NULL, and `gres_detail_str` an array of
+    // `gres_detail_cnt` such strings; it is read here and freed once below.
     let facts = unsafe {
         let m = &*msg;
         let jobs: &[crate::bindings::slurm_job_info_t] = if m.job_array.is_null() {
