@@ -2,7 +2,7 @@
 //! status`, `history` and `explain`, wait statuses, and the node list of `scontrol show job`. (The queries are the history's: see
 //! [`crate::history::exchange`] and [`crate::history::explain`].)
 
-use crate::history::{Decline, Explanation, Export, History, HistoryError};
+use crate::history::{Explanation, Export, History, HistoryError};
 use multiplex_protocol::NodeStatus;
 
 /// A node's [`NodeStatus`] as the text `multiplexd status` prints: one line per GPU.
@@ -152,28 +152,6 @@ impl std::fmt::Display for ExplanationText<'_> {
             };
             writeln!(f, "learned: {} beside {}: {what}", l.app, l.other)?;
         }
-        write!(f, "{}", DeclinesText(&e.declines))
-    }
-}
-
-/// A job's declines as `multiplexd explain` prints them (nothing if none).
-pub struct DeclinesText<'a>(pub &'a [Decline]);
-
-impl std::fmt::Display for DeclinesText<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for d in self.0 {
-            let times = if d.count == 1 {
-                "once".to_string()
-            } else {
-                format!("{} times over {:.0} s", d.count, (d.last_at - d.first_at).max(0.0))
-            };
-            let wait = if d.retry_after_s == 0 {
-                "it cannot run there".to_string()
-            } else {
-                format!("sent to wait {} s", d.retry_after_s)
-            };
-            writeln!(f, "declined {times} on {}; the latest ({wait}): {}", d.node, d.reason)?;
-        }
         Ok(())
     }
 }
@@ -192,34 +170,25 @@ pub fn exit_text(status: i32) -> String {
 
 /// A job as the history explains it: for the tools and for the daemon's `Explain` answer.
 pub struct Explained {
-    /// The job's user, where the history recorded one (jobs that only were declined: none).
+    /// The job's user, where the history recorded one.
     pub owner: Option<u32>,
     pub text: String,
     pub json: serde_json::Value,
 }
 
-/// What the history of node `node` says of job `job_id`: why it ran where it did, or only its
-/// declines if it never ran here; `None` when the history has nothing on it.
-pub fn explained(h: &History, node: &str, job_id: u32) -> Result<Option<Explained>, HistoryError> {
+/// What the history says of job `job_id`: why it ran where it did; `None` when the history
+/// has nothing on it.
+pub fn explained(h: &History, job_id: u32) -> Result<Option<Explained>, HistoryError> {
     let to_json = |v: Result<serde_json::Value, serde_json::Error>| {
         v.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))
     };
-    if let Some(e) = h.explain(job_id)? {
-        return Ok(Some(Explained {
-            owner: h.job_owner(job_id)?,
-            text: ExplanationText(&e).to_string(),
-            json: to_json(serde_json::to_value(&e)),
-        }));
-    }
-    // Declined here, and never run here (it waits, or ran elsewhere).
-    let declines = h.declines(job_id)?;
-    if declines.is_empty() {
+    let Some(e) = h.explain(job_id)? else {
         return Ok(None);
-    }
+    };
     Ok(Some(Explained {
-        owner: None,
-        text: format!("job {job_id} has not run on {node}\n{}", DeclinesText(&declines)),
-        json: serde_json::json!({ "job_id": job_id, "declines": declines }),
+        owner: h.job_owner(job_id)?,
+        text: ExplanationText(&e).to_string(),
+        json: to_json(serde_json::to_value(&e)),
     }))
 }
 
@@ -272,7 +241,6 @@ mod tests {
             }],
             gpu_mem_peak_mb: None,
             sm_util_mean_pct: None,
-            declines: Vec::new(),
         }
     }
 
@@ -306,7 +274,6 @@ mod tests {
             text.contains("learned: bert beside resnet: never again: they ran out of memory together"),
             "{text}"
         );
-        assert!(!text.contains("declined"), "{text}");
         assert!(text.contains("\nGPU memory it asked for: 12288 MiB\n"), "{text}");
         // Alone all along: no partner's seconds to add up (a sum of none is -0.0 in Rust).
         let mut alone = explanation();
@@ -318,31 +285,6 @@ mod tests {
             text.contains("ended after 28.0 s with exit code 0 (28.0 s alone, 0.0 s beside others)"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn declines_say_how_often_and_why_the_latest() {
-        let d = |count: u32, wait: u32, reason: &str| Decline {
-            node: "n1".into(),
-            count,
-            first_at: 1000.0,
-            last_at: 1065.4,
-            reason: reason.into(),
-            retry_after_s: wait,
-        };
-        let mut e = explanation();
-        e.declines = vec![d(2, 120, "GPU 0: full")];
-        let text = ExplanationText(&e).to_string();
-        assert!(
-            text.ends_with("declined 2 times over 65 s on n1; the latest (sent to wait 120 s): GPU 0: full\n"),
-            "{text}"
-        );
-        let one = DeclinesText(&[d(1, 0, "it needs 99 MiB")]).to_string();
-        assert_eq!(
-            one,
-            "declined once on n1; the latest (it cannot run there): it needs 99 MiB\n"
-        );
-        assert_eq!(DeclinesText(&[]).to_string(), "");
     }
 
     #[test]

@@ -349,7 +349,7 @@ pub(crate) fn handle(
         }),
         Request::Report(req) => node.report(&req, cred.uid, access.may_place(cred.uid)),
         Request::Explain { job_id } => {
-            crate::inspect::explained(node.history(), node.name(), job_id).map(|found| match found {
+            crate::inspect::explained(node.history(), job_id).map(|found| match found {
                 Some(e) if access.may_see(cred.uid, e.owner) => Response::Explained {
                     text: e.text,
                     json: e.json,

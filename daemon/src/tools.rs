@@ -111,7 +111,7 @@ pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String
         }
         _ => {
             let h = history_of(&config, config_path)?;
-            inspect::explained(&h, &config.node, job_id)
+            inspect::explained(&h, job_id)
                 .map_err(|e| e.to_string())?
                 .map(|e| (e.text, e.json))
         }

@@ -1,6 +1,6 @@
 //! Why a job got its GPU and what came of it, from its rows (`multiplexd explain`).
 
-use super::{Decline, History, HistoryError, PairRow};
+use super::{History, HistoryError, PairRow};
 use rusqlite::OptionalExtension;
 use serde::Serialize;
 
@@ -48,8 +48,6 @@ pub struct Explanation {
     pub gpu_mem_peak_mb: Option<u64>,
     /// Mean SM utilisation of the job's processes, percent.
     pub sm_util_mean_pct: Option<f64>,
-    /// Every decline of the job on this node (before this run or earlier ones).
-    pub declines: Vec<Decline>,
 }
 
 impl History {
@@ -93,7 +91,6 @@ impl History {
                             learned: Vec::new(),
                             gpu_mem_peak_mb: None,
                             sm_util_mean_pct: None,
-                            declines: Vec::new(),
                         },
                         r.get::<_, i64>(10)?,
                     ))
@@ -180,7 +177,6 @@ impl History {
             .into_iter()
             .filter(|p| e.partners.iter().any(|q| q.app == p.other))
             .collect();
-        e.declines = self.declines(job_id)?;
         Ok(Some(e))
     }
 }

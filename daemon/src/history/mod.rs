@@ -6,15 +6,14 @@
 //!
 //! - [`schema`]: the migrations.
 //! - [`jobs`]: recording placements, steps, ends and reports.
-//! - [`declines`]: the jobs this node declined, and why.
 //! - [`learning`] and [`equations`]: what finished and running jobs teach.
 //! - [`effects`]: what is known of each application beside partners never seen.
 //! - [`estimates`]: the snapshot one placement decision reads.
 //! - [`telemetry`]: GPU memory and utilisation per job.
+//! - [`separations`]: the jobs given back to Slurm to run apart.
 //! - [`upkeep`]: compaction and checkpoints.
 //! - [`exchange`] and [`explain`]: export, import and explanations, for tools and other nodes.
 
-mod declines;
 mod effects;
 mod equations;
 mod estimates;
@@ -23,10 +22,10 @@ pub mod explain;
 mod jobs;
 mod learning;
 mod schema;
+mod separations;
 mod telemetry;
 mod upkeep;
 
-pub use declines::Decline;
 pub use equations::BUSY;
 pub use exchange::{Export, Imported, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};

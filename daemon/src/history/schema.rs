@@ -155,6 +155,9 @@ pub(super) const MIGRATIONS: &[&str] = &[
     // as a job that fits beside anything; it is unknown. (No GPU process of a job uses none.)
     "UPDATE job_telemetry SET mem_peak_mb = NULL WHERE mem_peak_mb = 0;
      DELETE FROM app_memory WHERE peak_mb = 0;",
+    // 12: declines went with the step-launch placement that made them: the claimer leaves a
+    // job it would not place waiting in Slurm's queue, and nothing is declined any more.
+    "DROP TABLE IF EXISTS declines;",
 ];
 
 /// The migration that creates `app_effects`: an existing history's are fitted right after it.

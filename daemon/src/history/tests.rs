@@ -48,7 +48,6 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
                  VALUES ('v100', 1, 2, 0.5, 0.9, 2), ('v100', 2, 1, 0.9, 0.5, 1),
                         ('v100', 3, 1, 0.7, 0.4, 0);
                  DROP TABLE app_effects;
-                 DROP TABLE declines;
                  PRAGMA user_version = 6;",
             )
             .unwrap();
@@ -64,6 +63,12 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
     assert_eq!(known(&h, "a100", "a").base, None);
     // Jobs from before schema 8 were learned from when they ended.
     assert!(h.unlearned_jobs("n1").unwrap().is_empty());
+    // Schema 9's declines went with the step-launch placement that wrote them.
+    let declines: i64 = h
+        .connection()
+        .query_row("SELECT count(*) FROM sqlite_master WHERE name = 'declines'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(declines, 0);
 }
 
 #[test]
@@ -389,36 +394,6 @@ fn a_long_write_of_the_learning_kind_lets_a_waiting_request_in() {
         .query_row("SELECT count(*) FROM applications", [], |r| r.get(0))
         .unwrap();
     assert_eq!(apps, steps as i64 + 1, "both writes are whole");
-}
-
-#[test]
-fn declines_are_counted_per_job_and_node_and_compaction_drops_those_a_month_old() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut h = History::open(&dir.path().join("h.sqlite")).unwrap();
-    let day = 86_400.0;
-    h.record_decline(7, "n1", 0.0, "GPU 0: full", 60).unwrap();
-    h.record_decline(8, "n1", 1.0, "GPU 0: full", 60).unwrap();
-    h.record_decline(8, "n1", 2.0, "GPU 1: full", 120).unwrap();
-    h.record_decline(8, "n2", 3.0, "GPU 1: full", 60).unwrap();
-    assert_eq!(h.decline_count(8, "n1", 3.0).unwrap(), 2, "n2's are not n1's");
-    let d = &h.declines(8).unwrap();
-    assert_eq!(d.len(), 2);
-    assert_eq!(d[1].node, "n1", "latest first");
-    assert_eq!((d[1].count, d[1].first_at, d[1].last_at), (2, 1.0, 2.0));
-    assert_eq!(
-        (d[1].reason.as_str(), d[1].retry_after_s),
-        ("GPU 1: full", 120),
-        "the latest's"
-    );
-    // A week later the count starts again (Slurm reuses job ids after MaxJobId).
-    assert_eq!(h.decline_count(8, "n1", 9.0 * day).unwrap(), 0);
-    h.record_decline(8, "n1", 9.0 * day, "GPU 0: full", 60).unwrap();
-    assert_eq!(h.decline_count(8, "n1", 9.0 * day).unwrap(), 1);
-    // Compaction drops declines whose latest is a month older than the newest.
-    h.record_decline(9, "n1", 35.0 * day, "GPU 0: full", 60).unwrap();
-    h.compact(200).unwrap();
-    assert!(h.declines(7).unwrap().is_empty());
-    assert_eq!(h.declines(8).unwrap().len(), 1, "n1's, declined on day 9, stays");
 }
 
 #[test]

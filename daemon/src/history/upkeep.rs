@@ -11,11 +11,8 @@ const COMPACT_CHUNK: usize = 100;
 /// Past this size of the WAL file, the background checkpoint waits for the writes to pause.
 const WAL_LIMIT: u64 = 64 * 1024 * 1024;
 
-/// How long declines are kept (seconds before the latest).
-const DECLINES_KEPT_S: f64 = 30.0 * 86_400.0;
-
 impl History {
-    /// Deletes declines more than a month older than the latest, and the raw rows (job, steps,
+    /// Deletes the raw rows (job, steps,
     /// intervals, reports) of finished jobs beyond the latest
     /// `keep` of each application and GPU model: what they taught lives on in the solo
     /// runtimes and pair estimates, and learning only reads the latest jobs anyway. Intervals
@@ -25,11 +22,6 @@ impl History {
     /// The jobs to delete are found by a read, and deleted [`COMPACT_CHUNK`] at a time, giving
     /// way to the requests of this daemon between chunks.
     pub fn compact(&mut self, keep: i64) -> Result<usize, HistoryError> {
-        // Declines are kept for `explain` a month after the latest.
-        self.write_one(
-            "DELETE FROM declines WHERE last_at < (SELECT max(last_at) FROM declines) - ?1",
-            [DECLINES_KEPT_S],
-        )?;
         let doomed: Vec<i64> = self
             .conn
             .prepare_cached(
