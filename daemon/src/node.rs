@@ -251,7 +251,7 @@ impl Node {
 
     /// The jobs this node gives back to Slurm now: those measured to deliver less beside their
     /// partners than taking turns would ([`crate::separate`]), each at most once. The history is
-    /// only read; [`Self::separating`] marks one before Slurm is asked to requeue it. Nothing in
+    /// only read; [`Self::separating`] marks one before Slurm is asked to requeue it. Nothing
     /// with `policy.separate_below` 0, and no query while no GPU is shared.
     pub fn separations(&mut self) -> Result<Vec<crate::separate::Separation>, HistoryError> {
         let below = self.config.policy.separate_below;

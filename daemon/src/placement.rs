@@ -407,7 +407,8 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
 }
 
 /// How much more a pending job behind the first must gain (jobs' worth of throughput) for
-/// the steering to put it first: Slurm's own order stands between near equals.
+/// the claimer to claim it first ([`crate::claim`]): Slurm's own order stands between near
+/// equals.
 pub const STEER_MARGIN: f64 = 0.05;
 
 /// The starvation bound of queue-level choice: how often each pending job was passed over.
@@ -475,138 +476,6 @@ impl Bypasses {
             self.passed.remove(id);
         }
     }
-}
-
-/// What [`place`] would do with a pending job on this node now.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Offer {
-    /// Place it, with this gain.
-    Gain(f64),
-    /// Decline it for now (a poor partner, or memory): a better slot may come.
-    Wait,
-    /// Decline it for good: no GPU here could ever take it.
-    Never,
-}
-
-impl Offer {
-    /// Whether Slurm may start the job here: placed, or declined for good (it then fails at
-    /// once with the reason rather than wait for a node that would never take it).
-    pub fn admits(self) -> bool {
-        matches!(self, Offer::Gain(_) | Offer::Never)
-    }
-}
-
-/// [`place`]'s answer for each of `pending` on this node now. `history` must hold what
-/// [`wanted`] asks for each of them.
-pub fn offers(gpus: &[GpuState], pending: &[Newcomer], history: &Estimates, knobs: Knobs) -> Vec<Offer> {
-    pending
-        .iter()
-        .map(|job| match place(gpus, job, history, knobs) {
-            Decision::Place { gain, .. } => Offer::Gain(gain),
-            Decision::Decline { may_retry: true, .. } => Offer::Wait,
-            Decision::Decline { may_retry: false, .. } => Offer::Never,
-        })
-        .collect()
-}
-
-/// The GPUs once `job` is placed as [`place`] would place it (with `job_id`), or `None` when
-/// [`place`] would decline it: what the jobs Slurm offers this node after it, in the same
-/// scheduling pass, find here. `history` must hold what [`wanted`] asks for `job` on `gpus`.
-pub fn placed(
-    gpus: &[GpuState],
-    job: &Newcomer,
-    job_id: u32,
-    history: &Estimates,
-    knobs: Knobs,
-) -> Option<Vec<GpuState>> {
-    let Decision::Place { gpu, .. } = place(gpus, job, history, knobs) else {
-        return None;
-    };
-    let mut after = gpus.to_vec();
-    let g = after.iter_mut().find(|g| g.index == gpu)?;
-    g.residents.push(Resident {
-        job_id,
-        app: job.app.to_string(),
-        mem_mb: job.mem_mb,
-    });
-    Some(after)
-}
-
-/// What the jobs Slurm offers this node after `job`, in the scheduling pass that starts `job`
-/// (which the node opens for), may find here: the node as it is, should Slurm start `job` on
-/// another node it prefers, and, where a slot is still free after it, the node with `job`
-/// placed ([`placed`]). Empty when [`place`] would decline `job` here.
-pub fn in_pass(
-    gpus: &[GpuState],
-    job: &Newcomer,
-    job_id: u32,
-    history: &Estimates,
-    knobs: Knobs,
-) -> Vec<Vec<GpuState>> {
-    let Some(after) = placed(gpus, job, job_id, history, knobs) else {
-        return Vec::new();
-    };
-    let room = after.iter().any(|g| (g.residents.len() as u32) < knobs.slots);
-    if room {
-        vec![gpus.to_vec(), after]
-    } else {
-        vec![gpus.to_vec()]
-    }
-}
-
-/// [`declined_in_turn`] on each of the states [`in_pass`] gives (`offers` for each): the jobs
-/// this node would decline in that pass whichever way it goes, in Slurm's order.
-pub fn declined_in_pass(offers: &[Vec<Offer>], later: &[usize]) -> Vec<usize> {
-    let mut declined: Vec<usize> = offers.iter().flat_map(|o| declined_in_turn(o, later)).collect();
-    declined.sort_unstable();
-    declined.dedup();
-    declined
-}
-
-/// Those of `later` (indices into `offers`, in the order Slurm offers them) that this node
-/// would decline for now ([`Offer::Wait`]), up to the first it would take: in one scheduling
-/// pass Slurm offers a node's free slot to one job after another until one starts there.
-pub fn declined_in_turn(offers: &[Offer], later: &[usize]) -> Vec<usize> {
-    later
-        .iter()
-        .copied()
-        .take_while(|&i| offers.get(i).is_some_and(|o| !o.admits()))
-        .filter(|&i| offers[i] == Offer::Wait)
-        .collect()
-}
-
-/// Which of the pending jobs (in Slurm's priority order, with [`offers`]) should take a slot
-/// of this node next: the one [`place`] would put here with the highest gain, when it gains
-/// more than the first by [`STEER_MARGIN`] (a first that would be declined gains nothing).
-/// `None`: Slurm's order stands (the first is as good, or none would be placed).
-pub fn steer(offers: &[Offer]) -> Option<usize> {
-    let gain = |o: &Offer| match *o {
-        Offer::Gain(g) => Some(g),
-        Offer::Wait | Offer::Never => None,
-    };
-    let first = offers.first().and_then(gain).unwrap_or(0.0);
-    let mut best: Option<(usize, f64)> = None;
-    for (i, offer) in offers.iter().enumerate().skip(1) {
-        if let Some(g) = gain(offer) {
-            if g > first + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
-                best = Some((i, g));
-            }
-        }
-    }
-    best.map(|(i, _)| i)
-}
-
-/// Queue-level choice for a free slot of a node.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Steering {
-    /// The pending job to start first, if not Slurm's first ([`steer`]).
-    pub raise: Option<usize>,
-    /// The pending jobs this node would decline for now ([`Offer::Wait`]): deferred while
-    /// still pending, they cost no launch and no requeue.
-    pub defer: Vec<usize>,
-    /// The pending jobs this node would place now ([`Offer::Gain`]), or decline for good
-    /// ([`Offer::Never`]: let through, such a job fails at once with the reason).
-    pub take: Vec<usize>,
 }
 
 fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
@@ -783,77 +652,6 @@ mod tests {
         let d = place(&gpus, &Newcomer { app: "b", mem_mb: None }, &Table::default(), KNOBS);
         assert_eq!(chosen(&d), 1);
         assert!(matches!(d, Decision::Place { predicted_speed, .. } if predicted_speed == 1.0));
-    }
-
-    #[test]
-    fn the_jobs_offered_after_one_placed_find_it_where_place_put_it() {
-        // x on GPU 0, GPU 1 empty; a loses beside x and beside a, b gains beside x.
-        let h = Table::default()
-            .with("x", "a", 0.3, 0.3, false)
-            .with("a", "a", 0.3, 0.3, false)
-            .with("x", "b", 0.9, 0.9, false);
-        let knobs = Knobs { min_gain: 0.1, ..KNOBS };
-        let gpus = [gpu(0, &[(1, "x")]), gpu(1, &[])];
-        let a = Newcomer { app: "a", mem_mb: None };
-        let after = placed(&gpus, &a, 7, &h, knobs).expect("a goes to the empty GPU");
-        assert_eq!(after[1].residents[0].job_id, 7);
-        assert_eq!(after[0], gpus[0]);
-        // Offered in turn after it: a second a (declined: beside x or a), a b (taken, beside
-        // x), then another a, which Slurm never offers here in that pass.
-        let later = [a.clone(), Newcomer { app: "b", mem_mb: None }, a.clone()];
-        let offers = offers(&after, &later, &h, knobs);
-        assert_eq!(offers[0], Offer::Wait);
-        assert!(matches!(offers[1], Offer::Gain(_)));
-        assert_eq!(declined_in_turn(&offers, &[0, 1, 2]), [0]);
-        assert_eq!(declined_in_turn(&offers, &[2, 0]), [2, 0]);
-        // A job declined for good is let through (it fails at once), which ends the turn too.
-        assert_eq!(
-            declined_in_turn(&[Offer::Never, Offer::Wait], &[0, 1]),
-            Vec::<usize>::new()
-        );
-        // Nothing after a job that would not be placed.
-        let full = [gpu(0, &[(1, "x"), (2, "x")])];
-        assert_eq!(placed(&full, &a, 7, &h, knobs), None);
-    }
-
-    #[test]
-    fn the_jobs_offered_in_a_pass_are_weighed_whether_its_first_starts_here_or_elsewhere() {
-        // x on GPU 0 (one slot free beside it), GPU 1 empty. b gains beside x and a does not;
-        // a beside b gains.
-        let h = Table::default()
-            .with("x", "a", 0.3, 0.3, false)
-            .with("x", "b", 0.9, 0.9, false)
-            .with("a", "b", 0.8, 0.8, false);
-        let knobs = Knobs { min_gain: 0.1, ..KNOBS };
-        let gpus = [gpu(0, &[(1, "x")]), gpu(1, &[])];
-        let b = Newcomer { app: "b", mem_mb: None };
-        let a = Newcomer { app: "a", mem_mb: None };
-        // The node opens for b, which it would put on the empty GPU: the node as it is (b
-        // started elsewhere) and with b on GPU 1 (slots still free).
-        let onto = in_pass(&gpus, &b, 7, &h, knobs);
-        assert_eq!(onto.len(), 2);
-        assert_eq!(onto[0], gpus.to_vec());
-        assert_eq!(onto[1][1].residents[0].job_id, 7);
-        // a is taken either way (on the empty GPU, or beside b): nothing to defer.
-        let pending = [b.clone(), a.clone()];
-        let each: Vec<Vec<Offer>> = onto.iter().map(|s| offers(s, &pending, &h, knobs)).collect();
-        assert_eq!(declined_in_pass(&each, &[1]), Vec::<usize>::new());
-        // With GPU 1 taken by a second x, one slot is free: b beside an x fills the node, so
-        // only the node as it is counts, and there a (beside x) would be declined.
-        let one_slot = [gpu(0, &[(1, "x")]), gpu(1, &[(2, "x"), (3, "x")])];
-        let onto = in_pass(&one_slot, &b, 7, &h, knobs);
-        assert_eq!(onto, vec![one_slot.to_vec()]);
-        let each: Vec<Vec<Offer>> = onto.iter().map(|s| offers(s, &pending, &h, knobs)).collect();
-        assert_eq!(declined_in_pass(&each, &[1]), [1]);
-        // Declined in one state and not the other still counts once, in Slurm's order.
-        let both = vec![
-            vec![Offer::Gain(0.5), Offer::Wait, Offer::Wait],
-            vec![Offer::Gain(0.5), Offer::Gain(0.2), Offer::Wait],
-        ];
-        assert_eq!(declined_in_pass(&both, &[2, 1]), [1, 2]);
-        // Nothing when the node would not take the job it would open for.
-        let full = [gpu(0, &[(1, "x"), (2, "x")])];
-        assert!(in_pass(&full, &a, 7, &h, knobs).is_empty());
     }
 
     #[test]
@@ -1467,63 +1265,6 @@ mod tests {
         assert_eq!(mps_share(0.95, &[0.1]), 25);
         assert_eq!(mps_share(0.1, &[0.95]), 80);
         assert_eq!(mps_share(0.5, &[0.5, 0.5]), 33);
-    }
-
-    fn newcomers<'a>(apps: &[&'a str]) -> Vec<Newcomer<'a>> {
-        apps.iter().map(|app| Newcomer { app, mem_mb: None }).collect()
-    }
-
-    #[test]
-    fn steering_puts_the_best_partner_first_and_otherwise_keeps_slurms_order() {
-        // A free slot beside `a`: `b` pairs badly with it, `c` well, `d` nearly as well.
-        let h = Table::default()
-            .with("a", "b", 0.5, 0.5, false)
-            .with("a", "c", 0.9, 0.9, false)
-            .with("a", "d", 0.88, 0.88, false)
-            .with("a", "e", 0.9, 0.9, true);
-        let gpus = [gpu(0, &[(1, "a")]), gpu(1, &[(2, "x"), (3, "y")])];
-        let steer_by = |gpus: &[GpuState], apps: &[&str], knobs| steer(&offers(gpus, &newcomers(apps), &h, knobs));
-        assert_eq!(steer_by(&gpus, &["b", "c", "d"], KNOBS), Some(1));
-        // The first is as good within the margin: Slurm's order stands.
-        assert_eq!(steer_by(&gpus, &["d", "c", "b"], KNOBS), None);
-        // A first that would be declined (out of memory beside `a`) gains nothing.
-        assert_eq!(steer_by(&gpus, &["e", "c"], KNOBS), Some(1));
-        // No one would be placed here: nothing to steer.
-        assert_eq!(steer_by(&gpus, &["e", "e"], KNOBS), None);
-        // A free GPU takes anyone alike.
-        let free = [gpu(0, &[]), gpu(1, &[(1, "a")])];
-        assert_eq!(steer_by(&free, &["b", "c"], KNOBS), None);
-        // Below `min_gain` a pair counts as declined, and a better one is still chosen.
-        let picky = Knobs {
-            min_gain: 0.25,
-            ..KNOBS
-        };
-        assert_eq!(steer_by(&gpus, &["b", "c"], picky), Some(1));
-        assert_eq!(steer_by(&gpus, &["b", "b"], picky), None);
-    }
-
-    #[test]
-    fn offers_tell_a_job_to_wait_from_one_that_can_never_run_here() {
-        let h = Table::default()
-            .with("a", "b", 0.5, 0.5, false)
-            .with("a", "c", 0.9, 0.9, false)
-            .with("a", "e", 0.9, 0.9, true);
-        let gpus = [gpu(0, &[(1, "a")])];
-        let picky = Knobs {
-            min_gain: 0.25,
-            ..KNOBS
-        };
-        let mut jobs = newcomers(&["b", "c", "e", "c"]);
-        jobs[3].mem_mb = Some(1 << 40);
-        let got = offers(&gpus, &jobs, &h, picky);
-        assert_eq!(got[0], Offer::Wait, "a poor partner waits");
-        assert!(
-            matches!(got[1], Offer::Gain(g) if (g - 0.8).abs() < 1e-9),
-            "{:?}",
-            got[1]
-        );
-        assert_eq!(got[2], Offer::Wait, "out of memory beside `a` waits");
-        assert_eq!(got[3], Offer::Never, "more memory than any GPU here");
     }
 
     #[test]

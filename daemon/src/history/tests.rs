@@ -66,7 +66,9 @@ fn a_history_from_before_app_effects_gets_them_fitted_when_opened() {
     // Schema 9's declines went with the step-launch placement that wrote them.
     let declines: i64 = h
         .connection()
-        .query_row("SELECT count(*) FROM sqlite_master WHERE name = 'declines'", [], |r| r.get(0))
+        .query_row("SELECT count(*) FROM sqlite_master WHERE name = 'declines'", [], |r| {
+            r.get(0)
+        })
         .unwrap();
     assert_eq!(declines, 0);
 }
