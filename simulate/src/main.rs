@@ -119,6 +119,13 @@ struct Args {
     /// run this many times faster than the trace says (tests/emulate/run's --time-scale).
     #[arg(long, default_value_t = 1.0)]
     history_time_scale: f64,
+    /// Simulate nothing: grade this history (a `multiplexd export` file) against --table
+    /// instead: the daemon's estimate of each pair against the table's speed, and the partner
+    /// it would choose for a newcomer of each application against the best per the table (as
+    /// tests/gpu/real-pairs does after measuring a GPU). Uses --jobs-per-gpu, --min-gain,
+    /// --separate-below and --gpu-memory-mb.
+    #[arg(long)]
+    grade: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -162,6 +169,15 @@ fn simulate(a: Args) -> Result<(), String> {
         ),
         None => (table, table_name),
     };
+    if let Some(path) = &a.grade {
+        let export = serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
+            .map_err(|e| format!("{}: not a multiplexd history export: {e}", path.display()))?;
+        let knobs = multiplex_simulate::grade::knobs(a.jobs_per_gpu, a.min_gain, a.separate_below);
+        let grade = multiplex_simulate::grade::grade(&table, &export, knobs, a.gpu_memory_mb)?;
+        println!("{} graded against {table_name}", path.display());
+        print!("{}", grade.text());
+        return Ok(());
+    }
     let shape = world::Shape {
         nodes: a.nodes,
         gpus_per_node: a.gpus_per_node,

@@ -449,3 +449,71 @@ fn a_sites_history_carries_what_it_learned_into_a_later_trace() {
     let ff = run(&generated_setup(3, &["first-fit"])).unwrap().remove(0);
     assert!(ff.history.is_none());
 }
+
+#[test]
+fn a_history_is_graded_pair_by_pair_and_by_the_partner_it_chooses() {
+    use multiplexd::history::{Export, PairRow};
+    // b pairs best with c (1.8 together); a with b is measured wrong (0.9 each, truly 0.5):
+    // a newcomer b then joins a, which truly adds nothing.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\n\
+         g,a,a,0.5,0.5\ng,a,b,0.5,0.5\ng,a,c,0.6,0.6\ng,b,b,0.5,0.5\ng,b,c,0.9,0.9\ng,c,c,0,0\n",
+        "t",
+    )
+    .unwrap();
+    let pair = |app: &str, other: &str, speed: f64, observations: u32| PairRow {
+        gpu_model: "g".into(),
+        app: app.into(),
+        other: other.into(),
+        speed,
+        other_speed: speed,
+        observations,
+        variance: None,
+        oom: false,
+    };
+    let export = Export {
+        format: multiplexd::history::EXPORT_FORMAT.into(),
+        version: multiplexd::history::EXPORT_VERSION,
+        solo: Vec::new(),
+        pairs: vec![
+            pair("a", "b", 0.9, 3),
+            pair("b", "a", 0.9, 3),
+            pair("b", "c", 0.85, 2),
+            pair("c", "b", 0.85, 2),
+        ],
+        memory: Vec::new(),
+    };
+    let g = grade::grade(&t, &export, grade::knobs(2, 0.25, 0.9), 16384).unwrap();
+    let (err, n) = g.measured_error();
+    assert_eq!(n, 4, "a-b both ways, b-c both ways");
+    assert!(close(err, (0.4 + 0.4 + 0.05 + 0.05) / 4.0), "{err}");
+    let b = g.choices.iter().find(|c| c.app == "b").unwrap();
+    assert_eq!(b.chosen.as_deref(), Some("a"), "{b:?}");
+    assert_eq!(b.best, Some(("c".to_string(), 0.8)));
+    assert!(close(b.regret(), 0.8), "{}", b.regret());
+    let text = g.text();
+    assert!(
+        text.contains("learning: 4 of 9 pairs measured on g, mean error 0.225"),
+        "{text}"
+    );
+    assert!(text.contains("choices: "), "{text}");
+    // A history of another GPU model knows nothing of this table's.
+    let other = Export {
+        pairs: export
+            .pairs
+            .iter()
+            .map(|p| PairRow {
+                gpu_model: "h".into(),
+                ..p.clone()
+            })
+            .collect(),
+        ..export.clone()
+    };
+    assert_eq!(
+        grade::grade(&t, &other, grade::knobs(2, 0.25, 0.9), 16384)
+            .unwrap()
+            .measured_error()
+            .1,
+        0
+    );
+}
