@@ -632,6 +632,19 @@ mod tests {
     }
 
     #[test]
+    fn the_gpu_checks_config_parses() {
+        // tests/gpu/nvml-check writes its daemon's config in a heredoc that no CI run reads
+        // (CI has no GPU): a key the daemon dropped must fail here, not on the GPU machine.
+        let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/gpu/nvml-check")).unwrap();
+        let start = script.find("<<TOML\n").expect("nvml-check writes its config with <<TOML") + 7;
+        let len = script[start..].find("\nTOML\n").expect("and ends it with TOML");
+        let text = script[start..start + len].replace("$sock", "/run/x.sock").replace("$state", "/tmp/x");
+        let c = Config::parse(&text).unwrap_or_else(|e| panic!("tests/gpu/nvml-check's config: {e}"));
+        assert_eq!(c.gpus, GpuSource::Nvml);
+        assert_eq!(c.busy_record_s, 2);
+    }
+
+    #[test]
     fn example_config_parses_and_names_the_gpus_as_slurm_does() {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
         let c = Config::parse(&text).unwrap();
