@@ -146,7 +146,7 @@ def build(model, device):
                 self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
 
             def forward(self, t):
-                return self.head(self.body(self.emb(t) + self.pos, mask=self.mask, is_causal=True))
+                return self.head(self.body(self.emb(t) + self.pos, mask=self.mask))
 
         net = LM().to(dev)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
