@@ -277,7 +277,7 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
         if g.autodetect.is_none() || !g.gpus.is_empty() {
             let mut wrong = Vec::new();
             for gpu in gpus {
-                let want = crate::claimer::gres_type(&gpu.model, gpu.index);
+                let want = multiplex_protocol::gres::gpu_type(&gpu.model, gpu.index);
                 for (line, types) in [("gpu", &g.gpu_types), ("shard", &g.shard_types)] {
                     let have = types.get(&gpu.index).map_or("none", String::as_str);
                     if have != want {

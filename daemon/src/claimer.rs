@@ -20,6 +20,7 @@ use crate::claim::{Candidate, Choice, NodeGpus};
 use crate::node::Node;
 use crate::placement::{Bypasses, GpuState, Resident};
 use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
+use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,18 +70,6 @@ pub struct Claimer {
     untyped: HashMap<u32, Option<u32>>,
     /// Host lists jobs asked for or excluded, expanded (`scontrol show hostnames`, no RPC).
     hostlists: HashMap<String, Vec<String>>,
-}
-
-/// A GPU's gres type and its place in the model's naming: `v100_1` is GPU 1, a `v100`.
-pub fn split_type(kind: &str) -> Option<(&str, u32)> {
-    let (model, index) = kind.rsplit_once('_')?;
-    let index = index.parse().ok()?;
-    (!model.is_empty()).then_some((model, index))
-}
-
-/// The gres type of GPU `index`, a `model`: `v100_1`.
-pub fn gres_type(model: &str, index: u32) -> String {
-    format!("{model}_{index}")
 }
 
 impl Claimer {
@@ -146,14 +135,14 @@ impl Claimer {
             if job.pending && pinned {
                 let since = *self.pinned_since.entry(job.id).or_insert(now);
                 if now.duration_since(since) < PIN_GRACE {
-                    let gpu = job.gres_type().and_then(split_type).map(|(m, i)| (Some(m), i));
+                    let gpu = job.gres_type().and_then(split_gpu_type).map(|(m, i)| (Some(m), i));
                     add_resident(&mut nodes, job, spec.as_ref(), gpu);
                     continue;
                 }
             }
             if !job.pending {
                 let gpu = match job.gres_type() {
-                    Some(t) => split_type(t).map(|(model, index)| (Some(model), index)),
+                    Some(t) => split_gpu_type(t).map(|(model, index)| (Some(model), index)),
                     None => match self.untyped.get(&job.id) {
                         Some(&known) => known,
                         // Asked once; a failed ask is asked again at the next look.
@@ -182,7 +171,7 @@ impl Claimer {
                 let gpu = job
                     .gres_type()
                     .filter(|_| merges)
-                    .and_then(split_type)
+                    .and_then(split_gpu_type)
                     .map(|(_, index)| index);
                 candidates.push((
                     Candidate {
@@ -223,7 +212,7 @@ impl Claimer {
                         .gpus
                         .iter()
                         .find(|g| g.index == gpu)
-                        .map(|g| gres_type(&g.model, gpu))
+                        .map(|g| gpu_type(&g.model, gpu))
                     else {
                         continue;
                     };
@@ -313,7 +302,7 @@ fn names_unknown(nodes: &[NodeInfo], jobs: &[Job]) -> bool {
         .any(|n| !n.contains([',', '[']) && !nodes.iter().any(|i| i.name == n))
 }
 
-/// The usable nodes and their GPUs (by type, see [`split_type`]), empty.
+/// The usable nodes and their GPUs (by type, see [`split_gpu_type`]), empty.
 fn cluster(infos: &[NodeInfo], memory: &HashMap<String, u64>) -> Vec<NodeGpus> {
     infos
         .iter()
@@ -323,7 +312,7 @@ fn cluster(infos: &[NodeInfo], memory: &HashMap<String, u64>) -> Vec<NodeGpus> {
             gpus: i
                 .gpus()
                 .iter()
-                .filter_map(|(kind, _)| split_type(kind))
+                .filter_map(|(kind, _)| split_gpu_type(kind))
                 .map(|(model, index)| GpuState {
                     index,
                     model: model.to_string(),
@@ -833,11 +822,11 @@ mod tests {
 
     #[test]
     fn types_licenses_and_notes() {
-        assert_eq!(split_type("v100_1"), Some(("v100", 1)));
-        assert_eq!(split_type("a100_80gb_3"), Some(("a100_80gb", 3)));
-        assert_eq!(split_type("v100"), None);
-        assert_eq!(split_type("_1"), None);
-        assert_eq!(gres_type("v100", 2), "v100_2");
+        assert_eq!(split_gpu_type("v100_1"), Some(("v100", 1)));
+        assert_eq!(split_gpu_type("a100_80gb_3"), Some(("a100_80gb", 3)));
+        assert_eq!(split_gpu_type("v100"), None);
+        assert_eq!(split_gpu_type("_1"), None);
+        assert_eq!(gpu_type("v100", 2), "v100_2");
         assert_eq!(without_gate("matlab:2,multiplex:1"), "matlab:2");
         assert_eq!(without_gate("multiplex:1"), "");
         assert_eq!(

@@ -113,7 +113,7 @@ struct RawPolicy {
 }
 
 /// One shared GPU of the node. Slurm knows it by the gres type `MODEL_INDEX`
-/// ([`crate::claimer::gres_type`]).
+/// ([`multiplex_protocol::gres::gpu_type`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuSpec {
     pub index: u32,
@@ -224,7 +224,7 @@ impl Config {
                          gres type in Slurm, {:?})",
                         g.index,
                         g.model,
-                        crate::claimer::gres_type(&g.model, g.index)
+                        multiplex_protocol::gres::gpu_type(&g.model, g.index)
                     ));
                 }
                 if let Some(u) = g
@@ -636,9 +636,14 @@ mod tests {
         // tests/gpu/nvml-check writes its daemon's config in a heredoc that no CI run reads
         // (CI has no GPU): a key the daemon dropped must fail here, not on the GPU machine.
         let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/gpu/nvml-check")).unwrap();
-        let start = script.find("<<TOML\n").expect("nvml-check writes its config with <<TOML") + 7;
+        let start = script
+            .find("<<TOML\n")
+            .expect("nvml-check writes its config with <<TOML")
+            + 7;
         let len = script[start..].find("\nTOML\n").expect("and ends it with TOML");
-        let text = script[start..start + len].replace("$sock", "/run/x.sock").replace("$state", "/tmp/x");
+        let text = script[start..start + len]
+            .replace("$sock", "/run/x.sock")
+            .replace("$state", "/tmp/x");
         let c = Config::parse(&text).unwrap_or_else(|e| panic!("tests/gpu/nvml-check's config: {e}"));
         assert_eq!(c.gpus, GpuSource::Nvml);
         assert_eq!(c.busy_record_s, 2);
@@ -661,7 +666,7 @@ mod tests {
         let gres = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/gres.conf.example")).unwrap();
         let types: Vec<String> = gpus
             .iter()
-            .map(|g| format!("gpu:{}:1", crate::claimer::gres_type(&g.model, g.index)))
+            .map(|g| format!("gpu:{}:1", multiplex_protocol::gres::gpu_type(&g.model, g.index)))
             .collect();
         let shards = 4 * c.jobs_per_gpu;
         assert!(
@@ -669,7 +674,7 @@ mod tests {
             "slurm.conf.example names the GPUs {types:?}"
         );
         for g in gpus {
-            let kind = crate::claimer::gres_type(&g.model, g.index);
+            let kind = multiplex_protocol::gres::gpu_type(&g.model, g.index);
             assert!(
                 gres.contains(&format!("Name=gpu Type={kind} File=/dev/nvidia{}", g.index)),
                 "gres.conf.example lacks {kind}"

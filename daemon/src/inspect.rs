@@ -1,5 +1,5 @@
 //! What the daemon and its history know, in words for people: the text of `multiplexd
-//! status`, `history` and `explain`, wait statuses, and the node list of `scontrol show job`. (The queries are the history's: see
+//! status`, `history` and `explain`, and wait statuses. (The queries are the history's: see
 //! [`crate::history::exchange`] and [`crate::history::explain`].)
 
 use crate::history::{Explanation, Export, History, HistoryError};
@@ -192,14 +192,6 @@ pub fn explained(h: &History, job_id: u32) -> Result<Option<Explained>, HistoryE
     }))
 }
 
-/// The `NodeList` of `scontrol show job -o` output; `None` while the job has none.
-pub fn node_list(scontrol: &str) -> Option<String> {
-    let list = scontrol
-        .split_whitespace()
-        .find_map(|field| field.strip_prefix("NodeList="))?;
-    (!list.is_empty() && list != "(null)").then(|| list.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,14 +280,10 @@ mod tests {
     }
 
     #[test]
-    fn wait_statuses_and_node_lists_in_words() {
+    fn wait_statuses_in_words() {
         assert_eq!(exit_text(0), "exit code 0");
         assert_eq!(exit_text(256), "exit code 1");
         assert_eq!(exit_text(9), "killed by signal 9");
         assert_eq!(exit_text(-1), "status -1");
-        let out = "JobId=12 JobName=wrap UserId=root(0) NodeList=n2 BatchHost=n2 NumNodes=1\n";
-        assert_eq!(node_list(out).as_deref(), Some("n2"));
-        assert_eq!(node_list("JobId=12 NodeList=(null) ReqNodeList=(null)"), None);
-        assert_eq!(node_list("JobId=12"), None);
     }
 }

@@ -24,3 +24,4 @@ pub mod share;
 pub mod slurm;
 pub mod telemetry;
 pub mod tools;
+pub mod types;

@@ -1,10 +1,10 @@
-//! Prometheus metrics: counters and histograms kept as requests are served, gauges read from
-//! the node when Prometheus scrapes, and a minimal HTTP endpoint (`[metrics] listen`, off by
+//! Prometheus metrics: counters and histograms kept as requests are served, gauges from a
+//! [`Snapshot`] of the node that its caller takes when Prometheus scrapes, and a minimal HTTP endpoint (`[metrics] listen`, off by
 //! default) that serves `GET /metrics` in the OpenMetrics text format. The exposition is the
 //! `prometheus-client` crate's (the Prometheus project's own Rust client); the endpoint only
 //! answers one GET at a time, with time limits, since its one client is a scraper.
 
-use crate::node::Node;
+use multiplex_protocol::NodeStatus;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -13,8 +13,9 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -97,8 +98,9 @@ impl Metrics {
         );
         r.register(
             "starts",
-            "Job starts recorded: claimed (on the GPU the claimer pinned it to), unclaimed (where Slurm put it on its own), \
-             too_large (fits no GPU here: the step fails), error",
+            "Job steps recorded at launch: claimed (on the GPU, or the node, the claimer pinned its job to), unclaimed \
+             (where Slurm put it on its own), joined (a later step of a job already here), too_large (fits no GPU \
+             here: the step fails), error",
             m.starts.clone(),
         );
         r.register(
@@ -194,56 +196,52 @@ impl Metrics {
         self.client_faults.get_or_create(&Kind { kind: kind.into() }).inc();
     }
 
-    /// Reads the node's gauges and encodes everything. `show_apps`: whether application
+    /// Sets the gauges from `node` and encodes everything. `show_apps`: whether application
     /// names may be shown (Slurm does not keep jobs private).
-    pub fn render(&self, node: &Mutex<Node>, show_apps: bool) -> String {
-        {
-            let node = node.lock().unwrap_or_else(|p| p.into_inner());
-            match node.status() {
-                Ok(status) => {
-                    self.slots_per_gpu.set(i64::from(status.jobs_per_gpu));
-                    self.slots_used.clear();
-                    self.jobs_by_app.clear();
-                    for gpu in &status.gpus {
-                        let jobs: std::collections::BTreeSet<u32> = gpu.tasks.iter().map(|t| t.job_id).collect();
-                        self.slots_used
-                            .get_or_create(&GpuLabel {
-                                gpu: gpu.index.to_string(),
-                            })
-                            .set(jobs.len() as i64);
-                        if show_apps {
-                            let mut seen = std::collections::BTreeSet::new();
-                            for t in &gpu.tasks {
-                                if seen.insert(t.job_id) {
-                                    self.jobs_by_app.get_or_create(&AppLabel { app: t.app.clone() }).inc();
-                                }
+    pub fn render(&self, node: &Snapshot, show_apps: bool) -> String {
+        match &node.status {
+            Some(status) => {
+                self.slots_per_gpu.set(i64::from(status.jobs_per_gpu));
+                self.slots_used.clear();
+                self.jobs_by_app.clear();
+                for gpu in &status.gpus {
+                    let jobs: std::collections::BTreeSet<u32> = gpu.tasks.iter().map(|t| t.job_id).collect();
+                    self.slots_used
+                        .get_or_create(&GpuLabel {
+                            gpu: gpu.index.to_string(),
+                        })
+                        .set(jobs.len() as i64);
+                    if show_apps {
+                        let mut seen = std::collections::BTreeSet::new();
+                        for t in &gpu.tasks {
+                            if seen.insert(t.job_id) {
+                                self.jobs_by_app.get_or_create(&AppLabel { app: t.app.clone() }).inc();
                             }
                         }
                     }
                 }
-                Err(_) => {
-                    self.scrape_errors.inc();
-                }
             }
-            match node.history_jobs() {
-                Ok(n) => {
-                    self.history_jobs.set(n);
-                }
-                Err(_) => {
-                    self.scrape_errors.inc();
-                }
+            None => {
+                self.scrape_errors.inc();
             }
-            let db = node.database();
-            let bytes: u64 = ["", "-wal"]
-                .iter()
-                .filter_map(|suffix| {
-                    let mut p = db.as_os_str().to_owned();
-                    p.push(suffix);
-                    std::fs::metadata(p).ok().map(|m| m.len())
-                })
-                .sum();
-            self.history_bytes.set(bytes as i64);
         }
+        match node.history_jobs {
+            Some(n) => {
+                self.history_jobs.set(n);
+            }
+            None => {
+                self.scrape_errors.inc();
+            }
+        }
+        let bytes: u64 = ["", "-wal"]
+            .iter()
+            .filter_map(|suffix| {
+                let mut p = node.database.as_os_str().to_owned();
+                p.push(suffix);
+                std::fs::metadata(p).ok().map(|m| m.len())
+            })
+            .sum();
+        self.history_bytes.set(bytes as i64);
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
@@ -251,6 +249,20 @@ impl Metrics {
         out
     }
 }
+
+/// What the gauges read of the node at a scrape (taken by the caller, under its lock).
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// What runs where; `None`: it could not be read (counted as a scrape error).
+    pub status: Option<NodeStatus>,
+    /// How many jobs the history holds; `None`: it could not be read.
+    pub history_jobs: Option<i64>,
+    /// The history's file (its size and its WAL's are read here).
+    pub database: PathBuf,
+}
+
+/// Takes a [`Snapshot`] of the node.
+pub type Snapshotter = Box<dyn Fn() -> Snapshot + Send>;
 
 /// Whether an endpoint serves the metrics: what costs a query to measure (the prediction
 /// error) is only measured then.
@@ -281,7 +293,7 @@ const IO_LIMIT: Duration = Duration::from_secs(5);
 const MAX_REQUEST: usize = 8192;
 
 /// Serves `GET /metrics` on `listener` until `shutdown`, one connection at a time.
-pub fn serve(listener: TcpListener, node: Arc<Mutex<Node>>, private_jobs: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
+pub fn serve(listener: TcpListener, node: Snapshotter, private_jobs: Arc<AtomicBool>, shutdown: Arc<AtomicBool>) {
     SERVED.store(true, Ordering::Relaxed);
     let _ = listener.set_nonblocking(true);
     while !shutdown.load(Ordering::Relaxed) {
@@ -301,7 +313,7 @@ pub fn serve(listener: TcpListener, node: Arc<Mutex<Node>>, private_jobs: Arc<At
     }
 }
 
-fn answer(mut stream: TcpStream, node: &Mutex<Node>, private_jobs: &AtomicBool) -> std::io::Result<()> {
+fn answer(mut stream: TcpStream, node: &Snapshotter, private_jobs: &AtomicBool) -> std::io::Result<()> {
     stream.set_read_timeout(Some(IO_LIMIT))?;
     stream.set_write_timeout(Some(IO_LIMIT))?;
     let deadline = Instant::now() + IO_LIMIT;
@@ -326,7 +338,7 @@ fn answer(mut stream: TcpStream, node: &Mutex<Node>, private_jobs: &AtomicBool) 
     let mut words = line.lines().next().unwrap_or("").split_whitespace();
     match (words.next(), words.next()) {
         (Some("GET"), Some("/metrics")) => {
-            let body = global().render(node, !private_jobs.load(Ordering::Relaxed));
+            let body = global().render(&node(), !private_jobs.load(Ordering::Relaxed));
             respond(
                 &mut stream,
                 "200 OK",
@@ -356,7 +368,9 @@ pub fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::Node;
     use std::collections::BTreeSet;
+    use std::sync::Mutex;
 
     /// The metric names (`multiplexd_...`) a text mentions.
     fn names_in(text: &str) -> BTreeSet<String> {
@@ -430,7 +444,8 @@ mod tests {
         let private = Arc::new(AtomicBool::new(true));
         let t = {
             let (node, shutdown) = (Arc::clone(&node), Arc::clone(&shutdown));
-            std::thread::spawn(move || serve(listener, node, private, shutdown))
+            let snapshot = move || node.lock().unwrap().metrics_snapshot();
+            std::thread::spawn(move || serve(listener, Box::new(snapshot), private, shutdown))
         };
         let get = |request: &str| {
             let mut s = TcpStream::connect(addr).unwrap();

@@ -6,157 +6,9 @@
 //! its pairwise speeds with every co-runner (1.0 alone). Pairs known to run out of memory and
 //! memory hints that do not fit rule a GPU out; when every GPU is ruled out the job is declined.
 
-use std::collections::{BTreeSet, HashMap};
-
-/// A job already running on a GPU.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Resident {
-    pub job_id: u32,
-    pub app: String,
-    pub mem_mb: Option<u64>,
-}
-
-/// One shared GPU as the policy sees it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GpuState {
-    pub index: u32,
-    pub model: String,
-    pub memory_mb: u64,
-    pub residents: Vec<Resident>,
-}
-
-/// What the history knows about `app` running beside `other` on one GPU model.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PairEstimate {
-    /// Speed of `app` beside `other`, relative to alone.
-    pub speed: f64,
-    /// Speed of `other` beside `app`.
-    pub other_speed: f64,
-    /// How many observations the estimate rests on.
-    pub observations: u32,
-    /// The pair ran out of GPU memory together: never again.
-    pub oom: bool,
-}
-
-/// What is known of one application on one GPU model beside partners in general.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct AppProfile {
-    /// Its expected speed beside a typical partner, already weighed against the prior by how
-    /// little it rests on, and how many learned pairs it rests on.
-    pub base: Option<(f64, u32)>,
-    /// How it changes its partners' speeds against their speed beside a typical partner,
-    /// already weighed against "not at all" by how little it rests on, and how many learned
-    /// pairs it rests on.
-    pub impact: Option<(f64, u32)>,
-    /// How many of its pairs ran out of memory, and how many were tried (ran or failed).
-    pub ooms: (u32, u32),
-}
-
-/// Everything one decision reads of the history, loaded before it is scored: placement never
-/// reads the database itself, so a history that cannot be read fails the request instead of
-/// passing for "nothing known". The daemon's history fills it ([`Wanted`] says with what); the
-/// simulator's oracle fills it from the true table.
-#[derive(Debug, Clone, Default)]
-pub struct Estimates {
-    /// GPU model, then application, then partner.
-    pairs: HashMap<String, HashMap<String, HashMap<String, PairEstimate>>>,
-    /// GPU model, then application.
-    apps: HashMap<String, HashMap<String, AppProfile>>,
-    /// GPU model: the sum of every learned speed there (both sides of each pair that ran
-    /// together), and how many those are.
-    learned: HashMap<String, (f64, u32)>,
-}
-
-impl Estimates {
-    /// Adds what is known of `app` beside `other` on `model`.
-    pub fn insert_pair(&mut self, model: &str, app: &str, other: &str, estimate: PairEstimate) {
-        self.pairs
-            .entry(model.to_string())
-            .or_default()
-            .entry(app.to_string())
-            .or_default()
-            .insert(other.to_string(), estimate);
-    }
-
-    /// Adds what is known of `app` on `model` beside partners in general.
-    pub fn insert_app(&mut self, model: &str, app: &str, profile: AppProfile) {
-        self.apps
-            .entry(model.to_string())
-            .or_default()
-            .insert(app.to_string(), profile);
-    }
-
-    /// The estimate for `app` beside `other` on `model`, if the history has a row for it.
-    pub fn pair(&self, model: &str, app: &str, other: &str) -> Option<PairEstimate> {
-        self.pairs.get(model)?.get(app)?.get(other).copied()
-    }
-
-    /// What is known of `app` on `model` beside partners in general (nothing, if not loaded).
-    pub fn app(&self, model: &str, app: &str) -> AppProfile {
-        self.apps
-            .get(model)
-            .and_then(|m| m.get(app))
-            .copied()
-            .unwrap_or_default()
-    }
-
-    /// Adds what was learned of all pairs on `model`: the sum of the learned speeds and how
-    /// many those are.
-    pub fn insert_learned(&mut self, model: &str, sum: f64, speeds: u32) {
-        self.learned.insert(model.to_string(), (sum, speeds));
-    }
-
-    /// What a job is expected to run at beside a partner on `model` when nothing sets the pair
-    /// apart: the mean of every speed learned there, weighed against `prior` as
-    /// [`CENTER_PRIOR_WEIGHT`] speeds; and how many learned speeds that rests on. Where few
-    /// pairs gain, it falls, and pairs never tried stop looking like gains; where most do, it
-    /// rises.
-    pub fn center(&self, model: &str, prior: f64) -> (f64, u32) {
-        let (sum, n) = self.learned.get(model).copied().unwrap_or((0.0, 0));
-        (
-            (sum + CENTER_PRIOR_WEIGHT * prior) / (f64::from(n) + CENTER_PRIOR_WEIGHT),
-            n,
-        )
-    }
-}
-
-/// Speeds' worth of weight `unknown_pair_speed` keeps against what a GPU model's learned pairs
-/// say of a typical pair.
-pub const CENTER_PRIOR_WEIGHT: f64 = 4.0;
-
-/// What a decision will read: the pairs (`model`, `app`, `other`) and the applications
-/// (`model`, `app`). Built by [`wanted`] (or by hand, for other questions), loaded by the
-/// history into [`Estimates`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Wanted {
-    pub pairs: BTreeSet<(String, String, String)>,
-    pub apps: BTreeSet<(String, String)>,
-}
-
-impl Wanted {
-    /// Asks for everything `other` asks for too.
-    pub fn extend(&mut self, other: Wanted) {
-        self.pairs.extend(other.pairs);
-        self.apps.extend(other.apps);
-    }
-
-    /// Asks for both sides of every pair of residents of `gpu`.
-    pub fn residents(&mut self, gpu: &GpuState) {
-        for (i, r) in gpu.residents.iter().enumerate() {
-            for o in &gpu.residents[i + 1..] {
-                self.pair(&gpu.model, &r.app, &o.app);
-            }
-        }
-    }
-
-    /// Asks for both sides of the pair `a`, `b` on `model`, and for both applications.
-    pub fn pair(&mut self, model: &str, a: &str, b: &str) {
-        for (x, y) in [(a, b), (b, a)] {
-            self.pairs.insert((model.to_string(), x.to_string(), y.to_string()));
-            self.apps.insert((model.to_string(), x.to_string()));
-        }
-    }
-}
+pub use crate::types::{
+    AppProfile, Decision, Estimates, GpuState, Knobs, Newcomer, PairEstimate, Resident, Wanted, CENTER_PRIOR_WEIGHT,
+};
 
 /// What [`place`] will read to decide where `job` goes among `gpus`: the newcomer beside every
 /// resident of a GPU with a free slot, and each such resident beside the others there.
@@ -251,48 +103,6 @@ const OOM_PRIOR_WEIGHT: f64 = 2.0;
 /// lower where most pairs do not fit in memory and the same elsewhere, with about twice the
 /// out-of-memory failures (docs/results.md, "Claims").
 const OOM_PENALTY: f64 = 0.25;
-
-/// The job to place.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Newcomer<'a> {
-    pub app: &'a str,
-    pub mem_mb: Option<u64>,
-}
-
-/// Policy knobs.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Knobs {
-    /// Jobs per GPU.
-    pub slots: u32,
-    /// Assumed speed of each side of a pair never seen together.
-    pub unknown_pair_speed: f64,
-    /// The least predicted gain (jobs' worth of throughput) worth sharing a GPU for: below
-    /// it the job is declined and waits for a better partner or a free GPU (0: never).
-    pub min_gain: f64,
-    /// `policy.separate_below`: a share that the separation look would give back at once,
-    /// measured as it is, is never made ([`crate::separate::separations`]; 0: no such check).
-    pub separate_below: f64,
-}
-
-/// The policy's answer.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Decision {
-    Place {
-        gpu: u32,
-        corunners: Vec<u32>,
-        /// The newcomer's predicted speed.
-        predicted_speed: f64,
-        /// Predicted change of the node's total normalised throughput.
-        gain: f64,
-        reason: String,
-    },
-    Decline {
-        reason: String,
-        /// False when no GPU here could ever take the job (it needs more memory than the
-        /// largest has), so waiting is pointless.
-        may_retry: bool,
-    },
-}
 
 struct Scored {
     gpu: u32,
@@ -563,7 +373,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             mem_mb: job.mem_mb,
         });
         // Its text names the partners only, never the newcomer's stand-in id.
-        if let Some(s) = crate::separate::separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
+        if let Some(s) = separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
             return Err(format!("{}: a share given back as soon as measured", s.why));
         }
     }
@@ -584,6 +394,107 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
         untried,
         reason,
     })
+}
+
+// Separations: jobs measured to run worse together than one after the other, which
+// `crate::separate` gives back to Slurm.
+
+/// A job to give back to Slurm, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Separation {
+    pub gpu: u32,
+    pub job_id: u32,
+    pub why: String,
+}
+
+/// What [`separations`] will read: every pair on each GPU that runs more than one job.
+pub fn separation_wanted(gpus: &[GpuState]) -> Wanted {
+    let mut w = Wanted::default();
+    for gpu in gpus {
+        w.residents(gpu);
+    }
+    w
+}
+
+/// A newcomer running below this share of its speed alone would finish sooner waiting for
+/// its partner to end than sharing with it, whatever its partner does.
+const HALF: f64 = 0.5;
+
+/// The speed of each of `apps` on one GPU of `model`: the product of its estimated speeds
+/// beside the others (1.0 alone).
+fn speeds(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> Vec<f64> {
+    apps.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            apps.iter()
+                .enumerate()
+                .filter(|&(k, _)| k != i)
+                .map(|(_, o)| estimate(history, model, a, o, prior).0)
+                .product::<f64>()
+        })
+        .collect()
+}
+
+/// The jobs to give back: on each GPU whose residents (oldest first) are all measured beside
+/// its newest, that newest job when the GPU delivers less with it than `below` times what the
+/// others deliver without it, and it runs slowest there or below half its speed alone.
+/// `spared` says of a job that it may not be given back (it was once already). `below` 0:
+/// never.
+pub fn separations(
+    gpus: &[GpuState],
+    history: &Estimates,
+    below: f64,
+    prior: f64,
+    spared: impl Fn(u32) -> bool,
+) -> Vec<Separation> {
+    let mut out = Vec::new();
+    if below <= 0.0 {
+        return out;
+    }
+    for gpu in gpus {
+        let Some((newest, others)) = gpu.residents.split_last() else {
+            continue;
+        };
+        if others.is_empty() || spared(newest.job_id) {
+            continue;
+        }
+        let measured = |a: &str, b: &str| {
+            history
+                .pair(&gpu.model, a, b)
+                .is_some_and(|e| e.observations > 0 && !e.oom)
+        };
+        if !others
+            .iter()
+            .all(|o| measured(&newest.app, &o.app) && measured(&o.app, &newest.app))
+        {
+            continue;
+        }
+        let without: Vec<&str> = others.iter().map(|r| r.app.as_str()).collect();
+        let mut with = without.clone();
+        with.push(&newest.app);
+        let before: f64 = speeds(history, &gpu.model, &without, prior).iter().sum();
+        let together = speeds(history, &gpu.model, &with, prior);
+        let after: f64 = together.iter().sum();
+        // Only a newest job that fares worst there, or badly in any case: a job's own side is
+        // what its owner reports, so a user who reports too little progress for a job of theirs
+        // can make that job look slowed, never another user's, which then is not the slowest.
+        let own = together[together.len() - 1];
+        let exposed = own < HALF || together.iter().all(|&v| own <= v);
+        if after < below * before && exposed {
+            let partners: Vec<String> = others.iter().map(|o| format!("{} (job {})", o.app, o.job_id)).collect();
+            out.push(Separation {
+                gpu: gpu.index,
+                job_id: newest.job_id,
+                why: format!(
+                    "measured beside {} on GPU {}, the GPU delivers {after:.2} of one job alone \
+                     against {before:.2} without it",
+                    partners.join(", "),
+                    gpu.index
+                ),
+            });
+        }
+    }
+    out
 }
 
 #[cfg(test)]

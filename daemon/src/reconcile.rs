@@ -55,7 +55,7 @@ mod tests {
     use super::*;
     use crate::config::{Config, GpuSpec};
     use crate::slurm::{Fake, FakeState};
-    use multiplex_protocol::{Response, StartRequest};
+    use multiplex_protocol::StartRequest;
 
     #[test]
     fn a_job_slurmd_no_longer_runs_frees_its_slot_after_the_grace() {
@@ -78,7 +78,7 @@ mod tests {
                 .unwrap()
                 .start(&StartRequest::new(job, 0, "a", "n1", 0))
                 .unwrap();
-            assert!(matches!(r, Response::Started(_)), "{r:?}");
+            assert!(matches!(r, crate::node::Started::Placed { .. }), "{r:?}");
         }
         let slurm = Fake::new(FakeState {
             running: vec![("n1".into(), 1), ("n2".into(), 2)],

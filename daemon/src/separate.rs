@@ -13,9 +13,9 @@
 //! under-reports a job of theirs makes only that job look slowed; another user's newcomer is
 //! then not the slowest, and is given back only if it runs below half speed beside it.
 //!
-//! [`separations`] is pure: the daemon and the simulator call this same code. The daemon looks
-//! every `policy.separate_look_ms` on a thread of its own ([`spawn`]) and gives a job back with
-//! `scontrol requeue`: Slurm's own requeue. The job comes back pending, still pinned to its old
+//! [`crate::placement::separations`] is pure: the daemon and the simulator call this same
+//! code. The daemon looks every `policy.separate_look_ms` on a thread of its own ([`spawn`])
+//! and gives a job back with `scontrol requeue`: Slurm's own requeue. The job comes back pending, still pinned to its old
 //! GPU, and the claimer claims it again once that pin is stale ([`crate::claimer::PIN_GRACE`],
 //! shorter than Slurm's delay before a requeued job may start). Bounds (fail-open): a job is
 //! given back at most once per node (a week), only on measurements (never on a prior); a job
@@ -24,109 +24,10 @@
 
 use crate::background::Trouble;
 use crate::node::Node;
-use crate::placement::{estimate, Estimates, GpuState, Wanted};
 use crate::slurm::Slurm;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// A job to give back to Slurm, and why.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Separation {
-    pub gpu: u32,
-    pub job_id: u32,
-    pub why: String,
-}
-
-/// What [`separations`] will read: every pair on each GPU that runs more than one job.
-pub fn wanted(gpus: &[GpuState]) -> Wanted {
-    let mut w = Wanted::default();
-    for gpu in gpus {
-        w.residents(gpu);
-    }
-    w
-}
-
-/// A newcomer running below this share of its speed alone would finish sooner waiting for
-/// its partner to end than sharing with it, whatever its partner does.
-const HALF: f64 = 0.5;
-
-/// The speed of each of `apps` on one GPU of `model`: the product of its estimated speeds
-/// beside the others (1.0 alone).
-fn speeds(history: &Estimates, model: &str, apps: &[&str], prior: f64) -> Vec<f64> {
-    apps.iter()
-        .enumerate()
-        .map(|(i, a)| {
-            apps.iter()
-                .enumerate()
-                .filter(|&(k, _)| k != i)
-                .map(|(_, o)| estimate(history, model, a, o, prior).0)
-                .product::<f64>()
-        })
-        .collect()
-}
-
-/// The jobs to give back: on each GPU whose residents (oldest first) are all measured beside
-/// its newest, that newest job when the GPU delivers less with it than `below` times what the
-/// others deliver without it, and it runs slowest there or below half its speed alone.
-/// `spared` says of a job that it may not be given back (it was once already). `below` 0:
-/// never.
-pub fn separations(
-    gpus: &[GpuState],
-    history: &Estimates,
-    below: f64,
-    prior: f64,
-    spared: impl Fn(u32) -> bool,
-) -> Vec<Separation> {
-    let mut out = Vec::new();
-    if below <= 0.0 {
-        return out;
-    }
-    for gpu in gpus {
-        let Some((newest, others)) = gpu.residents.split_last() else {
-            continue;
-        };
-        if others.is_empty() || spared(newest.job_id) {
-            continue;
-        }
-        let measured = |a: &str, b: &str| {
-            history
-                .pair(&gpu.model, a, b)
-                .is_some_and(|e| e.observations > 0 && !e.oom)
-        };
-        if !others
-            .iter()
-            .all(|o| measured(&newest.app, &o.app) && measured(&o.app, &newest.app))
-        {
-            continue;
-        }
-        let without: Vec<&str> = others.iter().map(|r| r.app.as_str()).collect();
-        let mut with = without.clone();
-        with.push(&newest.app);
-        let before: f64 = speeds(history, &gpu.model, &without, prior).iter().sum();
-        let together = speeds(history, &gpu.model, &with, prior);
-        let after: f64 = together.iter().sum();
-        // Only a newest job that fares worst there, or badly in any case: a job's own side is
-        // what its owner reports, so a user who reports too little progress for a job of theirs
-        // can make that job look slowed, never another user's, which then is not the slowest.
-        let own = together[together.len() - 1];
-        let exposed = own < HALF || together.iter().all(|&v| own <= v);
-        if after < below * before && exposed {
-            let partners: Vec<String> = others.iter().map(|o| format!("{} (job {})", o.app, o.job_id)).collect();
-            out.push(Separation {
-                gpu: gpu.index,
-                job_id: newest.job_id,
-                why: format!(
-                    "measured beside {} on GPU {}, the GPU delivers {after:.2} of one job alone \
-                     against {before:.2} without it",
-                    partners.join(", "),
-                    gpu.index
-                ),
-            });
-        }
-    }
-    out
-}
 
 /// One look: the jobs to give back, each recorded as given back first (its end, which the
 /// requeue brings, may reach the daemon before `scontrol` returns), then requeued through
@@ -188,8 +89,7 @@ pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, every: Duration, shu
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::placement::{PairEstimate, Resident};
+    use crate::placement::{separation_wanted, separations, Estimates, GpuState, PairEstimate, Resident};
 
     fn gpu(index: u32, apps: &[(&str, u32)]) -> GpuState {
         GpuState {
@@ -268,6 +168,6 @@ mod tests {
         // A job alone, or nothing known: nothing to separate.
         assert!(separations(&[gpu(0, &[("resnet", 1)])], &one_side, 1.0, 0.7, |_| false).is_empty());
         assert!(separations(&gpus, &Estimates::default(), 1.0, 0.7, |_| false).is_empty());
-        assert_eq!(wanted(&gpus).pairs.len(), 2);
+        assert_eq!(separation_wanted(&gpus).pairs.len(), 2);
     }
 }

@@ -118,7 +118,10 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         );
         std::thread::Builder::new()
             .name("metrics".into())
-            .spawn(move || crate::metrics::serve(listener, node, private, shutdown))
+            .spawn(move || {
+                let snapshot = move || node.lock().unwrap_or_else(|p| p.into_inner()).metrics_snapshot();
+                crate::metrics::serve(listener, Box::new(snapshot), private, shutdown)
+            })
             .map_err(|e| format!("cannot start the metrics endpoint: {e}"))?;
     }
     // systemd (Type=notify): the socket answers from here on.

@@ -2,7 +2,7 @@
 //! every connection, and a bad message answered with an error without disturbing anyone else.
 
 use crate::admission::{Admission, Complaints, Fault, Limits, Refusal, Ticket};
-use crate::node::Node;
+use crate::node::{Bound, Node, RequestError, Started};
 use multiplex_protocol::wire::{self, FrameError, Request, Response, ResponseFrame, PROTOCOL_VERSION};
 use std::io;
 use std::io::Read;
@@ -336,20 +336,37 @@ pub(crate) fn handle(
     let start = std::time::Instant::now();
     // A panic in one request must not poison the node for everyone: recover the guard.
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-    let result = match request {
-        Request::Start(req) if access.may_place(cred.uid) => node.start(&req),
+    let result: Result<Response, RequestError> = match request {
+        Request::Start(req) if access.may_place(cred.uid) => {
+            let started = node.start(&req);
+            crate::metrics::global().start(match &started {
+                Ok(Started::Placed { bound, .. }) => match bound {
+                    Bound::Claimed | Bound::NodeClaimed => "claimed",
+                    Bound::Unclaimed => "unclaimed",
+                    Bound::Joined => "joined",
+                },
+                Ok(Started::Refused { .. }) => "too_large",
+                Err(_) => "error",
+            });
+            started.map(started_response)
+        }
         Request::Start(_) => return denied("start tasks"),
-        Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req),
+        Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req).map(|()| Response::Finished),
         Request::Finish(_) => return denied("finish tasks"),
-        Request::Status => node.status().map(|mut status| {
-            for gpu in &mut status.gpus {
-                gpu.tasks.retain(|t| access.may_see(cred.uid, Some(t.uid)));
-            }
-            Response::Status(status)
-        }),
-        Request::Report(req) => node.report(&req, cred.uid, access.may_place(cred.uid)),
-        Request::Explain { job_id } => {
-            crate::inspect::explained(node.history(), job_id).map(|found| match found {
+        Request::Status => node
+            .status()
+            .map(|mut status| {
+                for gpu in &mut status.gpus {
+                    gpu.tasks.retain(|t| access.may_see(cred.uid, Some(t.uid)));
+                }
+                Response::Status(status)
+            })
+            .map_err(RequestError::History),
+        Request::Report(req) => node
+            .report(&req, cred.uid, access.may_place(cred.uid))
+            .map(|message| Response::Reported { message }),
+        Request::Explain { job_id } => crate::inspect::explained(node.history(), job_id)
+            .map(|found| match found {
                 Some(e) if access.may_see(cred.uid, e.owner) => Response::Explained {
                     text: e.text,
                     json: e.json,
@@ -360,19 +377,24 @@ pub(crate) fn handle(
                     json: serde_json::Value::Null,
                 },
             })
-        }
+            .map_err(RequestError::History),
     };
-    let metrics = crate::metrics::global();
-    metrics.request(kind, start.elapsed());
-    if kind == "start" {
-        metrics.start(match &result {
-            Ok(Response::Started(p)) if p.reason.contains("claimed for it") => "claimed",
-            Ok(Response::Started(_)) => "unclaimed",
-            Ok(Response::Refused { .. }) => "too_large",
-            _ => "error",
-        });
+    crate::metrics::global().request(kind, start.elapsed());
+    match result {
+        Ok(response) => Ok(response),
+        // The history's failure is the daemon's: logged by the caller.
+        Err(RequestError::History(e)) => Err(e.at(node.database()).to_string()),
+        // The asker's: the answer says why.
+        Err(e) => Ok(Response::Error { message: e.to_string() }),
     }
-    result.map_err(|e| e.at(node.database()).to_string())
+}
+
+/// A start's outcome on the wire.
+pub fn started_response(started: Started) -> Response {
+    match started {
+        Started::Placed { placement, .. } => Response::Started(placement),
+        Started::Refused { reason } => Response::Refused { reason },
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,19 @@
 
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, Response, StartRequest};
 use multiplexd::config::{Config, GpuSpec};
-use multiplexd::node::Node;
+use multiplexd::node::{Node, RequestError, Started};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// A start's outcome as the server answers it: the asker's errors become an `Error` answer;
+/// the history's fail the test.
+fn wire(r: Result<Started, RequestError>) -> Response {
+    match r {
+        Ok(s) => multiplexd::server::started_response(s),
+        Err(RequestError::History(e)) => panic!("the history failed: {e}"),
+        Err(e) => Response::Error { message: e.to_string() },
+    }
+}
 
 /// A job's progress report: `done` units of work since its start.
 fn progress(job_id: u32, done: f64) -> ReportRequest {
@@ -79,19 +89,17 @@ impl World {
     /// A job to which Slurm bound the shard of GPU `slurm_gpu`.
     fn start_on(&mut self, t: f64, job_id: u32, app: &str, slurm_gpu: &str) -> Response {
         let node = self.name.clone();
-        self.at(t)
-            .start(&StartRequest {
-                job_id,
-                step_id: 0xffff_fffb,
-                uid: 1000,
-                app: app.into(),
-                mem_mb: None,
-                node,
-                slurm_gres: None,
-                slurm_job_gpus: Some(slurm_gpu.into()),
-                admin_comment: None,
-            })
-            .unwrap()
+        wire(self.at(t).start(&StartRequest {
+            job_id,
+            step_id: 0xffff_fffb,
+            uid: 1000,
+            app: app.into(),
+            mem_mb: None,
+            node,
+            slurm_gres: None,
+            slurm_job_gpus: Some(slurm_gpu.into()),
+            admin_comment: None,
+        }))
     }
 
     /// What the claimer would do at `t` with a pending job of `app` on this node as it is
@@ -384,45 +392,41 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
     w.start(0.0, 2, "big-b");
     let report = |job_id, kind| ReportRequest { job_id, kind };
     // Another user may not report for the job; its own user (uid 1000 in World) may.
-    let r = w
-        .at(10.0)
-        .report(&report(2, ReportKind::OutOfMemory), 1001, false)
-        .unwrap();
+    let r = w.at(10.0).report(&report(2, ReportKind::OutOfMemory), 1001, false);
+    assert!(
+        matches!(
+            r,
+            Err(RequestError::NotTheOwner {
+                uid: 1001,
+                job_id: 2,
+                owner: 1000
+            })
+        ),
+        "{r:?}"
+    );
     assert_eq!(
-        r,
-        Response::Error {
-            message: "uid 1001 may not report for job 2 of uid 1000".into()
-        }
+        r.unwrap_err().to_string(),
+        "uid 1001 may not report for job 2 of uid 1000"
     );
     let r = w
         .at(10.0)
-        .report(&report(2, ReportKind::Progress { done: -1.0 }), 1000, false)
-        .unwrap();
-    assert!(matches!(r, Response::Error { .. }), "{r:?}");
+        .report(&report(2, ReportKind::Progress { done: -1.0 }), 1000, false);
+    assert!(matches!(r, Err(RequestError::BadProgress { .. })), "{r:?}");
     let r = w
         .at(10.0)
         .report(&report(2, ReportKind::Progress { done: 40.0 }), 1000, false)
         .unwrap();
-    assert_eq!(
-        r,
-        Response::Reported {
-            message: "progress of job 2 recorded: 40".into()
-        }
-    );
+    assert_eq!(r, "progress of job 2 recorded: 40");
     let r = w
         .at(20.0)
         .report(&report(2, ReportKind::OutOfMemory), 1000, false)
         .unwrap();
     assert_eq!(
         r,
-        Response::Reported {
-            message: "job 2 (big-b) ran out of memory beside big-a: this node will not pair them again".into()
-        }
+        "job 2 (big-b) ran out of memory beside big-a: this node will not pair them again"
     );
-    assert!(matches!(
-        w.at(20.0).report(&report(9, ReportKind::OutOfMemory), 0, true).unwrap(),
-        Response::Error { message } if message == "job 9 is not running on node n1"
-    ));
+    let r = w.at(20.0).report(&report(9, ReportKind::OutOfMemory), 0, true);
+    assert_eq!(r.unwrap_err().to_string(), "job 9 is not running on node n1");
     // Both die; later, big-b waits while a big-a runs: the claimer does not pair them again,
     // but pins it to the GPU once big-a has left.
     w.end(30.0, 2, 256);
@@ -704,7 +708,7 @@ fn a_job_is_recorded_where_slurm_bound_it_by_type_or_by_index_and_learned_from()
         slurm_job_gpus: Some("1".into()),
         ..StartRequest::new(8, 1000, "claimed", node, 1)
     };
-    let (g, _, why) = gpu(w.at(1.5).start(&claimed).unwrap());
+    let (g, _, why) = gpu(wire(w.at(1.5).start(&claimed)));
     assert_eq!(g, 0);
     assert!(
         why.contains("GPU 0 (v100_0), claimed for it before Slurm allocated it"),
@@ -722,7 +726,7 @@ fn a_job_is_recorded_where_slurm_bound_it_by_type_or_by_index_and_learned_from()
         )),
         ..StartRequest::new(9, 1000, "srun", node, 1)
     };
-    let (g, _, why) = gpu(w.at(1.7).start(&node_only).unwrap());
+    let (g, _, why) = gpu(wire(w.at(1.7).start(&node_only)));
     assert_eq!(g, 1);
     assert!(
         why.contains("GPU 1 (v100_1), Slurm's choice on a node claimed for it (srun made the job)"),
@@ -760,7 +764,7 @@ fn a_job_no_gpu_here_could_ever_hold_is_refused_with_the_reason() {
         mem_mb: Some(40_000),
         ..StartRequest::new(1, 1000, "big", node, 0)
     };
-    match w.at(0.0).start(&big).unwrap() {
+    match wire(w.at(0.0).start(&big)) {
         Response::Refused { reason } => assert_eq!(
             reason,
             "it needs 40000 MiB of GPU memory and the largest GPU here has 16384 MiB"

@@ -20,6 +20,33 @@ pub fn gpu_of_detail(detail: &str) -> Option<u32> {
         .map(|i| i as u32)
 }
 
+/// The gres type that names GPU `index`, a `model`, to Slurm: `v100_1` (a Type per GPU in
+/// gres.conf and slurm.conf, which the claimer pins a job to).
+pub fn gpu_type(model: &str, index: u32) -> String {
+    format!("{model}_{index}")
+}
+
+/// A GPU's gres type and its place in the model's naming: `v100_1` is GPU 1, a `v100`.
+pub fn split_gpu_type(kind: &str) -> Option<(&str, u32)> {
+    let (model, index) = kind.rsplit_once('_')?;
+    let index = index.parse().ok()?;
+    (!model.is_empty()).then_some((model, index))
+}
+
+/// The type of a gres request's first item, with or without Slurm's `gres:`/`gres/` prefix:
+/// `v100_1` of `shard:v100_1:1` or `gres/shard:v100_1:1`; `None` for `shard:1`.
+pub fn type_of(gres: &str) -> Option<&str> {
+    let first = gres.split(',').next()?;
+    let first = first
+        .strip_prefix("gres:")
+        .or_else(|| first.strip_prefix("gres/"))
+        .unwrap_or(first);
+    let mut parts = first.split(':');
+    parts.next()?;
+    let second = parts.next()?;
+    parts.next().map(|_| second)
+}
+
 #[cfg(test)]
 mod tests {
     use super::gpu_of_detail;

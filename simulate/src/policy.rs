@@ -7,11 +7,11 @@
 
 use super::input::{Rng, Table};
 use super::world::{JobRef, Policy, Shape};
-use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, Response, StartRequest};
+use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
 use multiplexd::claim::{self, Candidate, NodeGpus};
 use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
-use multiplexd::node::Node;
+use multiplexd::node::{Node, Started};
 use multiplexd::placement::{Bypasses, Estimates, GpuState, Knobs, PairEstimate, Resident, Wanted};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -382,10 +382,7 @@ impl Work {
             }
             Work::Report(now, req) => {
                 clock.store(now.to_bits(), Ordering::Relaxed);
-                match node.report(&req, 0, true).map_err(|e| e.to_string())? {
-                    Response::Reported { .. } => Ok(()),
-                    other => Err(unexpected(other)),
-                }
+                node.report(&req, 0, true).map(drop).map_err(|e| e.to_string())
             }
             Work::Telemetry(now, samples) => {
                 clock.store(now.to_bits(), Ordering::Relaxed);
@@ -545,10 +542,6 @@ impl<'a> Learned<'a> {
     }
 }
 
-fn unexpected(r: Response) -> String {
-    format!("the daemon answered {r:?}")
-}
-
 impl Policy for Learned<'_> {
     fn settle(&mut self) -> Result<(), String> {
         for n in 0..self.nodes.len() {
@@ -581,8 +574,8 @@ impl Policy for Learned<'_> {
             gpu as u32,
         );
         match self.node_at(node, now)?.start(&req).map_err(|e| e.to_string())? {
-            Response::Started(_) => Ok(()),
-            other => Err(unexpected(other)),
+            Started::Placed { .. } => Ok(()),
+            Started::Refused { reason } => Err(format!("the daemon refused job {}: {reason}", job.id)),
         }
     }
     fn claim(
@@ -667,17 +660,14 @@ impl Policy for Learned<'_> {
             step_id: 0,
             exit_status: if ok { 0 } else { 1 << 8 },
         };
-        let (answer, ended) = self
+        let ended = self
             .node_at(node, now)?
             .finish_deferred(&req)
             .map_err(|e| e.to_string())?;
         if let Some(job) = ended {
             self.hand(node, Work::Learn(job))?;
         }
-        match answer {
-            Response::Finished => Ok(()),
-            other => Err(unexpected(other)),
-        }
+        Ok(())
     }
 }
 

@@ -2,7 +2,7 @@
 //! it is scored: an error here is the request's error, never "nothing known".
 
 use super::{History, HistoryError};
-use crate::placement::{AppProfile, Estimates, PairEstimate, Wanted};
+use crate::types::{AppProfile, Estimates, PairEstimate, Wanted};
 use rusqlite::{params, OptionalExtension};
 use std::collections::BTreeSet;
 

@@ -1,7 +1,7 @@
 //! Recording what happens to jobs: placements, steps, ends, and what jobs report.
 
 use super::{Cached, History, HistoryError};
-use crate::placement::Resident;
+use crate::types::Resident;
 use rusqlite::params;
 
 /// A job this node is running, as stored.
@@ -104,16 +104,6 @@ impl History {
             " WHERE j.node = ?1 AND j.finished_at IS NOT NULL AND j.learned = 0 ORDER BY j.finished_at, j.id"
         ))?;
         let rows = stmt.query_map([node], active_job)?;
-        Ok(rows.collect::<Result<_, _>>()?)
-    }
-
-    /// How many jobs run on each GPU of `node` that runs any (what [`Self::active_jobs`]
-    /// would list, counted per GPU): `(gpu, jobs)`.
-    pub fn active_per_gpu(&self, node: &str) -> Result<Vec<(u32, u32)>, HistoryError> {
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT gpu, count(*) FROM jobs WHERE node = ?1 AND finished_at IS NULL GROUP BY gpu")?;
-        let rows = stmt.query_map([node], |r| Ok((r.get(0)?, r.get(1)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 

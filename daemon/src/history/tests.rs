@@ -1,7 +1,7 @@
 use super::equations::{equation, intervals_of};
 use super::schema::MIGRATIONS;
 use super::*;
-use crate::placement::{AppProfile, PairEstimate};
+use crate::types::{AppProfile, PairEstimate};
 
 fn known(h: &History, model: &str, app: &str) -> AppProfile {
     h.app(model, app).unwrap()

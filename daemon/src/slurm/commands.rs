@@ -1,0 +1,329 @@
+//! Slurm's own commands (squeue, sinfo, scontrol), each call under [`CALL_TIMEOUT`], and
+//! the parsers of what they print.
+
+use super::*;
+
+/// Slurm's own commands, each run with [`CALL_TIMEOUT`].
+#[derive(Debug)]
+pub struct Commands {
+    /// The directory of scontrol, squeue and sinfo; empty: found on PATH.
+    pub bin: PathBuf,
+    /// Whether a claim must clear the job's gres before it sets the GPU's type (asked of
+    /// `scontrol --version` at the first claim; [`merges_gres_updates`]).
+    clears_first: std::sync::OnceLock<bool>,
+}
+
+/// Whether Slurm `version` (`slurm 22.05.8`) merges a job update's gres into the job's gres
+/// instead of replacing it: before 23.02.6 (SchedMD bug 17184) an update from an untyped
+/// shard to a typed one is refused ("with and without type identification"), and one from a
+/// type to another leaves the old type allocated beside the new, a shard that is never given
+/// back. There a claim first clears the job's gres (`TresPerNode=`), then sets the type.
+pub fn merges_gres_updates(version: &str) -> bool {
+    let numbers: Vec<u32> = version
+        .split_whitespace()
+        .last()
+        .unwrap_or("")
+        .split(['.', '-'])
+        .map_while(|p| p.parse().ok())
+        .collect();
+    match numbers[..] {
+        [major, minor, micro, ..] => (major, minor, micro) < (23, 2, 6),
+        [major, minor] => (major, minor) < (23, 11),
+        _ => true,
+    }
+}
+
+impl Commands {
+    pub fn new(bin: &Path) -> Commands {
+        Commands {
+            bin: bin.to_path_buf(),
+            clears_first: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn program(&self, name: &str) -> PathBuf {
+        if self.bin.as_os_str().is_empty() {
+            PathBuf::from(name)
+        } else {
+            self.bin.join(name)
+        }
+    }
+
+    fn run(&self, program: &str, args: &[String]) -> Result<String, SlurmError> {
+        crate::command::run(&self.program(program), args, CALL_TIMEOUT).map_err(SlurmError::Failed)
+    }
+
+    /// `scontrol update JobId=...` for a pending job; the ways slurmctld says it is too late
+    /// become [`SlurmError::NotPending`].
+    fn update_pending(&self, job: u32, fields: Vec<String>) -> Result<(), SlurmError> {
+        let mut args = vec!["update".to_string(), format!("JobId={job}")];
+        args.extend(fields);
+        self.run("scontrol", &args).map(|_| ()).map_err(|e| match e {
+            SlurmError::Failed(text) if too_late(&text) => SlurmError::NotPending(job),
+            e => e,
+        })
+    }
+}
+
+/// Whether scontrol's error says the job is past being updated as a pending job.
+pub(super) fn too_late(text: &str) -> bool {
+    [
+        "Job is no longer pending",
+        "Job has already finished",
+        "Invalid job id",
+        // A pending-only field (the node list) on a job that just started.
+        "Invalid node name specified",
+        "Requested operation is presently disabled",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+}
+
+/// The fields asked of squeue, `|`-separated, the admin comment (which may hold `|`) last.
+/// A pending job's node is the one it asked for (`ReqNodes`, what a claim sets); a running
+/// job's the one it runs on (`NodeList`).
+const JOB_FORMAT: &str =
+    "JobID:0|,StateCompact:0|,Reason:0|,NodeList:0|,ReqNodes:0|,ExcNodes:0|,tres-per-node:0|,Licenses:0|,admin_comment:0";
+
+/// Reads squeue's lines of [`JOB_FORMAT`]. Lines that are not one job (a pending array's
+/// `123_[4-9]`) are skipped: Slurm starts such tasks as jobs of their own first.
+pub fn parse_jobs(out: &str) -> Result<Vec<Job>, SlurmError> {
+    let mut jobs = Vec::new();
+    for line in out.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.splitn(9, '|').map(str::trim).collect();
+        if f.len() < 9 {
+            return Err(SlurmError::Failed(format!("squeue printed {line:?}, not 9 fields")));
+        }
+        let Ok(id) = f[0].parse::<u32>() else {
+            continue;
+        };
+        let null = |s: &str| (!s.is_empty() && s != "(null)" && s != "N/A").then(|| s.to_string());
+        let gres = f[6].replace("gres/", "").replace("gres:", "");
+        let pending = f[1] == "PD";
+        jobs.push(Job {
+            id,
+            pending,
+            reason: f[2].to_string(),
+            node: if pending { null(f[4]) } else { null(f[3]) },
+            excluded: null(f[5]),
+            gres: if gres == "(null)" || gres == "N/A" {
+                String::new()
+            } else {
+                gres
+            },
+            licenses: null(f[7]).unwrap_or_default(),
+            admin_comment: null(f[8]),
+        });
+    }
+    Ok(jobs)
+}
+
+/// Reads sinfo's lines of `NodeList|StateLong|Gres`.
+pub fn parse_nodes(out: &str) -> Result<Vec<NodeInfo>, SlurmError> {
+    out.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            let f: Vec<&str> = line.splitn(3, '|').map(str::trim).collect();
+            match f[..] {
+                [name, state, gres] => Ok(NodeInfo {
+                    name: name.to_string(),
+                    state: state.to_string(),
+                    gres: gres.to_string(),
+                }),
+                _ => Err(SlurmError::Failed(format!("sinfo printed {line:?}, not 3 fields"))),
+            }
+        })
+        .collect()
+}
+
+impl Slurm for Commands {
+    fn jobs(&self, partition: &str) -> Result<Vec<Job>, SlurmError> {
+        let args = [
+            "--noheader".to_string(),
+            "--states=PENDING,RUNNING,CONFIGURING,COMPLETING".to_string(),
+            format!("--partition={partition}"),
+            "--sort=-p,i".to_string(),
+            format!("--Format={JOB_FORMAT}"),
+        ];
+        parse_jobs(&self.run("squeue", &args)?)
+    }
+
+    fn nodes(&self, partition: &str) -> Result<Vec<NodeInfo>, SlurmError> {
+        let args = [
+            "--noheader".to_string(),
+            "--Node".to_string(),
+            format!("--partition={partition}"),
+            "--Format=NodeList:0|,StateLong:0|,Gres:0".to_string(),
+        ];
+        parse_nodes(&self.run("sinfo", &args)?)
+    }
+
+    fn claim(&self, pin: &Pin) -> Result<(), SlurmError> {
+        // The job holds the gate's license meanwhile: cleared, it still waits for the pin.
+        if pin.gres.is_some() && pin.untyped && Slurm::merges_gres_updates(self)? {
+            self.update_pending(pin.job, vec!["TresPerNode=".to_string()])?;
+        }
+        let mut fields = vec![format!("Licenses={}", pin.licenses)];
+        if let Some(gres) = &pin.gres {
+            fields.push(format!("Gres={gres}"));
+        }
+        fields.push(format!("NodeList={}", pin.node));
+        fields.push(format!("AdminComment={}", pin.admin_comment));
+        if pin.start_now {
+            fields.push("StartTime=now".to_string());
+        }
+        self.update_pending(pin.job, fields)
+    }
+
+    fn merges_gres_updates(&self) -> Result<bool, SlurmError> {
+        if let Some(&c) = self.clears_first.get() {
+            return Ok(c);
+        }
+        let version = self.run("scontrol", &["--version".to_string()])?;
+        Ok(*self.clears_first.get_or_init(|| merges_gres_updates(&version)))
+    }
+
+    fn hold_gate(&self, gate: &Gate, lease_s: u64) -> Result<(), SlurmError> {
+        let renew = [
+            "update".to_string(),
+            format!("ReservationName={}", gate.reservation),
+            format!("EndTime=now+{lease_s}"),
+        ];
+        if self.run("scontrol", &renew).is_ok() {
+            return Ok(());
+        }
+        let create = [
+            "create".to_string(),
+            "reservation".to_string(),
+            format!("ReservationName={}", gate.reservation),
+            format!("Licenses={}:{}", gate.license, gate.count),
+            "Flags=ANY_NODES".to_string(),
+            "Users=root".to_string(),
+            "StartTime=now".to_string(),
+            format!("EndTime=now+{lease_s}"),
+        ];
+        match self.run("scontrol", &create) {
+            // One that ended but that slurmctld still keeps under its name.
+            Err(SlurmError::Failed(e)) if e.contains("Duplicate reservation name") => {
+                let delete = ["delete".to_string(), format!("ReservationName={}", gate.reservation)];
+                self.run("scontrol", &delete)?;
+                self.run("scontrol", &create).map(|_| ())
+            }
+            other => other.map(|_| ()),
+        }
+    }
+
+    fn release(&self, job: u32, licenses: &str, admin_comment: &str) -> Result<(), SlurmError> {
+        self.update_pending(
+            job,
+            vec![format!("Licenses={licenses}"), format!("AdminComment={admin_comment}")],
+        )
+    }
+
+    fn requeue(&self, job: u32) -> Result<(), SlurmError> {
+        self.run("scontrol", &["requeue".to_string(), job.to_string()])
+            .map(|_| ())
+    }
+
+    fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError> {
+        // slurmd's own list of the processes of its job steps (`scontrol listpids`): no
+        // slurmctld RPC, so a thousand nodes checking cost slurmctld nothing.
+        match self.run("scontrol", &["listpids".to_string(), "*".to_string(), node.to_string()]) {
+            Ok(out) => Ok(parse_listpids(&out)),
+            Err(SlurmError::Failed(e)) if e.contains("No job steps exist") => Ok(HashSet::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn config(&self) -> Result<String, SlurmError> {
+        self.run("scontrol", &["show".to_string(), "config".to_string()])
+    }
+
+    fn node_record(&self, node: &str) -> Result<String, SlurmError> {
+        self.run(
+            "scontrol",
+            &[
+                "show".to_string(),
+                "node".to_string(),
+                "-o".to_string(),
+                node.to_string(),
+            ],
+        )
+    }
+
+    fn hostnames(&self, list: &str) -> Result<Vec<String>, SlurmError> {
+        let out = self.run(
+            "scontrol",
+            &["show".to_string(), "hostnames".to_string(), list.to_string()],
+        )?;
+        Ok(out.split_whitespace().map(str::to_string).collect())
+    }
+
+    fn job_nodes(&self, id: u32) -> Result<Option<String>, SlurmError> {
+        let args = ["show".to_string(), "job".to_string(), "-o".to_string(), id.to_string()];
+        match self.run("scontrol", &args) {
+            Ok(out) => Ok(node_list(&out)),
+            Err(SlurmError::Failed(e)) if too_late(&e) => Err(SlurmError::NotPending(id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn job_gpu(&self, id: u32) -> Result<Option<u32>, SlurmError> {
+        let args = [
+            "show".to_string(),
+            "job".to_string(),
+            "-d".to_string(),
+            "-o".to_string(),
+            id.to_string(),
+        ];
+        Ok(parse_job_gpu(&self.run("scontrol", &args)?))
+    }
+
+    fn license_total(&self, name: &str) -> Result<u32, SlurmError> {
+        let args = [
+            "show".to_string(),
+            "licenses".to_string(),
+            "-o".to_string(),
+            name.to_string(),
+        ];
+        let out = self.run("scontrol", &args)?;
+        parse_license_total(&out).ok_or_else(|| {
+            SlurmError::Failed(format!(
+                "slurm.conf has no license {name:?} (scontrol show licenses said {:?}); add Licenses={name}:100000",
+                out.trim()
+            ))
+        })
+    }
+}
+
+/// The GPU index of `scontrol show job -d -o`'s allocation detail: `GRES=shard:1(IDX:1)`
+/// (22.05), `GRES=shard:v100_1:1(IDX:1)`, or per GPU the shards taken of those it has,
+/// `GRES=shard:1(0/2,1/2)` (24.11): the first GPU it names.
+pub fn parse_job_gpu(out: &str) -> Option<u32> {
+    let detail = out.split_whitespace().find_map(|w| w.strip_prefix("GRES="))?;
+    multiplex_protocol::gres::gpu_of_detail(detail)
+}
+
+/// The total of `scontrol show licenses -o NAME`: `LicenseName=multiplex Total=100000 ...`.
+pub fn parse_license_total(out: &str) -> Option<u32> {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix("Total="))?
+        .parse()
+        .ok()
+}
+
+/// The job ids of `scontrol listpids` (`PID JOBID STEPID LOCALID GLOBALID` lines).
+pub fn parse_listpids(out: &str) -> HashSet<u32> {
+    out.lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter_map(|id| id.parse::<u32>().ok())
+        .collect()
+}
+
+/// The `NodeList` of `scontrol show job -o` output; `None` while the job has none.
+pub fn node_list(scontrol: &str) -> Option<String> {
+    let list = scontrol
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("NodeList="))?;
+    (!list.is_empty() && list != "(null)").then(|| list.to_string())
+}

@@ -1,0 +1,183 @@
+//! The in-memory Slurm that the unit tests and the simulator share.
+
+use super::*;
+
+/// Slurm in memory: the jobs and nodes a test or the simulator sets, updates applied as
+/// slurmctld applies them (a claim of a job that is not pending fails with
+/// [`SlurmError::NotPending`]), and every call counted.
+#[derive(Debug, Default)]
+pub struct Fake {
+    pub state: Mutex<FakeState>,
+}
+
+/// What [`Fake`] holds.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct FakeState {
+    pub jobs: Vec<Job>,
+    pub nodes: Vec<NodeInfo>,
+    /// Until when (seconds from the fake's start of time, [`FakeState::now`]) the gate holds.
+    pub gate_until: Option<u64>,
+    pub now: u64,
+    /// Jobs each slurmd runs.
+    pub running: Vec<(String, u32)>,
+    pub config: String,
+    /// Reads (squeue, sinfo) and updates (claims, gate holds, releases, requeues) made.
+    pub reads: u64,
+    pub updates: u64,
+    pub claims: Vec<Pin>,
+    /// Each running job's GPU index, where its gres has no type.
+    pub gpus: Vec<(u32, u32)>,
+    /// How many gate licenses slurm.conf has.
+    pub licenses: u32,
+    /// Whether the Slurm faked merges gres updates (22.05).
+    pub merges: bool,
+    /// The next call of these kinds fails with this text.
+    pub fail: Option<String>,
+}
+
+impl Fake {
+    pub fn new(state: FakeState) -> Fake {
+        Fake {
+            state: Mutex::new(state),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut FakeState) -> Result<T, SlurmError>) -> Result<T, SlurmError> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = s.fail.take() {
+            return Err(SlurmError::Failed(e));
+        }
+        f(&mut s)
+    }
+
+    fn pending_job(s: &mut FakeState, id: u32) -> Result<&mut Job, SlurmError> {
+        match s.jobs.iter_mut().find(|j| j.id == id) {
+            Some(j) if j.pending => Ok(j),
+            _ => Err(SlurmError::NotPending(id)),
+        }
+    }
+}
+
+impl Slurm for Fake {
+    fn jobs(&self, _partition: &str) -> Result<Vec<Job>, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.jobs.clone())
+        })
+    }
+
+    fn nodes(&self, _partition: &str) -> Result<Vec<NodeInfo>, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.nodes.clone())
+        })
+    }
+
+    fn claim(&self, pin: &Pin) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += if pin.gres.is_some() && pin.untyped && s.merges {
+                2
+            } else {
+                1
+            };
+            let job = Fake::pending_job(s, pin.job)?;
+            job.licenses = pin.licenses.clone();
+            if let Some(gres) = &pin.gres {
+                job.gres = gres.clone();
+            }
+            job.node = Some(pin.node.clone());
+            job.admin_comment = Some(pin.admin_comment.clone());
+            s.claims.push(pin.clone());
+            Ok(())
+        })
+    }
+
+    fn merges_gres_updates(&self) -> Result<bool, SlurmError> {
+        self.with(|s| Ok(s.merges))
+    }
+
+    fn hold_gate(&self, _gate: &Gate, lease_s: u64) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            s.gate_until = Some(s.now + lease_s);
+            Ok(())
+        })
+    }
+
+    fn release(&self, job: u32, licenses: &str, admin_comment: &str) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            let job = Fake::pending_job(s, job)?;
+            job.licenses = licenses.to_string();
+            job.admin_comment = Some(admin_comment.to_string());
+            Ok(())
+        })
+    }
+
+    fn requeue(&self, job: u32) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            match s.jobs.iter_mut().find(|j| j.id == job && !j.pending) {
+                Some(j) => {
+                    j.pending = true;
+                    Ok(())
+                }
+                None => Err(SlurmError::Failed(format!("job {job} is not running"))),
+            }
+        })
+    }
+
+    fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError> {
+        self.with(|s| Ok(s.running.iter().filter(|(n, _)| n == node).map(|(_, j)| *j).collect()))
+    }
+
+    fn config(&self) -> Result<String, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.config.clone())
+        })
+    }
+
+    fn node_record(&self, node: &str) -> Result<String, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            match s.nodes.iter().find(|n| n.name == node) {
+                Some(n) => Ok(format!(
+                    "NodeName={} Gres={} State={}",
+                    n.name,
+                    n.gres,
+                    n.state.to_uppercase()
+                )),
+                None => Err(SlurmError::Failed(format!("Node {node} not found"))),
+            }
+        })
+    }
+
+    fn hostnames(&self, list: &str) -> Result<Vec<String>, SlurmError> {
+        self.with(|_| Ok(list.split(',').map(str::to_string).collect()))
+    }
+
+    fn job_nodes(&self, id: u32) -> Result<Option<String>, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            match s.jobs.iter().find(|j| j.id == id) {
+                Some(j) => Ok(j.node.clone()),
+                None => Err(SlurmError::NotPending(id)),
+            }
+        })
+    }
+
+    fn job_gpu(&self, id: u32) -> Result<Option<u32>, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.gpus.iter().find(|(j, _)| *j == id).map(|(_, g)| *g))
+        })
+    }
+
+    fn license_total(&self, _name: &str) -> Result<u32, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.licenses)
+        })
+    }
+}
