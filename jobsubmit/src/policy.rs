@@ -339,6 +339,39 @@ impl Watcher {
 mod tests {
     use super::*;
 
+    /// The key names of the admin guide's job_submit table (docs/admin.md).
+    fn guide_keys() -> Vec<String> {
+        let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/admin.md")).unwrap();
+        let table = guide
+            .split("### job_submit/multiplex")
+            .nth(1)
+            .expect("docs/admin.md has a job_submit/multiplex section")
+            .split("\n\n| key |")
+            .nth(1)
+            .expect("with a key table")
+            .split("\n\n")
+            .next()
+            .unwrap();
+        table
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next().map(str::to_string))
+            .collect()
+    }
+
+    #[test]
+    fn the_admin_guide_lists_exactly_the_keys_the_parser_reads() {
+        let err = Policy::parse("no_such_key = 1", TEST).unwrap_err();
+        let list = err
+            .split("no_such_key`, expected")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{err}"));
+        let mut parser: Vec<String> = list.split('`').skip(1).step_by(2).map(str::to_string).collect();
+        let mut guide = guide_keys();
+        parser.sort();
+        guide.sort();
+        assert_eq!(guide, parser, "docs/admin.md's job_submit table and the parser differ");
+    }
+
     fn users(name: &str) -> Option<u32> {
         match name {
             "alice" => Some(1001),

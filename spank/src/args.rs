@@ -82,6 +82,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_admin_guides_table_names_each_argument_with_its_default() {
+        let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/admin.md")).unwrap();
+        let table = guide
+            .split("### plugstack.conf")
+            .nth(1)
+            .expect("docs/admin.md has a plugstack.conf section")
+            .split("\n\n| argument |")
+            .nth(1)
+            .expect("with an argument table")
+            .split("\n\n")
+            .next()
+            .unwrap();
+        let mut names = Vec::new();
+        for row in table.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = row.split(" | ").collect();
+            let name = cells[0].trim_start_matches("| `").split('=').next().unwrap();
+            let default = cells[1].trim_matches('`');
+            names.push(name.to_string());
+            // Its default, given, is the default.
+            let given = Args::parse(&[format!("{name}={default}")]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(given, Args::default(), "{name}={default} is not the plugin's default");
+        }
+        assert_eq!(names, ["socket", "timeout_ms", "on_daemon_error"]);
+        let e = Args::parse(&["no_such=1"]).unwrap_err();
+        assert!(e.contains("(known: socket, timeout_ms, on_daemon_error)"), "{e}");
+    }
+
+    #[test]
     fn parses_and_expands() {
         let a = Args::parse(&["socket=/s/%n.sock", "timeout_ms=500", "on_daemon_error=fail"]).unwrap();
         assert_eq!(a.socket_for("n2"), PathBuf::from("/s/n2.sock"));

@@ -1,4 +1,5 @@
 //! `multiplexd.toml`: a raw serde struct (unknown keys are errors) resolved into [`Config`].
+//! Every key is defined once, in [`keys`]: its default, range and doc.
 //!
 //! The configuration of every part of the daemon lives here, so that the parts depend on the
 //! configuration and never the other way round.
@@ -6,34 +7,13 @@
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
-/// Default of `policy.unknown_pair_speed`, the prior speed of each side of a pair never seen.
-pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
+pub mod keys;
 
-/// Default of `policy.min_gain`: a job is not claimed for a share that adds less than a
-/// quarter of a GPU's throughput (it waits for a better partner or an idle GPU, up to the
-/// bypass bound). Measured on every table of `tests/bench/tables-matrix` (docs/results.md).
-pub const DEFAULT_MIN_GAIN: f64 = 0.25;
-
-/// Default of `busy_record_s`: every 5 minutes the daemon records each running job's busy GPU
-/// time, which NVML's per-process SM utilisation adds up to on a time-sliced GPU; each record
-/// ends a stretch that measures the job's speed beside its partners, as a progress report
-/// does, so that a job that reports nothing is measured within minutes of a new pair, not when
-/// a job of the pair ends (`docs/results.md`, "Busy GPU time instead of progress reports").
-/// Not under MPS, where a job's utilisation no longer tells its share of the GPU's time.
-pub const DEFAULT_BUSY_RECORD_S: u64 = 300;
-
-/// The longest `reconcile.grace_s` (a day).
-const MAX_GRACE_S: f64 = 86_400.0;
-
-/// Default of `policy.separate_below`: a GPU whose jobs were measured to deliver together less
-/// than 0.9 of what they would without the newest of them (the pair loses clearly against
-/// taking turns) gives that job back to Slurm (see [`crate::separate`]); it waits to be
-/// claimed again. The margin below 1 pays for the work the requeued job loses and its wait.
-pub const DEFAULT_SEPARATE_BELOW: f64 = 0.9;
-
-/// Default of `policy.separate_look_ms`: measurements change at jobs' progress reports, minutes
-/// apart, so a look every 5 s costs nothing and loses little.
-pub const DEFAULT_SEPARATE_LOOK_MS: u64 = 5000;
+use keys::*;
+pub use keys::{
+    DEFAULT_BUSY_RECORD_S, DEFAULT_MIN_GAIN, DEFAULT_SEPARATE_BELOW, DEFAULT_SEPARATE_LOOK_MS,
+    DEFAULT_UNKNOWN_PAIR_SPEED, MAX_LEASE_S, MAX_LOOKAHEAD, MAX_LOOK_MS, MIN_LEASE_S, MIN_LOOK_MS,
+};
 
 /// Where the daemon reads its configuration when `--config` is not given.
 pub const DEFAULT_CONFIG: &str = "/etc/slurm/multiplexd.toml";
@@ -203,9 +183,11 @@ impl Config {
             Some(_) => return Err("node must not be empty".into()),
             None => hostname(),
         };
-        let jobs_per_gpu = raw.jobs_per_gpu.unwrap_or(2);
-        if !(1..=16).contains(&jobs_per_gpu) {
-            return Err(format!("jobs_per_gpu = {jobs_per_gpu}: must be between 1 and 16"));
+        let jobs_per_gpu = raw.jobs_per_gpu.unwrap_or(DEFAULT_JOBS_PER_GPU);
+        if !(1..=MAX_JOBS_PER_GPU).contains(&jobs_per_gpu) {
+            return Err(format!(
+                "jobs_per_gpu = {jobs_per_gpu}: must be between 1 and {MAX_JOBS_PER_GPU}"
+            ));
         }
         let gpus = if raw.gpu.is_empty() {
             GpuSource::Nvml
@@ -259,9 +241,9 @@ impl Config {
         let min_gain = raw.policy.min_gain.unwrap_or(DEFAULT_MIN_GAIN);
         check_min_gain(min_gain).map_err(|e| format!("policy.min_gain = {min_gain}: {e}"))?;
         let separate_below = raw.policy.separate_below.unwrap_or(DEFAULT_SEPARATE_BELOW);
-        if !(0.0..=2.0).contains(&separate_below) {
+        if !(0.0..=MAX_SEPARATE_BELOW).contains(&separate_below) {
             return Err(format!(
-                "policy.separate_below = {separate_below}: must be between 0 (never separate) and 2"
+                "policy.separate_below = {separate_below}: must be between 0 (never separate) and {MAX_SEPARATE_BELOW}"
             ));
         }
         let separate_look_ms = raw.policy.separate_look_ms.unwrap_or(DEFAULT_SEPARATE_LOOK_MS);
@@ -350,14 +332,12 @@ impl Config {
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
-            database: raw
-                .database
-                .unwrap_or_else(|| PathBuf::from("/var/lib/multiplexd/history.sqlite")),
+            database: raw.database.unwrap_or_else(|| PathBuf::from(DEFAULT_DATABASE)),
             node,
             jobs_per_gpu,
-            telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(10),
+            telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(DEFAULT_TELEMETRY_INTERVAL_S),
             busy_record_s: raw.busy_record_s.unwrap_or(DEFAULT_BUSY_RECORD_S),
-            slurm_user: raw.slurm_user.unwrap_or_else(|| "slurm".into()),
+            slurm_user: raw.slurm_user.unwrap_or_else(|| DEFAULT_SLURM_USER.into()),
             slurm_bin: raw.slurm_bin.unwrap_or_default(),
             mps: raw.mps.unwrap_or(false),
             gpus,
@@ -509,24 +489,13 @@ pub struct ReconcileConfig {
 impl Default for ReconcileConfig {
     fn default() -> Self {
         ReconcileConfig {
-            interval_s: 60,
-            grace_s: 30.0,
+            interval_s: DEFAULT_RECONCILE_INTERVAL_S,
+            grace_s: DEFAULT_RECONCILE_GRACE_S,
         }
     }
 }
 
 /// The most pending jobs one look of the claimer weighs.
-pub const MAX_LOOKAHEAD: usize = 64;
-/// Bounds of the looks' intervals, milliseconds: below 100 ms the claimer's reads of the queue
-/// would load slurmctld; above a minute a free GPU would idle that long.
-pub const MIN_LOOK_MS: u64 = 100;
-pub const MAX_LOOK_MS: u64 = 60_000;
-/// The bounds of `claim.lease_s`: a lease shorter than a minute would lapse over one slow
-/// slurmctld answer; longer than an hour, a cluster whose claimer died would hold its waiting
-/// jobs for that long.
-pub const MIN_LEASE_S: u64 = 60;
-pub const MAX_LEASE_S: u64 = 3600;
-
 /// The cluster's claimer ([`crate::claimer`]): one daemon of the cluster runs it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimConfig {
@@ -547,10 +516,10 @@ impl Default for ClaimConfig {
     fn default() -> Self {
         ClaimConfig {
             enabled: false,
-            partition: "shared".into(),
-            lookahead: 8,
-            look_ms: 1000,
-            lease_s: 300,
+            partition: DEFAULT_CLAIM_PARTITION.into(),
+            lookahead: DEFAULT_LOOKAHEAD,
+            look_ms: DEFAULT_LOOK_MS,
+            lease_s: DEFAULT_LEASE_S,
         }
     }
 }
@@ -568,7 +537,7 @@ impl Default for ShareConfig {
     fn default() -> Self {
         ShareConfig {
             dir: None,
-            every_s: 600,
+            every_s: DEFAULT_SHARE_EVERY_S,
         }
     }
 }

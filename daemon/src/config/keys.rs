@@ -1,0 +1,580 @@
+//! Every key of `multiplexd.toml`, defined once: its type, default, range, whether a reload
+//! applies it, and what it does. The parser ([`super::Config::parse`]) reads the defaults and
+//! bounds from the constants here; `etc/multiplexd.toml` and the key table of
+//! `docs/admin.md` are rendered from [`KEYS`] ([`example_toml`], [`markdown_table`]), and the
+//! tests fail when the parser, the file or the guide differ from it (`BLESS=1 cargo test -p
+//! multiplexd keys` rewrites the file and the table).
+
+/// Whether a changed key applies on `systemctl reload` (SIGHUP) or needs a restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reload {
+    AtOnce,
+    Restart,
+}
+
+/// One key.
+#[derive(Debug, Clone, Copy)]
+pub struct Key {
+    /// `table.key` (`key` at the top).
+    pub name: &'static str,
+    pub kind: &'static str,
+    /// As TOML writes it; `None` where the default is not a value (the host name, unset).
+    pub default: Option<&'static str>,
+    /// The default in words where it is not a value.
+    pub default_text: &'static str,
+    pub range: &'static str,
+    pub reload: Reload,
+    pub doc: &'static str,
+    /// The value `etc/multiplexd.toml` sets (a site's example); `None`: shown commented out at
+    /// its default.
+    pub example: Option<&'static str>,
+    /// Another valid value, and one the parser must refuse (for the tests).
+    pub other: Option<&'static str>,
+    pub bad: Option<&'static str>,
+}
+
+pub const DEFAULT_JOBS_PER_GPU: u32 = 2;
+pub const MAX_JOBS_PER_GPU: u32 = 16;
+pub const DEFAULT_TELEMETRY_INTERVAL_S: u64 = 10;
+/// Every 5 minutes each running job's busy GPU time is recorded: a job that reports nothing is
+/// measured within minutes of a new pair. Not under MPS.
+pub const DEFAULT_BUSY_RECORD_S: u64 = 300;
+pub const DEFAULT_SLURM_USER: &str = "slurm";
+pub const DEFAULT_DATABASE: &str = "/var/lib/multiplexd/history.sqlite";
+/// The prior speed of each side of a pair never seen.
+pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
+/// A job is not claimed for a share that adds less than a quarter of a GPU's throughput.
+pub const DEFAULT_MIN_GAIN: f64 = 0.25;
+/// A GPU whose jobs deliver together less than 0.9 of what they would without the newest
+/// gives that job back (the margin below 1 pays for the work it loses and its wait).
+pub const DEFAULT_SEPARATE_BELOW: f64 = 0.9;
+pub const MAX_SEPARATE_BELOW: f64 = 2.0;
+pub const DEFAULT_SEPARATE_LOOK_MS: u64 = 5000;
+pub const DEFAULT_RECONCILE_INTERVAL_S: u64 = 60;
+pub const DEFAULT_RECONCILE_GRACE_S: f64 = 30.0;
+/// The longest `reconcile.grace_s` (a day).
+pub const MAX_GRACE_S: f64 = 86_400.0;
+pub const DEFAULT_SHARE_EVERY_S: u64 = 600;
+pub const DEFAULT_CLAIM_PARTITION: &str = "shared";
+pub const DEFAULT_LOOKAHEAD: usize = 8;
+pub const MAX_LOOKAHEAD: usize = 64;
+pub const DEFAULT_LOOK_MS: u64 = 1000;
+/// Bounds of the looks' intervals, milliseconds: below 100 ms the claimer's reads of the queue
+/// would load slurmctld; above a minute a free GPU would idle that long.
+pub const MIN_LOOK_MS: u64 = 100;
+pub const MAX_LOOK_MS: u64 = 60_000;
+pub const DEFAULT_LEASE_S: u64 = 300;
+/// A lease shorter than a minute would lapse over one slow slurmctld answer; longer than an
+/// hour, a cluster whose claimer died would hold its waiting jobs that long.
+pub const MIN_LEASE_S: u64 = 60;
+pub const MAX_LEASE_S: u64 = 3600;
+
+const fn key(
+    name: &'static str,
+    kind: &'static str,
+    default: &'static str,
+    range: &'static str,
+    doc: &'static str,
+) -> Key {
+    Key {
+        name,
+        kind,
+        default: Some(default),
+        default_text: "",
+        range,
+        reload: Reload::Restart,
+        doc,
+        example: None,
+        other: None,
+        bad: None,
+    }
+}
+
+impl Key {
+    const fn unset(self, text: &'static str) -> Key {
+        Key {
+            default: None,
+            default_text: text,
+            ..self
+        }
+    }
+    const fn at_once(self) -> Key {
+        Key {
+            reload: Reload::AtOnce,
+            ..self
+        }
+    }
+    const fn example(self, v: &'static str) -> Key {
+        Key {
+            example: Some(v),
+            ..self
+        }
+    }
+    const fn test(self, other: &'static str, bad: Option<&'static str>) -> Key {
+        Key {
+            other: Some(other),
+            bad,
+            ..self
+        }
+    }
+    /// The table (`""` at the top) and the key's own name.
+    pub fn split(&self) -> (&'static str, &'static str) {
+        self.name.split_once('.').unwrap_or(("", self.name))
+    }
+    /// The default as the guide shows it.
+    pub fn default_shown(&self) -> String {
+        match self.default {
+            Some(v) => format!("`{v}`"),
+            None => self.default_text.to_string(),
+        }
+    }
+}
+
+/// The tables, in the file's order, with what each is for.
+pub const TABLES: &[(&str, &str)] = &[
+    ("", "The node, its socket and history, and how it watches its GPUs."),
+    (
+        "gpu",
+        "The node's shared GPUs, one [[gpu]] each; none listed: found through NVML. Slurm knows each by the gres Type MODEL_INDEX.",
+    ),
+    ("policy", "Which pairs share a GPU."),
+    ("reconcile", "Freeing the slots of jobs whose end was never heard of."),
+    ("share", "Pooling what the nodes learn through a shared directory."),
+    ("claim", "The cluster's claimer: exactly one daemon of the cluster runs it."),
+    ("metrics", "The Prometheus endpoint."),
+];
+
+/// Every key, in the file's order.
+pub const KEYS: &[Key] = &[
+    key("node", "string", "", "a Slurm node name", "The Slurm node this daemon serves.")
+        .unset("the host name")
+        .example("\"gpu01\"")
+        .test("\"gpu02\"", Some("\"\"")),
+    key(
+        "socket",
+        "path",
+        "",
+        "a path",
+        "The Unix socket the SPANK plugin connects to; plugstack.conf's socket= must name it.",
+    )
+    .unset("`/run/multiplexd/NODE.sock`")
+    .example("\"/run/multiplexd/gpu01.sock\"")
+    .test("\"/run/x.sock\"", None),
+    key(
+        "database",
+        "path",
+        "\"/var/lib/multiplexd/history.sqlite\"",
+        "a path",
+        "The SQLite interference history; never replaced when it cannot be opened.",
+    )
+    .test("\"/tmp/other.sqlite\"", None),
+    key(
+        "jobs_per_gpu",
+        "integer",
+        "2",
+        "1 to 16",
+        "Jobs that may share one GPU: gres.conf's shards per GPU.",
+    )
+    .test("3", Some("0")),
+    key(
+        "telemetry_interval_s",
+        "integer",
+        "10",
+        "0 or more",
+        "Seconds between GPU telemetry rounds through NVML, where a driver exists.",
+    )
+    .test("5", None),
+    key(
+        "busy_record_s",
+        "integer",
+        "300",
+        "0 (never) or more",
+        "Seconds between records of each job's busy GPU time, which measure its speed beside its partners without reports (time-sliced GPUs only).",
+    )
+    .test("60", None),
+    key(
+        "slurm_user",
+        "string",
+        "\"slurm\"",
+        "a user name",
+        "Besides root, the user that may start and finish tasks (SlurmUser).",
+    )
+    .test("\"other\"", None),
+    key(
+        "slurm_bin",
+        "path",
+        "\"\"",
+        "a directory",
+        "The directory of scontrol, squeue and sinfo; empty: found on PATH.",
+    )
+    .test("\"/opt/slurm/bin\"", None),
+    key(
+        "mps",
+        "bool",
+        "false",
+        "",
+        "Whether the site runs the CUDA MPS control daemon: each step then gets MPS limits from the predicted slowdowns.",
+    )
+    .test("true", None),
+    key("gpu.index", "integer", "", "0 or more, once each", "The GPU's number as nvidia-smi counts it (/dev/nvidiaN).")
+        .unset("required in each [[gpu]]"),
+    key(
+        "gpu.model",
+        "string",
+        "",
+        "1 to 64 letters, digits, `.` `_` `-`",
+        "The GPU model's name; with the index it names the gres Type (`v100_0`). One name per model on every node.",
+    )
+    .unset("required in each [[gpu]]"),
+    key("gpu.memory_mb", "integer", "", "more than 0", "The GPU's memory, against which memory hints are checked.")
+        .unset("required in each [[gpu]]"),
+    key("gpu.uuid", "string", "", "`GPU-...` or `MIG-...`", "NVML's UUID (nvidia-smi -L), by which telemetry matches the GPU.")
+        .unset("unset"),
+    key(
+        "policy.unknown_pair_speed",
+        "number",
+        "0.7",
+        "above 0, at most 1",
+        "Assumed speed of each side of a pair never seen, until the model's learned pairs take over.",
+    )
+    .test("0.6", Some("0")),
+    key(
+        "policy.min_gain",
+        "number",
+        "0.25",
+        "0 to below 1",
+        "The least throughput (jobs' worth) a share must add for the claimer to make it; a pair never tried is tried for any gain.",
+    )
+    .at_once()
+    .test("0.1", Some("1")),
+    key(
+        "policy.separate_below",
+        "number",
+        "0.9",
+        "0 (never) to 2",
+        "A GPU delivering less than this times what it would without its newest job gives that job back to Slurm, once measured.",
+    )
+    .at_once()
+    .test("0.8", Some("3")),
+    key(
+        "policy.separate_look_ms",
+        "integer",
+        "5000",
+        "100 to 60000",
+        "Milliseconds between looks for jobs to give back.",
+    )
+    .test("1000", Some("10")),
+    key(
+        "reconcile.interval_s",
+        "integer",
+        "60",
+        "0 (never) or more",
+        "Seconds between asking slurmd which jobs run here (no slurmctld RPC), to free the slots of jobs whose end was never reported.",
+    )
+    .test("30", None),
+    key(
+        "reconcile.grace_s",
+        "number",
+        "30.0",
+        "1 to 86400",
+        "Jobs that started less than this many seconds ago are left alone.",
+    )
+    .test("10.0", Some("0.5")),
+    key(
+        "share.dir",
+        "path",
+        "",
+        "an absolute path",
+        "A directory every node reads and writes, where each writes what it learned as NODE.json and merges the others'.",
+    )
+    .unset("unset: the node learns alone")
+    .test("\"/shared/slurm/multiplexd\"", Some("\"relative\"")),
+    key(
+        "share.every_s",
+        "integer",
+        "600",
+        "1 or more",
+        "Seconds between two exchanges through the directory.",
+    )
+    .test("60", Some("0")),
+    key(
+        "claim.enabled",
+        "bool",
+        "false",
+        "",
+        "Whether this daemon is the cluster's claimer (needs root or SlurmUser, Slurm's commands and [share] dir).",
+    )
+    .test("true", None),
+    key(
+        "claim.partition",
+        "string",
+        "\"shared\"",
+        "one partition",
+        "The partition where multiplexed jobs wait (job_submit's first shared partition).",
+    )
+    .test("\"gpu-shared\"", Some("\"a,b\"")),
+    key(
+        "claim.lookahead",
+        "integer",
+        "8",
+        "1 to 64",
+        "How many of the first waiting jobs in Slurm's order one look weighs; none is passed over more than 4 times.",
+    )
+    .test("4", Some("0")),
+    key(
+        "claim.look_ms",
+        "integer",
+        "1000",
+        "100 to 60000",
+        "Milliseconds between looks; each reads the partition's queue once.",
+    )
+    .test("500", Some("50")),
+    key(
+        "claim.lease_s",
+        "integer",
+        "300",
+        "60 to 3600",
+        "How far ahead the gate is held: with the claimer gone, waiting jobs start where Slurm puts them within this long.",
+    )
+    .test("120", Some("30")),
+    key(
+        "metrics.listen",
+        "address",
+        "",
+        "an address and port",
+        "Serve Prometheus metrics at http://LISTEN/metrics; bind to loopback or a management network.",
+    )
+    .unset("unset: no endpoint")
+    .test("\"127.0.0.1:9822\"", Some("\"nowhere\"")),
+];
+
+/// The key table of `docs/admin.md`.
+pub fn markdown_table() -> String {
+    let mut s = String::from("| key | type | default | range | reload | what it does |\n|---|---|---|---|---|---|\n");
+    for k in KEYS {
+        let (table, leaf) = k.split();
+        let name = if table.is_empty() {
+            format!("`{leaf}`")
+        } else if table == "gpu" {
+            format!("`[[gpu]] {leaf}`")
+        } else {
+            format!("`[{table}] {leaf}`")
+        };
+        s.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {} |\n",
+            k.kind,
+            k.default_shown(),
+            if k.range.is_empty() { "-" } else { k.range },
+            match k.reload {
+                Reload::AtOnce => "at once",
+                Reload::Restart => "restart",
+            },
+            k.doc
+        ));
+    }
+    s
+}
+
+/// `text` as TOML comment lines of at most 96 characters.
+fn comment(text: &str) -> String {
+    let mut out = String::new();
+    let mut line = String::from("#");
+    for word in text.split_whitespace() {
+        if line.len() + 1 + word.len() > 96 && line.len() > 1 {
+            out.push_str(&line);
+            out.push('\n');
+            line = String::from("#");
+        }
+        line.push(' ');
+        line.push_str(word);
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+/// `etc/multiplexd.toml`: every key with its line of doc, set where a site sets it (an example
+/// node, gpu01 of etc/slurm.conf.example with four V100s), else commented out at its default.
+pub fn example_toml() -> String {
+    let mut s = String::from(
+        "# multiplexd configuration, one file per GPU node (default path /etc/slurm/multiplexd.toml, or\n\
+         # `multiplexd serve --config FILE`). Unknown keys are errors. Every key, its default, range and\n\
+         # whether `systemctl reload` applies it: docs/admin.md, \"Configuration keys\". This file is\n\
+         # rendered from daemon/src/config/keys.rs.\n",
+    );
+    for (table, about) in TABLES {
+        s.push('\n');
+        if *table == "gpu" {
+            s.push_str(&comment(&format!(
+                "{about} Here gpu01 of etc/slurm.conf.example (Gres=gpu:v100_0:1,...) and etc/gres.conf.example."
+            )));
+            for i in 0..4 {
+                s.push_str(&format!("[[gpu]]\nindex = {i}\nmodel = \"v100\"\nmemory_mb = 16384\n"));
+                if i == 0 {
+                    s.push_str("# uuid = \"GPU-...\"\n");
+                }
+                if i < 3 {
+                    s.push('\n');
+                }
+            }
+            continue;
+        }
+        if !table.is_empty() {
+            s.push_str(&format!("[{table}]\n"));
+        }
+        s.push_str(&comment(about));
+        for k in KEYS.iter().filter(|k| k.split().0 == *table) {
+            let leaf = k.split().1;
+            let range = match k.kind {
+                "integer" | "number" => format!(" Range: {}.", k.range),
+                _ => String::new(),
+            };
+            s.push_str(&comment(&format!("{}{range}", k.doc)));
+            match (k.example, k.default) {
+                (Some(v), _) => s.push_str(&format!("{leaf} = {v}\n")),
+                (None, Some(d)) => s.push_str(&format!("# {leaf} = {d}\n")),
+                (None, None) => match k.other {
+                    Some(o) => s.push_str(&format!("# {leaf} = {o}    # {}\n", k.default_text)),
+                    None => s.push_str(&format!("# {leaf}: {}\n", k.default_text)),
+                },
+            }
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::collections::BTreeSet;
+
+    /// `key = value` in its table, as a file would say it.
+    fn snippet(k: &Key, value: &str) -> String {
+        match k.split() {
+            ("", leaf) => format!("{leaf} = {value}\n"),
+            ("gpu", leaf) => {
+                let mut g = vec![("index", "0"), ("model", "\"v100\""), ("memory_mb", "16384")];
+                g.retain(|(l, _)| *l != leaf);
+                let rest: String = g.iter().map(|(l, v)| format!("{l} = {v}\n")).collect();
+                format!("[[gpu]]\n{rest}{leaf} = {value}\n")
+            }
+            (table, leaf) => format!("[{table}]\n{leaf} = {value}\n"),
+        }
+    }
+
+    /// The keys serde's refusal of an unknown one lists for `table`.
+    fn parser_keys(table: &str) -> BTreeSet<String> {
+        let text = match table {
+            "" => "no_such_key = 1\n".to_string(),
+            "gpu" => "[[gpu]]\nno_such_key = 1\n".to_string(),
+            t => format!("[{t}]\nno_such_key = 1\n"),
+        };
+        let err = Config::parse(&text).unwrap_err();
+        // serde lists them after `expected` (one of ..., or `a` or `b`, or `a`).
+        let list = err
+            .split("no_such_key`, expected")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{err}"));
+        list.split('`').skip(1).step_by(2).map(str::to_string).collect()
+    }
+
+    #[test]
+    fn the_parser_reads_exactly_the_defined_keys() {
+        for (table, _) in TABLES {
+            let mut want: BTreeSet<String> = KEYS
+                .iter()
+                .filter(|k| k.split().0 == *table)
+                .map(|k| k.split().1.to_string())
+                .collect();
+            if table.is_empty() {
+                want.extend(TABLES.iter().filter(|t| !t.0.is_empty()).map(|t| t.0.to_string()));
+            }
+            assert_eq!(parser_keys(table), want, "[{table}]: the parser and KEYS differ");
+        }
+    }
+
+    #[test]
+    fn each_defined_default_is_the_parsers() {
+        let base = Config::parse("").unwrap();
+        for k in KEYS.iter().filter(|k| k.split().0 != "gpu") {
+            if let Some(d) = k.default {
+                let c = Config::parse(&snippet(k, d)).unwrap_or_else(|e| panic!("{}: {e}", k.name));
+                assert_eq!(c, base, "{} = {d} is not the parser's default", k.name);
+            }
+        }
+    }
+
+    #[test]
+    fn each_key_reloads_as_defined_and_refuses_what_its_range_refuses() {
+        for k in KEYS {
+            let (table, leaf) = k.split();
+            let base = if table == "gpu" {
+                let fits = match leaf {
+                    "uuid" => "\"GPU-1\"",
+                    "model" => "\"a100\"",
+                    _ => "1",
+                };
+                Config::parse(&snippet(k, fits)).unwrap()
+            } else {
+                Config::parse("").unwrap()
+            };
+            if let Some(other) = k.other {
+                let changed = Config::parse(&snippet(k, other)).unwrap_or_else(|e| panic!("{}: {e}", k.name));
+                let r = base.reload(&changed).unwrap();
+                match k.reload {
+                    Reload::AtOnce => assert!(
+                        r.applied.iter().any(|a| a.starts_with(k.name)) && r.needs_restart.is_empty(),
+                        "{} applies at once: {r:?}",
+                        k.name
+                    ),
+                    Reload::Restart => assert!(
+                        r.applied.is_empty() && r.needs_restart.iter().any(|n| *n == k.name || *n == table),
+                        "{} takes a restart: {r:?}",
+                        k.name
+                    ),
+                }
+            }
+            if let Some(bad) = k.bad {
+                let e = Config::parse(&snippet(k, bad)).expect_err(k.name);
+                assert!(e.contains(leaf), "{} = {bad}: the refusal names the key: {e}", k.name);
+            }
+        }
+    }
+
+    /// `path`'s text must be `want`; with BLESS=1 in the environment it is written instead.
+    fn rendered(path: &str, text: &str, want: &str) {
+        if text != want {
+            if std::env::var_os("BLESS").is_some() {
+                std::fs::write(path, want).unwrap();
+                return;
+            }
+            panic!("{path} is not what daemon/src/config/keys.rs renders (BLESS=1 cargo test -p multiplexd keys rewrites it):\n{want}");
+        }
+    }
+
+    #[test]
+    fn the_example_config_is_rendered_from_the_keys() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        rendered(path, &text, &example_toml());
+        Config::parse(&example_toml()).unwrap();
+    }
+
+    #[test]
+    fn the_admin_guides_key_table_is_rendered_from_the_keys() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/admin.md");
+        let text = std::fs::read_to_string(path).unwrap();
+        let (begin, end) = (
+            "<!-- keys: rendered from daemon/src/config/keys.rs -->\n",
+            "<!-- /keys -->",
+        );
+        let a = text
+            .find(begin)
+            .expect("docs/admin.md has the key table's begin marker")
+            + begin.len();
+        let b = a + text[a..].find(end).expect("and its end marker");
+        let want = format!("{}{}{}", &text[..a], markdown_table(), &text[b..]);
+        rendered(path, &text, &want);
+    }
+}
