@@ -22,7 +22,8 @@ const QUIET: Duration = Duration::from_millis(2);
 /// ...or once it has waited this long for such a pause: at least one lesson a second under
 /// requests that never pause for 2 ms, which no node's slurmstepds send for long (a job array's
 /// burst of steps). The placement bench sends them, and at 100 ms the lessons forced into its
-/// stream made place latency's 99th percentile clearly worse; see docs/results.md.
+/// stream made place latency's 99th percentile clearly worse (docs/notebook/2026-11-results.md,
+/// "Does it scale?").
 const POSTPONE_AT_MOST: Duration = Duration::from_secs(1);
 
 /// The learning connection's page cache. Every commit of a request empties it (SQLite drops

@@ -10,7 +10,7 @@
 //! Why: each node alone sees few of the pairs its applications form; in `multiplex-simulate`
 //! (4 nodes x 4 GPUs, 1,000 jobs, load 1.0, 30 seeds) merging every 10 minutes cut the
 //! learned policy's average JCT by a further 6% (7,357 s to 6,890 s) and by 36% at load 1.5
-//! (see docs/results.md).
+//! (see docs/notebook/2026-11-results.md, "Pooled histories").
 
 use crate::background::Trouble;
 pub use crate::config::ShareConfig;
