@@ -190,11 +190,13 @@ impl Claimer {
             return Ok(Looked::default());
         }
         let pending: Vec<Candidate> = candidates.iter().map(|(c, _)| c.clone()).collect();
-        let choices = node
+        // The history is read under the node's lock; the scoring runs outside it.
+        let inputs = node
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .claims(&nodes, &pending, &mut self.bypasses)
+            .claim_inputs(&nodes, &pending)
             .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
+        let choices = inputs.choose(&mut self.bypasses);
         let mut looked = Looked::default();
         for choice in choices {
             match choice {

@@ -26,6 +26,21 @@ pub fn wall_clock() -> Clock {
     })
 }
 
+/// What one look of the claimer decides on ([`Node::claim_inputs`]).
+pub struct ClaimInputs {
+    pub nodes: Vec<crate::claim::NodeGpus>,
+    pub pending: Vec<crate::claim::Candidate>,
+    pub estimates: crate::placement::Estimates,
+    pub knobs: Knobs,
+}
+
+impl ClaimInputs {
+    /// The look's claims ([`crate::claim::choose`]).
+    pub fn choose(&self, bypasses: &mut Bypasses) -> Vec<crate::claim::Choice> {
+        crate::claim::choose(&self.nodes, &self.pending, &self.estimates, self.knobs, bypasses)
+    }
+}
+
 /// The daemon's state for its node.
 pub struct Node {
     config: Config,
@@ -296,15 +311,27 @@ impl Node {
     }
 
     /// The claims of one look at the cluster ([`crate::claim::choose`]) over this daemon's
-    /// history: `nodes` and `pending` as Slurm's books show them; a resident or a pending job
-    /// without a memory hint counts what its application's earlier runs were measured to use.
-    /// `bypasses` is the claimer's own count of passed-over jobs.
+    /// history: [`Self::claim_inputs`], then the choice. `bypasses` is the claimer's own count
+    /// of passed-over jobs.
     pub fn claims(
         &self,
         nodes: &[crate::claim::NodeGpus],
         pending: &[crate::claim::Candidate],
         bypasses: &mut Bypasses,
     ) -> Result<Vec<crate::claim::Choice>, HistoryError> {
+        Ok(self.claim_inputs(nodes, pending)?.choose(bypasses))
+    }
+
+    /// What one look at the cluster decides on, read from this daemon's history in one go:
+    /// `nodes` and `pending` as Slurm's books show them, a resident or a pending job without a
+    /// memory hint counting what its application's earlier runs were measured to use, and the
+    /// estimates the choice reads. The claimer takes it under the node's lock and chooses
+    /// outside it, so that scoring a large cluster never holds up this node's job steps.
+    pub fn claim_inputs(
+        &self,
+        nodes: &[crate::claim::NodeGpus],
+        pending: &[crate::claim::Candidate],
+    ) -> Result<ClaimInputs, HistoryError> {
         let mut nodes = nodes.to_vec();
         for gpu in nodes.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
             for r in &mut gpu.residents {
@@ -319,7 +346,12 @@ impl Node {
         let estimates = self
             .history
             .estimates(&crate::claim::wanted(&nodes, &pending, knobs.slots))?;
-        Ok(crate::claim::choose(&nodes, &pending, &estimates, knobs, bypasses))
+        Ok(ClaimInputs {
+            nodes,
+            pending,
+            estimates,
+            knobs,
+        })
     }
 
     /// What a job of `app` is assumed to need of a GPU's memory, MiB: its own `hint`, else what
