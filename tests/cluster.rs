@@ -1901,7 +1901,7 @@ fn a_job_measured_to_lose_beside_its_partner_is_given_back_and_claimed_again_apa
     }
     // A filler takes 12 GiB of one GPU, x the other; y (5 GiB) then fits only beside x, a pair
     // never seen, which placement tries.
-    let filler = submit("itest-apart-filler", "12G", "sleep 90".into());
+    let filler = submit("itest-apart-filler", "12G", "sleep 45".into());
     assert!(wait_until(WAIT, || running(filler)), "{:?}", c.show_job(filler));
     let x = submit("itest-apart-x", "4G", training(&c, 0.3, 90));
     assert!(wait_until(WAIT, || running(x)), "{:?}", c.show_job(x));
@@ -1945,9 +1945,11 @@ fn a_job_measured_to_lose_beside_its_partner_is_given_back_and_claimed_again_apa
     );
     assert!(ok, "{text}{err}");
     assert!(text.contains("requeued to run apart"), "{text}");
-    // Requeued, y waits for its pin to go stale (the claimer's grace period), not for Slurm's
-    // own requeue delay (121 s): the claimer claims it again and lets it start at once,
-    // apart from x.
+    // Requeued, y waits for its pin to go stale (the claimer's grace period) and for a slot
+    // on n1 apart from x (the filler's, within 45 s), not for Slurm's own requeue delay
+    // (121 s): the claimer claims it again there, on the node its user asked for (-w n1,
+    // which its tag keeps: the first claim replaced the job's own node list), though n2 is
+    // idle, and lets it start at once.
     let given_back = Instant::now();
     assert!(
         wait_until(WAIT + multiplexd::claimer::PIN_GRACE, || c.show_job(y)["JobState"]
@@ -1962,8 +1964,9 @@ fn a_job_measured_to_lose_beside_its_partner_is_given_back_and_claimed_again_apa
     );
     let ry = c.show_job(y);
     let gpu_x = c.job_gpu(x);
+    assert_eq!(ry["NodeList"], "n1", "y runs on the node its user asked for: {ry:?}");
     assert!(
-        ry["NodeList"] != "n1" || c.job_gpu(y) != gpu_x,
+        c.job_gpu(y) != gpu_x,
         "y runs apart from x: {ry:?} (x on n1 GPU {gpu_x:?})"
     );
     let state = c.node_state("n1");

@@ -124,8 +124,13 @@ impl Claimer {
             .retain(|id, _| jobs.iter().any(|j| j.id == *id && !j.pending));
         // Host lists are users' text: keep only those a job still names.
         self.hostlists.retain(|list, _| {
-            jobs.iter()
-                .any(|j| j.node.as_deref() == Some(list) || j.excluded.as_deref() == Some(list))
+            jobs.iter().any(|j| {
+                j.node.as_deref() == Some(list)
+                    || j.excluded.as_deref() == Some(list)
+                    || Spec::from_tag(j.admin_comment.as_deref())
+                        .and_then(Result::ok)
+                        .is_some_and(|s| s.nodes.as_deref() == Some(list))
+            })
         });
         let mut nodes = cluster(&infos, &memory);
         let mut candidates: Vec<(Candidate, &Job)> = Vec::new();
@@ -160,13 +165,17 @@ impl Claimer {
             let Some(spec) = spec else { continue };
             let waits_for_claim = (job.gated(LICENSE) && job.reason == "Licenses") || pinned;
             if waits_for_claim && candidates.len() < self.config.lookahead {
-                // A gated job's node lists are its user's: the claim keeps within them. (A
-                // stale pin's node list is the claimer's own, which a new claim replaces.)
-                let nodes = if pinned {
-                    None
+                // The claim keeps within the nodes the job's user asked for: while it waits
+                // for its first claim, its own node list (as its user or an admin set it);
+                // once pinned, the list is the claimer's own, and the tag's record of the
+                // user's (job_submit, from --nodelist) stands in. Its --exclude is never
+                // replaced.
+                let asked = if pinned {
+                    spec.nodes.as_deref()
                 } else {
-                    self.allowed_nodes(slurm, job, &infos)
+                    job.node.as_deref()
                 };
+                let nodes = self.allowed_nodes(slurm, asked, job.excluded.as_deref(), &infos);
                 // Where Slurm merges gres updates, a typed job keeps its GPU index.
                 let gpu = job
                     .gres_type()
@@ -269,10 +278,17 @@ impl Claimer {
 }
 
 impl Claimer {
-    /// The nodes `job` may run on: those its `--nodelist` names, less those its `--exclude`
-    /// names; `None`: any. A host list Slurm cannot expand counts as naming no node.
-    fn allowed_nodes(&mut self, slurm: &dyn Slurm, job: &Job, infos: &[NodeInfo]) -> Option<Vec<String>> {
-        if job.node.is_none() && job.excluded.is_none() {
+    /// The nodes a job may run on: those `asked` names (its `--nodelist`), less those
+    /// `excluded` names (its `--exclude`); `None`: any. A host list Slurm cannot expand counts
+    /// as naming no node.
+    fn allowed_nodes(
+        &mut self,
+        slurm: &dyn Slurm,
+        asked: Option<&str>,
+        excluded: Option<&str>,
+        infos: &[NodeInfo],
+    ) -> Option<Vec<String>> {
+        if asked.is_none() && excluded.is_none() {
             return None;
         }
         // A list scontrol could not expand names no node this look, and is asked again.
@@ -285,8 +301,8 @@ impl Claimer {
                 Err(_) => Vec::new(),
             }
         };
-        let asked = job.node.as_deref().map(&mut expand);
-        let excluded = job.excluded.as_deref().map(&mut expand).unwrap_or_default();
+        let asked = asked.map(&mut expand);
+        let excluded = excluded.map(&mut expand).unwrap_or_default();
         Some(
             infos
                 .iter()
@@ -744,6 +760,37 @@ mod tests {
             .unwrap();
         assert!(looked.claimed.iter().all(|(_, n, _)| n == "n2"), "{looked:?}");
         assert_eq!(looked.claimed.len(), 2);
+    }
+
+    #[test]
+    fn a_requeued_job_is_claimed_again_within_the_nodes_its_user_asked_for() {
+        // Claimed onto n1's GPU 1 before, requeued: the job's node list is now the claim's
+        // (n1), and its tag keeps what its user asked for (n1 or n2, written n1+n2).
+        let requeued = |id, nodes: &str| Job {
+            reason: "BeginTime".into(),
+            node: Some("n1".into()),
+            gres: "shard:v100_1:1".into(),
+            licenses: String::new(),
+            admin_comment: Some(format!(
+                "multiplex:app=a,nodes={nodes} | multiplex: claimed for n1 GPU v100_1 alone"
+            )),
+            ..gated(id, "a")
+        };
+        // n1 is full; n2 idle: a user who allowed n2 is claimed there, one who asked for n1
+        // alone waits for n1.
+        let mut jobs: Vec<Job> = (0..4)
+            .map(|k| running(8 + k, "b", "n1", if k < 2 { "v100_0" } else { "v100_1" }))
+            .collect();
+        jobs.push(requeued(1, "n1+n2"));
+        jobs.push(requeued(2, "n1"));
+        let slurm = fake(jobs);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        c.look(&slurm, &node, t0).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let on: Vec<(u32, &str)> = looked.claimed.iter().map(|(j, n, _)| (*j, n.as_str())).collect();
+        assert_eq!(on, [(1, "n2")], "job 2 waits for n1: {looked:?}");
     }
 
     #[test]

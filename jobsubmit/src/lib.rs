@@ -254,6 +254,7 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             max_nodes: count(desc.max_nodes),
             num_tasks: count(desc.num_tasks),
             req_nodes: Vec::new(),
+            node_list: c_str(desc.req_nodes),
             exc_nodes: c_str(desc.exc_nodes),
             licenses: c_str(desc.licenses),
         }

@@ -33,6 +33,8 @@ pub struct JobView {
     /// The nodes of the policy's `shared_nodes` that `--nodelist` names, in its order (filled
     /// in only where the policy names shared nodes).
     pub req_nodes: Vec<String>,
+    /// `--nodelist`, as given (a multiplexed job's tag keeps it: a claim replaces it).
+    pub node_list: Option<String>,
     /// `--exclude`, as given.
     pub exc_nodes: Option<String>,
     /// `--licenses`, as given.
@@ -384,6 +386,11 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         mem_mb: spec.mem_mb,
         model,
         node_only: srun_made,
+        // A list no tag could hold (Slurm would refuse it anyway) is not recorded.
+        nodes: job
+            .node_list
+            .clone()
+            .filter(|l| multiplex_protocol::spec::recordable_nodes(l)),
     }
     .tag();
     let admin_comment = match job.admin_comment.as_deref().filter(|c| !c.is_empty()) {
@@ -889,6 +896,16 @@ mod tests {
         let r = rewrite(&job(Some("(null)"), Some("gres:gpu:1")));
         assert_eq!(r.app, "u1000-train");
         assert_eq!(r.admin_comment, "multiplex:app=u1000-train");
+    }
+
+    #[test]
+    fn the_users_node_list_is_kept_in_the_tag_for_a_claim_again() {
+        let mut j = job(Some("app=a"), Some("gres:gpu:1"));
+        j.node_list = Some("n[1,3],n7".into());
+        assert_eq!(rewrite(&j).admin_comment, "multiplex:app=a,nodes=n[1+3]+n7");
+        // One no tag could hold is not recorded (Slurm refuses it anyway).
+        j.node_list = Some("n1 n2".into());
+        assert_eq!(rewrite(&j).admin_comment, "multiplex:app=a");
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //!
 //! Keys: `app=NAME` (the application key the interference history is kept under) and
 //! `mem=SIZE` (the user's estimate of the job's peak GPU memory: a number with an optional
-//! K/M/G/T suffix, binary units, MiB when bare).
+//! K/M/G/T suffix, binary units, MiB when bare). job_submit's tag adds what it read from the
+//! job: `model=` (the GPU model asked for), `pin=node` (a job srun made) and `nodes=` (its
+//! `--nodelist`).
 
 use std::fmt;
 
@@ -11,6 +13,9 @@ pub const SPANK_ENV_VAR: &str = "_SLURM_SPANK_OPTION_multiplex_multiplex";
 
 /// Longest application key accepted.
 pub const MAX_APP_LEN: usize = 64;
+
+/// Longest `nodes=` host list accepted.
+pub const MAX_NODES_LEN: usize = 1024;
 
 /// A parsed `--multiplex` value.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -25,6 +30,11 @@ pub struct Spec {
     /// writes it for a job srun makes itself: srun asks for that job's step with the job's
     /// allocated gres, and Slurm (22.05, 24.11) refuses a step that asks for a typed shard.
     pub node_only: bool,
+    /// `nodes=LIST`: the nodes the job's user asked for (`--nodelist`, a Slurm host list),
+    /// which job_submit records because a claim replaces the job's own node list: a job
+    /// requeued after its claim is claimed again within them. In the tag a host list's commas
+    /// are written `+` (the SPEC's items are comma-separated); here it reads as Slurm writes it.
+    pub nodes: Option<String>,
 }
 
 /// Why a SPEC was refused; the message names the bad part.
@@ -32,7 +42,7 @@ pub struct Spec {
 pub enum SpecError {
     #[error("'{0}' is not key=value (expected e.g. --multiplex=app=bert,mem=16G)")]
     NotKeyValue(String),
-    #[error("unknown key '{0}' (known keys: app, mem, model, pin)")]
+    #[error("unknown key '{0}' (known keys: app, mem, model, pin, nodes)")]
     UnknownKey(String),
     #[error("key '{0}' is given twice")]
     Duplicate(String),
@@ -44,6 +54,10 @@ pub enum SpecError {
     BadModel(String),
     #[error("pin '{0}' is invalid: the only value is pin=node")]
     BadPin(String),
+    #[error(
+        "node list '{0}' is invalid: use a Slurm host list of letters, digits, '.', '_', '-', '[', ']' and '+' for ','"
+    )]
+    BadNodes(String),
 }
 
 impl Spec {
@@ -88,11 +102,28 @@ impl Spec {
                     }
                     spec.node_only = true;
                 }
+                "nodes" => {
+                    if spec.nodes.is_some() {
+                        return Err(SpecError::Duplicate("nodes".into()));
+                    }
+                    let list = val.trim().replace('+', ",");
+                    if !recordable_nodes(&list) {
+                        return Err(SpecError::BadNodes(val.trim().to_string()));
+                    }
+                    spec.nodes = Some(list);
+                }
                 other => return Err(SpecError::UnknownKey(other.to_string())),
             }
         }
         Ok(spec)
     }
+}
+
+/// Whether a Slurm host list can be recorded in a tag (`nodes=`): 1 to [`MAX_NODES_LEN`]
+/// letters, digits, `.`, `_`, `-`, `[`, `]` and `,`.
+pub fn recordable_nodes(list: &str) -> bool {
+    let fits = |c: char| c.is_ascii_alphanumeric() || "._-[],".contains(c);
+    !list.is_empty() && list.len() <= MAX_NODES_LEN && list.chars().all(fits)
 }
 
 /// What job_submit writes at the start of a multiplexed job's admin comment, followed by the
@@ -153,6 +184,9 @@ impl fmt::Display for Spec {
         }
         if self.node_only {
             parts.push("pin=node".to_string());
+        }
+        if let Some(nodes) = &self.nodes {
+            parts.push(format!("nodes={}", nodes.replace(',', "+")));
         }
         f.write_str(&parts.join(","))
     }
@@ -247,10 +281,35 @@ mod tests {
     }
 
     #[test]
+    fn the_users_node_list_survives_the_tag_commas_and_all() {
+        let spec = Spec {
+            app: Some("bert".into()),
+            nodes: Some("n[1,3-4],gpu7".into()),
+            ..Spec::default()
+        };
+        assert_eq!(spec.tag(), "multiplex:app=bert,nodes=n[1+3-4]+gpu7");
+        assert_eq!(Spec::from_tag(Some(&spec.tag())), Some(Ok(spec)));
+        for bad in ["nodes=", "nodes=n1;rm", "nodes=n 1"] {
+            assert!(
+                matches!(
+                    Spec::parse(Some(bad)),
+                    Err(SpecError::BadNodes(_) | SpecError::NotKeyValue(_))
+                ),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            Spec::parse(Some("nodes=a,nodes=b")),
+            Err(SpecError::Duplicate("nodes".into()))
+        );
+    }
+
+    #[test]
     fn a_job_srun_made_is_tagged_to_be_claimed_for_a_node_only() {
         let spec = Spec {
             app: Some("bert".into()),
             node_only: true,
+            nodes: None,
             ..Spec::default()
         };
         assert_eq!(spec.tag(), "multiplex:app=bert,pin=node");
@@ -265,6 +324,7 @@ mod tests {
             mem_mb: Some(16384),
             model: None,
             node_only: false,
+            nodes: None,
         };
         assert_eq!(spec.tag(), "multiplex:app=bert,mem=16384M");
         assert_eq!(Spec::from_tag(Some(&spec.tag())), Some(Ok(spec.clone())));
@@ -296,6 +356,7 @@ mod tests {
                     mem_mb: None,
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
             (
@@ -305,6 +366,7 @@ mod tests {
                     mem_mb: Some(16384),
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
             (
@@ -314,6 +376,7 @@ mod tests {
                     mem_mb: Some(512),
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
             (
@@ -323,6 +386,7 @@ mod tests {
                     mem_mb: Some(1024 * 1024),
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
             (
@@ -332,6 +396,7 @@ mod tests {
                     mem_mb: Some(2),
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
             (
@@ -341,6 +406,7 @@ mod tests {
                     mem_mb: Some(16384),
                     model: None,
                     node_only: false,
+                    nodes: None,
                 },
             ),
         ];
