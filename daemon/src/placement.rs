@@ -101,7 +101,7 @@ const OOM_PRIOR_WEIGHT: f64 = 2.0;
 /// cost more (an incumbent that grows into the newcomer's memory fails too). Measured on every
 /// table of tests/bench/tables (5 seeds, loads 0.5 to 1.5): against 1.0, average JCT 2% to 11%
 /// lower where most pairs do not fit in memory and the same elsewhere, with about twice the
-/// out-of-memory failures (docs/results.md, "Claims").
+/// out-of-memory failures (docs/notebook/2026-11-results.md, "Claims").
 const OOM_PENALTY: f64 = 0.25;
 
 struct Scored {
