@@ -118,24 +118,31 @@ impl Claimer {
         let memory = node.lock().unwrap_or_else(|p| p.into_inner()).gpu_memory();
         let merges = slurm.merges_gres_updates()?;
         // Forget what no longer waits.
-        self.pinned_since
-            .retain(|id, _| jobs.iter().any(|j| j.id == *id && j.pending));
-        self.untyped
-            .retain(|id, _| jobs.iter().any(|j| j.id == *id && !j.pending));
+        let is_pending: std::collections::HashMap<u32, bool> = jobs.iter().map(|j| (j.id, j.pending)).collect();
+        self.pinned_since.retain(|id, _| is_pending.get(id) == Some(&true));
+        self.untyped.retain(|id, _| is_pending.get(id) == Some(&false));
+        // Each job's tag, read once per look.
+        let specs: Vec<Option<Spec>> = jobs
+            .iter()
+            .map(|j| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok))
+            .collect();
         // Host lists are users' text: keep only those a job still names.
-        self.hostlists.retain(|list, _| {
-            jobs.iter().any(|j| {
-                j.node.as_deref() == Some(list)
-                    || j.excluded.as_deref() == Some(list)
-                    || Spec::from_tag(j.admin_comment.as_deref())
-                        .and_then(Result::ok)
-                        .is_some_and(|s| s.nodes.as_deref() == Some(list))
+        let named: std::collections::HashSet<&str> = jobs
+            .iter()
+            .zip(&specs)
+            .flat_map(|(j, s)| {
+                [
+                    j.node.as_deref(),
+                    j.excluded.as_deref(),
+                    s.as_ref().and_then(|s| s.nodes.as_deref()),
+                ]
             })
-        });
+            .flatten()
+            .collect();
+        self.hostlists.retain(|list, _| named.contains(list.as_str()));
         let mut nodes = cluster(&infos, &memory);
         let mut candidates: Vec<(Candidate, &Job)> = Vec::new();
-        for job in &jobs {
-            let spec = Spec::from_tag(job.admin_comment.as_deref()).and_then(Result::ok);
+        for (job, spec) in jobs.iter().zip(specs.iter().cloned()) {
             let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
             if job.pending && pinned {
                 let since = *self.pinned_since.entry(job.id).or_insert(now);
