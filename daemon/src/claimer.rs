@@ -70,6 +70,8 @@ pub struct Claimer {
     untyped: HashMap<u32, Option<u32>>,
     /// Host lists jobs asked for or excluded, expanded (`scontrol show hostnames`, no RPC).
     hostlists: HashMap<String, Vec<String>>,
+    /// A waiting job found none of its nodes up in the node list: read it again soon.
+    nodes_unsettled: bool,
 }
 
 impl Claimer {
@@ -87,6 +89,7 @@ impl Claimer {
             pinned_since: HashMap::new(),
             untyped: HashMap::new(),
             hostlists: HashMap::new(),
+            nodes_unsettled: false,
         }
     }
 
@@ -109,9 +112,10 @@ impl Claimer {
         let jobs = slurm.jobs(&self.config.partition)?;
         let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
             let age = now.duration_since(*at);
-            age >= NODES_EVERY || (age >= NODES_AGAIN && names_unknown(nodes, &jobs))
+            age >= NODES_EVERY || (age >= NODES_AGAIN && (self.nodes_unsettled || names_unknown(nodes, &jobs)))
         });
         if stale {
+            self.nodes_unsettled = false;
             self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
         }
         let infos = self.nodes.as_ref().map(|(_, n)| n.clone()).unwrap_or_default();
@@ -183,6 +187,19 @@ impl Claimer {
                     job.node.as_deref()
                 };
                 let nodes = self.allowed_nodes(slurm, asked, job.excluded.as_deref(), &infos);
+                // None of the nodes it may run on is up in this look's node list (a slurmd
+                // not registered yet, a node down or drained, one the list does not know):
+                // it waits for one, and the list is read again soon. Refused for good, it
+                // would be let through unclaimed.
+                let up = |n: &str| infos.iter().any(|i| i.name == n && i.usable());
+                let any_up = match &nodes {
+                    Some(list) => list.iter().any(|n| up(n)),
+                    None => infos.iter().any(NodeInfo::usable),
+                };
+                if !any_up {
+                    self.nodes_unsettled = true;
+                    continue;
+                }
                 // Where Slurm merges gres updates, a typed job keeps its GPU index.
                 let gpu = job
                     .gres_type()
@@ -798,6 +815,42 @@ mod tests {
         let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
         let on: Vec<(u32, &str)> = looked.claimed.iter().map(|(j, n, _)| (*j, n.as_str())).collect();
         assert_eq!(on, [(1, "n2")], "job 2 waits for n1: {looked:?}");
+    }
+
+    #[test]
+    fn a_job_whose_nodes_are_not_up_yet_waits_and_is_claimed_once_they_are() {
+        // The claimer's first look finds n2's slurmd not registered yet (a cluster starting):
+        // a job asking for n2, and any job while no node is up, waits rather than being
+        // refused for good and let through unclaimed.
+        let on_n2 = Job {
+            node: Some("n2".into()),
+            ..gated(1, "a")
+        };
+        let slurm = fake(vec![on_n2]);
+        slurm.state.lock().unwrap().nodes[1].state = "unknown*".into();
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        let looked = c.look(&slurm, &node, t0).unwrap();
+        assert!(looked.claimed.is_empty() && looked.refused.is_empty(), "{looked:?}");
+        // n2 registers; the node list is read again within NODES_AGAIN, not NODES_EVERY.
+        slurm.state.lock().unwrap().nodes[1].state = "idle".into();
+        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN).unwrap();
+        assert_eq!(
+            looked
+                .claimed
+                .iter()
+                .map(|(j, n, _)| (*j, n.as_str()))
+                .collect::<Vec<_>>(),
+            [(1, "n2")]
+        );
+        // With no node up at all, nothing is refused either.
+        let slurm = fake(vec![gated(2, "a")]);
+        for n in &mut slurm.state.lock().unwrap().nodes {
+            n.state = "down*".into();
+        }
+        let looked = Claimer::new(config(), 1).look(&slurm, &node, t0).unwrap();
+        assert!(looked.claimed.is_empty() && looked.refused.is_empty(), "{looked:?}");
     }
 
     #[test]
