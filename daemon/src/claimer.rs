@@ -44,6 +44,29 @@ const NODES_AGAIN: Duration = Duration::from_secs(10);
 /// left from an earlier run of the job), it is claimed again.
 pub const PIN_GRACE: Duration = Duration::from_secs(30);
 
+/// Whether a gated job waits for its first claim: Slurm's scheduler found the gate's license
+/// the only thing it lacks (`Licenses`), or has not looked at it yet (`None`, for up to a
+/// second after its submission). Slurm sets a dependency's, a begin time's and a hold's
+/// reasons when the job is submitted (22.05 and 24.11), so a job waiting for one of them is
+/// left to wait.
+fn waits_for_first_claim(job: &Job) -> bool {
+    job.gated(LICENSE) && matches!(job.reason.as_str(), "Licenses" | "None")
+}
+
+/// Whether a job pinned past [`PIN_GRACE`] may start sooner pinned again: its slot was taken
+/// (`Resources`, `Priority`), its node left (`ReqNodeNotAvail, ...`), Slurm requeued it
+/// (`BeginTime`, which the claim's `StartTime=now` ends) or has not looked at it since the
+/// claim (`None`, or the gate's `Licenses` still shown). One held, waiting for a dependency,
+/// or for a limit of its account or QOS, waits for that wherever it is pinned: claimed again,
+/// it would cost slurmctld an update every [`PIN_GRACE`] for as long as it waits, so it keeps
+/// its pin and no slot.
+fn pin_may_help(job: &Job) -> bool {
+    matches!(
+        job.reason.as_str(),
+        "Resources" | "Priority" | "BeginTime" | "None" | "Licenses"
+    ) || job.reason.starts_with("ReqNodeNotAvail")
+}
+
 /// What one look did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Looked {
@@ -155,6 +178,9 @@ impl Claimer {
                     add_resident(&mut nodes, job, spec.as_ref(), gpu);
                     continue;
                 }
+                if !pin_may_help(job) {
+                    continue;
+                }
             }
             if !job.pending {
                 let gpu = match job.gres_type() {
@@ -174,7 +200,7 @@ impl Claimer {
             }
             // A multiplexed job that waits only for the gate (or for a pin that went stale).
             let Some(spec) = spec else { continue };
-            let waits_for_claim = (job.gated(LICENSE) && job.reason == "Licenses") || pinned;
+            let waits_for_claim = waits_for_first_claim(job) || pinned;
             if waits_for_claim && candidates.len() < self.config.lookahead {
                 // The claim keeps within the nodes the job's user asked for: while it waits
                 // for its first claim, its own node list (as its user or an admin set it);
@@ -855,19 +881,66 @@ mod tests {
 
     #[test]
     fn only_jobs_that_wait_for_the_gate_alone_are_claimed() {
-        let held = Job {
-            reason: "Dependency".into(),
-            ..gated(1, "a")
+        let waiting = |id, reason: &str| Job {
+            reason: reason.into(),
+            ..gated(id, "a")
         };
         let plain = Job {
             admin_comment: None,
             ..gated(2, "a")
         };
-        let slurm = fake(vec![held, plain, gated(3, "a")]);
+        // Slurm's scheduler has not looked at job 4 yet (just submitted): claimed too.
+        let slurm = fake(vec![
+            waiting(1, "Dependency"),
+            plain,
+            gated(3, "a"),
+            waiting(4, "None"),
+            waiting(5, "JobHeldUser"),
+            waiting(6, "BeginTime"),
+        ]);
         let looked = Claimer::new(config(), 1)
             .look(&slurm, &daemon(), Instant::now())
             .unwrap();
-        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![3, 4]);
+    }
+
+    #[test]
+    fn a_stale_pin_that_waits_for_its_own_reasons_is_not_claimed_again() {
+        // Pinned long ago and not started: held by its user, waiting for a dependency or for
+        // its QOS's limit. A new pin would not start them sooner, and each would cost an
+        // update every PIN_GRACE; they keep their pins, and hold no slot meanwhile.
+        let pinned = |id, reason: &str| Job {
+            reason: reason.into(),
+            node: Some("n1".into()),
+            gres: "shard:v100_0:1".into(),
+            licenses: String::new(),
+            ..gated(id, "a")
+        };
+        let slurm = fake(vec![
+            pinned(1, "JobHeldUser"),
+            pinned(2, "Dependency"),
+            pinned(3, "QOSMaxJobsPerUserLimit"),
+            pinned(4, "ReqNodeNotAvail, UnavailableNodes:n1"),
+        ]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let t0 = Instant::now();
+        assert!(c.look(&slurm, &node, t0).unwrap().claimed.is_empty(), "fresh pins");
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        // Only the job whose node left is pinned again, where a slot is.
+        assert_eq!(
+            looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(),
+            vec![4],
+            "{looked:?}"
+        );
+        for k in 2..=4 {
+            let looked = c
+                .look(&slurm, &node, t0 + k * (PIN_GRACE + Duration::from_secs(1)))
+                .unwrap();
+            assert!(looked.claimed.iter().all(|c| c.0 == 4), "look {k}: {looked:?}");
+        }
+        let s = slurm.state.lock().unwrap();
+        assert!(s.claims.iter().all(|p| p.job == 4), "{:?}", s.claims);
     }
 
     #[test]
