@@ -11,6 +11,8 @@
 //! goes first wherever it has an offer, on the same terms as any job (a free GPU, or a share
 //! worth its risk), so its wait is bounded by the next GPU that frees.
 
+use std::collections::HashMap;
+
 use crate::placement::{self, Bypasses, Decision, Estimates, GpuState, Knobs, Newcomer, Wanted, STEER_MARGIN};
 
 /// One node's shared GPUs, with what runs on each and what was claimed for each (Slurm's books).
@@ -157,14 +159,129 @@ fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs)
     }
 }
 
+/// What the claimer remembers from one look to the next.
+#[derive(Debug, Default)]
+pub struct Memory {
+    /// How often each pending job was passed over.
+    pub bypasses: Bypasses,
+    /// The pairs never seen together that claims put together, until their outcome is known.
+    pub trials: Trials,
+}
+
+/// How long after a job left Slurm's books what it taught reaches the claimer's history, where
+/// the nodes exchange what they learn every `share_every_s`: its node writes it at its next
+/// exchange, the claimer's node reads it at its own, each up to `share_every_s` later, and
+/// learning and writing take a few seconds more. (Measured on tests/demo, where the nodes
+/// exchange every second: an out-of-memory failure on n2 was not yet in n1's history 1.65 s
+/// later, and at exactly twice the interval a second job was claimed into the same failure.)
+pub fn outcome_s(share_every_s: f64) -> f64 {
+    2.0 * share_every_s + 10.0
+}
+
+impl Memory {
+    /// A claimer's memory whose history learns what other nodes' jobs did `outcome_s` after
+    /// it happened at most ([`outcome_s`]).
+    pub fn new(outcome_s: f64) -> Memory {
+        Memory {
+            bypasses: Bypasses::default(),
+            trials: Trials {
+                outcome_s,
+                pairs: HashMap::new(),
+            },
+        }
+    }
+}
+
+/// Pairs never seen together (and whose memory does not say they fit) that a claim put
+/// together: until the history knows how such a pair went (a speed, or that it ran out of
+/// memory), no second job is claimed into it. What another node's job teaches reaches the
+/// claimer through `[share] dir` up to `share.every_s` later; without this, each job of a pair
+/// that does not fit arriving meanwhile was claimed into the same failure (seen in tests/demo:
+/// one pair failed three times in a row). A trial ends when the history knows the pair, when
+/// its job has run [`Trials::PROVEN_S`] (the pair fits: it is no longer a gamble on memory,
+/// though its speed may be unknown until the job reports or ends), or `outcome_s` after its
+/// job left Slurm's books without the history learning the pair (a job cancelled, or failed
+/// otherwise than out of memory, teaches nothing).
+#[derive(Debug, Default)]
+pub struct Trials {
+    outcome_s: f64,
+    /// The pair ([`crate::types::trial_key`]): the job trying it, when it was claimed, and
+    /// when it was last seen in Slurm's books.
+    pairs: HashMap<(String, String, String), (u32, f64, f64)>,
+}
+
+impl Trials {
+    /// How long a job of a pair never tried must have run for the pair to count as fitting in
+    /// memory: a training job runs out of memory as it builds its model and takes its first
+    /// steps, within its first minutes.
+    pub const PROVEN_S: f64 = 300.0;
+
+    /// How many pairs are being tried.
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Whether no pair is being tried.
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// Forgets the trials whose outcome `history` knows or that ended long enough ago, and
+    /// hands the others to `history`, where placement reads them.
+    fn lend(&mut self, nodes: &[NodeGpus], pending: &[Candidate], history: &mut Estimates, now: f64) {
+        let present: std::collections::HashSet<u32> = nodes
+            .iter()
+            .flat_map(|n| n.gpus.iter().flat_map(|g| g.residents.iter().map(|r| r.job_id)))
+            .chain(pending.iter().map(|c| c.job_id))
+            .collect();
+        let outcome_s = self.outcome_s;
+        self.pairs.retain(|(model, a, b), (job, claimed, seen)| {
+            let known = |x: &str, y: &str| history.pair(model, x, y).is_some_and(|e| e.observations > 0 || e.oom);
+            if known(a, b) || known(b, a) {
+                return false;
+            }
+            if present.contains(job) {
+                *seen = now;
+                return now - *claimed < Self::PROVEN_S;
+            }
+            now - *seen <= outcome_s
+        });
+        for ((model, a, b), (job, _, _)) in &self.pairs {
+            history.try_pair(model, a, b, *job);
+        }
+    }
+
+    /// Takes back from `history` the trials of this look, new ones first seen `now`.
+    fn take_back(&mut self, history: &mut Estimates, now: f64) {
+        for (key, job) in history.take_trying() {
+            self.pairs.entry(key).or_insert((job, now, now));
+        }
+    }
+}
+
 /// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `nodes`, one
 /// job at a time, each counted on its GPU before the next is chosen, until no slot is free or
-/// no job would take one. `history` must hold what [`wanted`] asks for. `bypasses` counts, across
-/// looks, how often each job was passed over.
+/// no job would take one. `history` must hold what [`wanted`] asks for; `memory` is what the
+/// claimer keeps across looks (how often each job was passed over, the pairs being tried),
+/// `now` in seconds of any steady clock.
 pub fn choose(
     nodes: &[NodeGpus],
     pending: &[Candidate],
-    history: &Estimates,
+    history: &mut Estimates,
+    knobs: Knobs,
+    memory: &mut Memory,
+    now: f64,
+) -> Vec<Choice> {
+    memory.trials.lend(nodes, pending, history, now);
+    let choices = choose_with(nodes, pending, history, knobs, &mut memory.bypasses);
+    memory.trials.take_back(history, now);
+    choices
+}
+
+fn choose_with(
+    nodes: &[NodeGpus],
+    pending: &[Candidate],
+    history: &mut Estimates,
     knobs: Knobs,
     bypasses: &mut Bypasses,
 ) -> Vec<Choice> {
@@ -238,6 +355,16 @@ pub fn choose(
         };
         let job = &pending[left[k]];
         if let Some(g) = nodes[node].gpus.iter_mut().find(|g| g.index == gpu) {
+            // Each pair never tried that this claim gambles on is being tried from now on.
+            for r in &g.residents {
+                let untried = history
+                    .pair(&g.model, &job.app, &r.app)
+                    .is_none_or(|e| e.observations == 0 && !e.oom);
+                let memory_known = job.mem_mb.is_some() && r.mem_mb.is_some();
+                if untried && !memory_known {
+                    history.try_pair(&g.model, &job.app, &r.app, job.job_id);
+                }
+            }
             g.residents.push(placement::Resident {
                 job_id: job.job_id,
                 app: job.app.clone(),
@@ -327,6 +454,114 @@ mod tests {
             .collect()
     }
 
+    /// One look's claims with no pair being tried (`choose`'s trials are tested on their own).
+    fn choose_once(
+        nodes: &[NodeGpus],
+        pending: &[Candidate],
+        history: &Estimates,
+        knobs: Knobs,
+        bypasses: &mut Bypasses,
+    ) -> Vec<Choice> {
+        choose_with(nodes, pending, &mut history.clone(), knobs, bypasses)
+    }
+
+    #[test]
+    fn a_pair_never_tried_is_gambled_on_once_until_its_outcome_is_known() {
+        // `r` runs on both GPUs; `a` was never seen beside it. The first `a` is claimed into
+        // the gamble, the second waits for how it goes (it would fail too if the first does).
+        let nodes = [
+            node("n1", vec![gpu(0, &[(8, "r")])]),
+            node("n2", vec![gpu(0, &[(9, "r")])]),
+        ];
+        let k = Knobs {
+            min_gain: 0.0,
+            ..knobs()
+        };
+        let mut memory = Memory::new(600.0);
+        let mut h = Estimates::default();
+        let got = choose(&nodes, &[job(1, "a"), job(2, "a")], &mut h, k, &mut memory, 0.0);
+        assert_eq!(pins(&got), vec![(0, 0, 0)], "{got:?}");
+        assert_eq!(memory.trials.len(), 1);
+        // A later look, job 1 running beside 8: job 2 still waits, and a job of another
+        // application takes the other slot.
+        let mut running = nodes.clone();
+        running[0].gpus[0].residents.push(Resident {
+            job_id: 1,
+            app: "a".into(),
+            mem_mb: None,
+        });
+        let got = choose(
+            &running,
+            &[job(2, "a"), job(3, "c")],
+            &mut Estimates::default(),
+            k,
+            &mut memory,
+            5.0,
+        );
+        assert_eq!(pins(&got), vec![(1, 1, 0)], "{got:?}");
+        // Job 1 failed and left; its failure has not reached this history yet: still waiting,
+        // until `outcome_s` after it was last seen.
+        let got = choose(&nodes, &[job(2, "a")], &mut Estimates::default(), k, &mut memory, 300.0);
+        assert!(got.is_empty(), "{got:?}");
+        let got = choose(&nodes, &[job(2, "a")], &mut Estimates::default(), k, &mut memory, 606.0);
+        assert_eq!(pins(&got), vec![(0, 0, 0)], "forgotten: {got:?}");
+        // Once the history knows the pair (here, it ran out of memory), the trial is over and
+        // the pair is ruled out by what was learned.
+        let mut known = Estimates::default();
+        let oom = PairEstimate {
+            speed: 0.0,
+            other_speed: 0.0,
+            observations: 0,
+            oom: true,
+        };
+        known.insert_pair("v100", "a", "r", oom);
+        known.insert_pair("v100", "r", "a", oom);
+        let got = choose(&nodes, &[job(4, "a")], &mut known, k, &mut memory, 607.0);
+        assert!(got.is_empty(), "{got:?}");
+        assert!(memory.trials.is_empty(), "{:?}", memory.trials);
+        // A trial whose job has run PROVEN_S beside its partner is over: the pair fits.
+        let mut memory = Memory::new(600.0);
+        choose(&nodes, &[job(1, "a")], &mut Estimates::default(), k, &mut memory, 0.0);
+        let soon = choose(
+            &running,
+            &[job(2, "a")],
+            &mut Estimates::default(),
+            k,
+            &mut memory,
+            Trials::PROVEN_S - 1.0,
+        );
+        assert!(soon.is_empty(), "{soon:?}");
+        let got = choose(
+            &running,
+            &[job(2, "a")],
+            &mut Estimates::default(),
+            k,
+            &mut memory,
+            Trials::PROVEN_S,
+        );
+        assert_eq!(pins(&got), vec![(0, 1, 0)], "{got:?}");
+        // A pair whose memory is known to fit is no gamble: two such jobs go at once.
+        let mut memory = Memory::new(600.0);
+        let mut sized = nodes.clone();
+        for n in &mut sized {
+            n.gpus[0].residents[0].mem_mb = Some(4_000);
+        }
+        let with_memory = |id| Candidate {
+            mem_mb: Some(4_000),
+            ..job(id, "a")
+        };
+        let got = choose(
+            &sized,
+            &[with_memory(1), with_memory(2)],
+            &mut Estimates::default(),
+            k,
+            &mut memory,
+            0.0,
+        );
+        assert_eq!(pins(&got).len(), 2, "{got:?}");
+        assert!(memory.trials.is_empty());
+    }
+
     #[test]
     fn a_burst_spreads_over_idle_gpus_of_every_node_before_any_gpu_is_shared() {
         let nodes = [
@@ -334,7 +569,7 @@ mod tests {
             node("n2", vec![gpu(0, &[]), gpu(1, &[])]),
         ];
         let pending: Vec<Candidate> = (1..=4).map(|i| job(i, "a")).collect();
-        let got = pins(&choose(
+        let got = pins(&choose_once(
             &nodes,
             &pending,
             &Estimates::default(),
@@ -358,7 +593,7 @@ mod tests {
             node("n1", vec![gpu(0, &[(7, "bad")])]),
             node("n2", vec![gpu(0, &[(8, "good")])]),
         ];
-        let got = choose(&nodes, &[job(1, "a")], &h, knobs(), &mut Bypasses::default());
+        let got = choose_once(&nodes, &[job(1, "a")], &h, knobs(), &mut Bypasses::default());
         assert_eq!(pins(&got), vec![(0, 1, 0)], "{got:?}");
         let Choice::Pin { partners, .. } = &got[0] else {
             panic!()
@@ -373,10 +608,16 @@ mod tests {
         pair(&mut h, "b", "r", 0.95, 0.95);
         let nodes = [node("n1", vec![gpu(0, &[(9, "r")])])];
         let mut bypasses = Bypasses::default();
-        let got = pins(&choose(&nodes, &[job(1, "a"), job(2, "b")], &h, knobs(), &mut bypasses));
+        let got = pins(&choose_once(
+            &nodes,
+            &[job(1, "a"), job(2, "b")],
+            &h,
+            knobs(),
+            &mut bypasses,
+        ));
         assert_eq!(got, vec![(1, 0, 0)]);
         // `a` alone beside `r` would lose: no claim at all.
-        let got = choose(&nodes, &[job(1, "a")], &h, knobs(), &mut bypasses);
+        let got = choose_once(&nodes, &[job(1, "a")], &h, knobs(), &mut bypasses);
         assert!(got.is_empty(), "{got:?}");
     }
 
@@ -391,7 +632,7 @@ mod tests {
         let nodes = [node("n1", vec![gpu(0, &[(8, "r")]), gpu(1, &[(9, "s")])])];
         let mut bypasses = Bypasses::default();
         for round in 0..Bypasses::MAX {
-            let got = pins(&choose(
+            let got = pins(&choose_once(
                 &nodes,
                 &[job(1, "a"), job(100 + round, "b")],
                 &h,
@@ -401,7 +642,7 @@ mod tests {
             assert_eq!(got, vec![(1, 0, 1)], "round {round}");
         }
         // Now `a` takes the slot beside `s` first, whatever gains more behind it.
-        let got = pins(&choose(
+        let got = pins(&choose_once(
             &nodes,
             &[job(1, "a"), job(200, "b")],
             &h,
@@ -411,7 +652,7 @@ mod tests {
         assert_eq!(got, vec![(0, 0, 1)]);
         // But starved or not, it never joins `r`: it waits for a free GPU or a better partner.
         let only_r = [node("n1", vec![gpu(0, &[(8, "r")])])];
-        let got = choose(&only_r, &[job(1, "a")], &h, knobs(), &mut bypasses);
+        let got = choose_once(&only_r, &[job(1, "a")], &h, knobs(), &mut bypasses);
         assert!(got.is_empty(), "{got:?}");
     }
 
@@ -431,7 +672,7 @@ mod tests {
             },
             job(2, "small"),
         ];
-        let got = pins(&choose(
+        let got = pins(&choose_once(
             &nodes,
             &pending,
             &Estimates::default(),
@@ -458,7 +699,7 @@ mod tests {
             },
             job(3, "y"),
         ];
-        let got = choose(
+        let got = choose_once(
             &nodes,
             &pending,
             &Estimates::default(),
@@ -489,7 +730,7 @@ mod tests {
             ..job(1, "x")
         }];
         assert_eq!(
-            pins(&choose(
+            pins(&choose_once(
                 &nodes,
                 &pending,
                 &Estimates::default(),
@@ -507,7 +748,7 @@ mod tests {
             nodes: Some(vec!["n2".into()]),
             ..job(1, "a")
         }];
-        let got = pins(&choose(
+        let got = pins(&choose_once(
             &nodes,
             &pending,
             &Estimates::default(),
@@ -521,14 +762,14 @@ mod tests {
             nodes: Some(vec!["n2".into()]),
             ..job(2, "big")
         }];
-        let got = choose(&nodes, &big, &Estimates::default(), knobs(), &mut Bypasses::default());
+        let got = choose_once(&nodes, &big, &Estimates::default(), knobs(), &mut Bypasses::default());
         assert!(matches!(&got[..], [Choice::Refuse { .. }]), "{got:?}");
     }
 
     #[test]
     fn nothing_is_claimed_onto_a_full_cluster() {
         let nodes = [node("n1", vec![gpu(0, &[(1, "a"), (2, "a")])])];
-        assert!(choose(
+        assert!(choose_once(
             &nodes,
             &[job(3, "a")],
             &Estimates::default(),

@@ -16,9 +16,9 @@
 //! daemon records it there.
 
 use crate::background::Trouble;
-use crate::claim::{Candidate, Choice, NodeGpus};
+use crate::claim::{Candidate, Choice, Memory, NodeGpus};
 use crate::node::Node;
-use crate::placement::{Bypasses, GpuState, Resident};
+use crate::placement::{GpuState, Resident};
 use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
@@ -85,7 +85,10 @@ pub struct Claimer {
     /// The lease was last renewed then.
     renewed: Option<Instant>,
     nodes: Option<(Instant, Vec<NodeInfo>)>,
-    bypasses: Bypasses,
+    /// What the choice keeps between looks: passed-over jobs, pairs being tried.
+    memory: Memory,
+    /// When this claimer started: `memory`'s clock counts from it.
+    born: Instant,
     /// Jobs pinned (by this claimer or before), since when they were first seen pinned and
     /// waiting.
     pinned_since: HashMap<u32, Instant>,
@@ -98,6 +101,13 @@ pub struct Claimer {
 }
 
 impl Claimer {
+    /// A pair never tried that a claim put together waits this long after its trial left
+    /// Slurm's books for the history to learn how it went (default: at once).
+    pub fn outcome_after(mut self, seconds: f64) -> Claimer {
+        self.memory = Memory::new(seconds);
+        self
+    }
+
     pub fn new(config: ClaimConfig, license_count: u32) -> Claimer {
         Claimer {
             config,
@@ -108,7 +118,8 @@ impl Claimer {
             },
             renewed: None,
             nodes: None,
-            bypasses: Bypasses::default(),
+            memory: Memory::default(),
+            born: Instant::now(),
             pinned_since: HashMap::new(),
             untyped: HashMap::new(),
             hostlists: HashMap::new(),
@@ -255,7 +266,8 @@ impl Claimer {
             .unwrap_or_else(|p| p.into_inner())
             .claim_inputs(&nodes, &pending)
             .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
-        let choices = inputs.choose(&mut self.bypasses);
+        let clock = now.saturating_duration_since(self.born).as_secs_f64();
+        let choices = inputs.choose(&mut self.memory, clock);
         let mut looked = Looked::default();
         for choice in choices {
             match choice {
@@ -453,7 +465,18 @@ fn beside(partners: &[u32]) -> String {
 
 /// Runs the claimer every `look_ms` until `shutdown`. The gate is left to lapse on its own: a
 /// daemon that restarts within the lease takes over without a job slipping through.
-pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, config: ClaimConfig, shutdown: Arc<AtomicBool>) {
+///
+/// `share_every_s` is `[share] every_s`: what another node's job teaches reaches this
+/// daemon's history within two exchanges and a few seconds ([`crate::claim::outcome_s`]), and
+/// a pair never tried waits that long after its trial ended for the outcome
+/// ([`crate::claim::Trials`]).
+pub fn spawn(
+    node: Arc<Mutex<Node>>,
+    slurm: Arc<dyn Slurm>,
+    config: ClaimConfig,
+    share_every_s: u64,
+    shutdown: Arc<AtomicBool>,
+) {
     let every = Duration::from_millis(config.look_ms.max(100));
     tracing::info!(
         partition = %config.partition,
@@ -470,7 +493,10 @@ pub fn spawn(node: Arc<Mutex<Node>>, slurm: Arc<dyn Slurm>, config: ClaimConfig,
             let c = match &mut claimer {
                 Some(c) => c,
                 None => match slurm.license_total(LICENSE) {
-                    Ok(count) => claimer.insert(Claimer::new(config.clone(), count)),
+                    Ok(count) => claimer.insert(
+                        Claimer::new(config.clone(), count)
+                            .outcome_after(crate::claim::outcome_s(share_every_s as f64)),
+                    ),
                     Err(e) => {
                         if trouble.failed(&e.to_string()) {
                             tracing::warn!(

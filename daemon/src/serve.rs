@@ -87,9 +87,16 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         Duration::from_millis(separate_look_ms),
         Arc::clone(&shutdown),
     );
+    let share_every_s = share.every_s;
     crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
     if claim.enabled {
-        crate::claimer::spawn(Arc::clone(&node), Arc::clone(&slurm), claim, Arc::clone(&shutdown));
+        crate::claimer::spawn(
+            Arc::clone(&node),
+            Arc::clone(&slurm),
+            claim,
+            share_every_s,
+            Arc::clone(&shutdown),
+        );
     }
     match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
         Ok(probe) => {

@@ -61,6 +61,10 @@ pub struct Estimates {
     /// GPU model: the sum of every learned speed there (both sides of each pair that ran
     /// together), and how many those are.
     learned: HashMap<String, (f64, u32)>,
+    /// Pairs never seen together that a claim has put together and whose outcome the history
+    /// does not know yet (GPU model, the two applications in order), with the job trying it:
+    /// [`crate::claim::Trials`] fills it, placement rules such a pair out meanwhile.
+    trying: HashMap<(String, String, String), u32>,
 }
 
 impl Estimates {
@@ -102,6 +106,22 @@ impl Estimates {
         self.learned.insert(model.to_string(), (sum, speeds));
     }
 
+    /// The job trying `a` beside `b` on `model` (either order), if a claim put such a pair
+    /// together and the history does not know yet how it went.
+    pub fn trying(&self, model: &str, a: &str, b: &str) -> Option<u32> {
+        self.trying.get(&trial_key(model, a, b)).copied()
+    }
+
+    /// Marks `a` beside `b` on `model` as being tried by `job` (see [`Self::trying`]).
+    pub fn try_pair(&mut self, model: &str, a: &str, b: &str, job: u32) {
+        self.trying.insert(trial_key(model, a, b), job);
+    }
+
+    /// Every pair being tried, taken out.
+    pub fn take_trying(&mut self) -> HashMap<(String, String, String), u32> {
+        std::mem::take(&mut self.trying)
+    }
+
     /// What a job is expected to run at beside a partner on `model` when nothing sets the pair
     /// apart: the mean of every speed learned there, weighed against `prior` as
     /// [`CENTER_PRIOR_WEIGHT`] speeds; and how many learned speeds that rests on. Where few
@@ -114,6 +134,12 @@ impl Estimates {
             n,
         )
     }
+}
+
+/// A pair's key in either order.
+pub fn trial_key(model: &str, a: &str, b: &str) -> (String, String, String) {
+    let (x, y) = if a <= b { (a, b) } else { (b, a) };
+    (model.to_string(), x.to_string(), y.to_string())
 }
 
 /// Speeds' worth of weight `unknown_pair_speed` keeps against what a GPU model's learned pairs

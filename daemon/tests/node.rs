@@ -105,8 +105,9 @@ impl World {
     /// What the claimer would do at `t` with a pending job of `app` on this node as it is
     /// (its GPUs and their jobs, as Slurm's books would show them): the GPU it pins it to.
     fn claim(&mut self, t: f64, job_id: u32, app: &str) -> Option<u32> {
+        use multiplexd::claim::Memory;
         use multiplexd::claim::{Candidate, Choice, NodeGpus};
-        use multiplexd::placement::{Bypasses, GpuState, Resident};
+        use multiplexd::placement::{GpuState, Resident};
         let status = self.at(t).status().unwrap();
         let node = NodeGpus {
             node: self.name.clone(),
@@ -137,7 +138,10 @@ impl World {
             gpu: None,
             nodes: None,
         }];
-        let choices = self.node.claims(&[node], &pending, &mut Bypasses::default()).unwrap();
+        let choices = self
+            .node
+            .claims(&[node], &pending, &mut Memory::default(), 0.0)
+            .unwrap();
         choices.iter().find_map(|c| match c {
             Choice::Pin { gpu, .. } => Some(*gpu),
             Choice::Refuse { .. } => None,

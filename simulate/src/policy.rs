@@ -12,7 +12,7 @@ use multiplexd::claim::{self, Candidate, NodeGpus};
 use multiplexd::config::{Config, GpuSpec, PolicyConfig, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
 use multiplexd::node::{Node, Started};
-use multiplexd::placement::{Bypasses, Estimates, GpuState, Knobs, PairEstimate, Resident, Wanted};
+use multiplexd::placement::{Estimates, GpuState, Knobs, PairEstimate, Resident, Wanted};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -210,7 +210,7 @@ struct Oracle<'a> {
     policy: PolicyConfig,
     lookahead: usize,
     fixed_gpu: bool,
-    bypasses: Bypasses,
+    memory: claim::Memory,
 }
 
 impl<'a> Oracle<'a> {
@@ -223,7 +223,7 @@ impl<'a> Oracle<'a> {
             policy: config.policy,
             lookahead: config.claim.lookahead,
             fixed_gpu: options.fixed_gpu,
-            bypasses: Bypasses::default(),
+            memory: claim::Memory::default(),
         })
     }
 
@@ -258,7 +258,7 @@ impl Policy for Oracle<'_> {
     }
     fn claim(
         &mut self,
-        _: f64,
+        now: f64,
         cluster: &[Vec<Vec<JobRef>>],
         pending: &[JobRef],
     ) -> Result<Vec<(usize, usize, usize)>, String> {
@@ -278,7 +278,7 @@ impl Policy for Oracle<'_> {
             min_gain: self.policy.min_gain,
             separate_below: self.policy.separate_below,
         };
-        let choices = claim::choose(&nodes, &candidates, &self.truth, knobs, &mut self.bypasses);
+        let choices = claim::choose(&nodes, &candidates, &mut self.truth, knobs, &mut self.memory, now);
         pins(&choices)
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
@@ -336,7 +336,7 @@ struct Learned<'a> {
     /// bypass counts.
     lookahead: usize,
     fixed_gpu: bool,
-    bypasses: Bypasses,
+    memory: claim::Memory,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -472,7 +472,8 @@ impl<'a> Learned<'a> {
             share_every_s,
             lookahead: options.lookahead,
             fixed_gpu: options.fixed_gpu,
-            bypasses: Bypasses::default(),
+            // As the daemon's claimer: a pair's outcome reaches node 0 at the next merge.
+            memory: claim::Memory::new(claim::outcome_s(share_every_s)),
             next_share: share_every_s,
             nodes,
             learner: Some((tx, learner)),
@@ -613,9 +614,9 @@ impl Policy for Learned<'_> {
             .collect();
         let fixed = self.fixed_gpu.then_some(cluster.first().map_or(1, Vec::len));
         let candidates = candidates(self.table, pending, |_| None, fixed);
-        let mut bypasses = std::mem::take(&mut self.bypasses);
-        let choices = self.node_at(0, now)?.claims(&nodes, &candidates, &mut bypasses);
-        self.bypasses = bypasses;
+        let mut memory = std::mem::take(&mut self.memory);
+        let choices = self.node_at(0, now)?.claims(&nodes, &candidates, &mut memory, now);
+        self.memory = memory;
         pins(&choices.map_err(|e| e.to_string())?)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {

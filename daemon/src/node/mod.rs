@@ -8,10 +8,11 @@ mod telemetry;
 
 pub use steps::{Bound, RequestError, Started};
 
+use crate::claim::Memory;
 use crate::config::{Config, GpuSpec};
 use crate::history::{ActiveJob, History, HistoryError};
 use crate::lessons::{Learner, Lesson, Teacher};
-use crate::placement::{Bypasses, GpuState, Knobs};
+use crate::placement::{GpuState, Knobs};
 use multiplex_protocol::{GpuStatus, NodeStatus, TaskStatus};
 
 /// Seconds since the Unix epoch.
@@ -35,9 +36,9 @@ pub struct ClaimInputs {
 }
 
 impl ClaimInputs {
-    /// The look's claims ([`crate::claim::choose`]).
-    pub fn choose(&self, bypasses: &mut Bypasses) -> Vec<crate::claim::Choice> {
-        crate::claim::choose(&self.nodes, &self.pending, &self.estimates, self.knobs, bypasses)
+    /// The look's claims ([`crate::claim::choose`]) at `now` (seconds of a steady clock).
+    pub fn choose(mut self, memory: &mut Memory, now: f64) -> Vec<crate::claim::Choice> {
+        crate::claim::choose(&self.nodes, &self.pending, &mut self.estimates, self.knobs, memory, now)
     }
 }
 
@@ -311,15 +312,16 @@ impl Node {
     }
 
     /// The claims of one look at the cluster ([`crate::claim::choose`]) over this daemon's
-    /// history: [`Self::claim_inputs`], then the choice. `bypasses` is the claimer's own count
-    /// of passed-over jobs.
+    /// history: [`Self::claim_inputs`], then the choice. `memory` is the claimer's own, kept
+    /// between looks; `now` in seconds of a steady clock.
     pub fn claims(
         &self,
         nodes: &[crate::claim::NodeGpus],
         pending: &[crate::claim::Candidate],
-        bypasses: &mut Bypasses,
+        memory: &mut Memory,
+        now: f64,
     ) -> Result<Vec<crate::claim::Choice>, HistoryError> {
-        Ok(self.claim_inputs(nodes, pending)?.choose(bypasses))
+        Ok(self.claim_inputs(nodes, pending)?.choose(memory, now))
     }
 
     /// What one look at the cluster decides on, read from this daemon's history in one go:
