@@ -205,9 +205,9 @@ impl Memory {
 #[derive(Debug, Default)]
 pub struct Trials {
     outcome_s: f64,
-    /// The pair ([`crate::types::trial_key`]): the job trying it, when it was claimed, and
-    /// when it was last seen in Slurm's books.
-    pairs: HashMap<(String, String, String), (u32, f64, f64)>,
+    /// The pair ([`crate::types::trial_key`]): the job trying it, when it was claimed, when
+    /// it was last seen in Slurm's books, and whether it was there at the last look.
+    pairs: HashMap<(String, String, String), (u32, f64, f64, bool)>,
 }
 
 impl Trials {
@@ -226,6 +226,22 @@ impl Trials {
         self.pairs.is_empty()
     }
 
+    /// When a trial ends on time alone, if nothing else happens first: its job, there at the
+    /// last look, reaches [`Self::PROVEN_S`]; or, gone, its outcome's time runs out. A claimer
+    /// that looks only when something changes (the simulator's) looks again then.
+    pub fn next_end(&self) -> Option<f64> {
+        self.pairs
+            .values()
+            .map(|&(_, claimed, seen, there)| {
+                if there {
+                    claimed + Self::PROVEN_S
+                } else {
+                    seen + self.outcome_s
+                }
+            })
+            .min_by(f64::total_cmp)
+    }
+
     /// Forgets the trials whose outcome `history` knows or that ended long enough ago, and
     /// hands the others to `history`, where placement reads them.
     fn lend(&mut self, nodes: &[NodeGpus], pending: &[Candidate], history: &mut Estimates, now: f64) {
@@ -235,18 +251,19 @@ impl Trials {
             .chain(pending.iter().map(|c| c.job_id))
             .collect();
         let outcome_s = self.outcome_s;
-        self.pairs.retain(|(model, a, b), (job, claimed, seen)| {
+        self.pairs.retain(|(model, a, b), (job, claimed, seen, there)| {
             let known = |x: &str, y: &str| history.pair(model, x, y).is_some_and(|e| e.observations > 0 || e.oom);
             if known(a, b) || known(b, a) {
                 return false;
             }
-            if present.contains(job) {
+            *there = present.contains(job);
+            if *there {
                 *seen = now;
                 return now - *claimed < Self::PROVEN_S;
             }
-            now - *seen <= outcome_s
+            now - *seen < outcome_s
         });
-        for ((model, a, b), (job, _, _)) in &self.pairs {
+        for ((model, a, b), (job, _, _, _)) in &self.pairs {
             history.try_pair(model, a, b, *job);
         }
     }
@@ -254,7 +271,7 @@ impl Trials {
     /// Takes back from `history` the trials of this look, new ones first seen `now`.
     fn take_back(&mut self, history: &mut Estimates, now: f64) {
         for (key, job) in history.take_trying() {
-            self.pairs.entry(key).or_insert((job, now, now));
+            self.pairs.entry(key).or_insert((job, now, now, true));
         }
     }
 }

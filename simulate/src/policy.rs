@@ -256,6 +256,9 @@ impl Policy for Oracle<'_> {
     fn claim_lookahead(&self) -> usize {
         self.lookahead
     }
+    fn look_again(&self) -> Option<f64> {
+        self.memory.trials.next_end()
+    }
     fn claim(
         &mut self,
         now: f64,
@@ -564,6 +567,9 @@ impl Policy for Learned<'_> {
     }
     fn claim_lookahead(&self) -> usize {
         self.lookahead
+    }
+    fn look_again(&self) -> Option<f64> {
+        self.memory.trials.next_end()
     }
     fn started(&mut self, now: f64, node: usize, job: JobRef, gpu: usize) -> Result<(), String> {
         self.at(now)?;

@@ -79,6 +79,11 @@ pub trait Policy {
     fn claims(&self) -> bool {
         false
     }
+    /// When a look would decide otherwise though nothing else changed (a pair's trial ends):
+    /// the world looks again then, as the daemon's claimer, which looks every second, would.
+    fn look_again(&self) -> Option<f64> {
+        None
+    }
     /// How many of the first pending jobs in Slurm's order a look weighs ([`Policy::claim`]).
     fn claim_lookahead(&self) -> usize {
         0
@@ -245,6 +250,8 @@ struct World<'a> {
     claims: bool,
     claim_lookahead: usize,
     look_due: bool,
+    /// A look due at this time because a trial ends then ([`Policy::look_again`]).
+    timed_look: Option<f64>,
     claimed: u64,
     events: BinaryHeap<Event>,
     seq: u64,
@@ -313,6 +320,7 @@ pub fn run(
         claims: policy.claims(),
         claim_lookahead: policy.claim_lookahead().max(1),
         look_due: false,
+        timed_look: None,
         claimed: 0,
         events: BinaryHeap::new(),
         seq: 0,
@@ -395,6 +403,12 @@ pub fn run(
             Kind::Look => {
                 w.look_due = false;
                 w.look(now, policy)?;
+                if let Some(t) = policy.look_again().filter(|&t| t > now && !w.queue.is_empty()) {
+                    if w.timed_look.is_none_or(|at| at <= now || t < at) {
+                        w.timed_look = Some(t);
+                        w.push(t, 0, Kind::Look);
+                    }
+                }
                 continue;
             }
             Kind::Pass => {
