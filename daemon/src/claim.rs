@@ -205,9 +205,21 @@ impl Memory {
 #[derive(Debug, Default)]
 pub struct Trials {
     outcome_s: f64,
-    /// The pair ([`crate::types::trial_key`]): the job trying it, when it was claimed, when
-    /// it was last seen in Slurm's books, and whether it was there at the last look.
-    pairs: HashMap<(String, String, String), (u32, f64, f64, bool)>,
+    /// The pair ([`crate::types::trial_key`]) and its trial.
+    pairs: HashMap<(String, String, String), Trial>,
+}
+
+/// One pair's trial.
+#[derive(Debug, Clone, Copy)]
+struct Trial {
+    /// The job trying it.
+    job: u32,
+    /// When it was claimed.
+    claimed: f64,
+    /// When it was last seen in Slurm's books.
+    seen: f64,
+    /// Whether it was there at the last look.
+    there: bool,
 }
 
 impl Trials {
@@ -232,11 +244,11 @@ impl Trials {
     pub fn next_end(&self) -> Option<f64> {
         self.pairs
             .values()
-            .map(|&(_, claimed, seen, there)| {
-                if there {
-                    claimed + Self::PROVEN_S
+            .map(|t| {
+                if t.there {
+                    t.claimed + Self::PROVEN_S
                 } else {
-                    seen + self.outcome_s
+                    t.seen + self.outcome_s
                 }
             })
             .min_by(f64::total_cmp)
@@ -251,27 +263,32 @@ impl Trials {
             .chain(pending.iter().map(|c| c.job_id))
             .collect();
         let outcome_s = self.outcome_s;
-        self.pairs.retain(|(model, a, b), (job, claimed, seen, there)| {
+        self.pairs.retain(|(model, a, b), t| {
             let known = |x: &str, y: &str| history.pair(model, x, y).is_some_and(|e| e.observations > 0 || e.oom);
             if known(a, b) || known(b, a) {
                 return false;
             }
-            *there = present.contains(job);
-            if *there {
-                *seen = now;
-                return now - *claimed < Self::PROVEN_S;
+            t.there = present.contains(&t.job);
+            if t.there {
+                t.seen = now;
+                return now - t.claimed < Self::PROVEN_S;
             }
-            now - *seen < outcome_s
+            now - t.seen < outcome_s
         });
-        for ((model, a, b), (job, _, _, _)) in &self.pairs {
-            history.try_pair(model, a, b, *job);
+        for ((model, a, b), t) in &self.pairs {
+            history.try_pair(model, a, b, t.job);
         }
     }
 
     /// Takes back from `history` the trials of this look, new ones first seen `now`.
     fn take_back(&mut self, history: &mut Estimates, now: f64) {
         for (key, job) in history.take_trying() {
-            self.pairs.entry(key).or_insert((job, now, now, true));
+            self.pairs.entry(key).or_insert(Trial {
+                job,
+                claimed: now,
+                seen: now,
+                there: true,
+            });
         }
     }
 }
