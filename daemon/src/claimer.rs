@@ -36,8 +36,10 @@ pub const LICENSE: &str = "multiplex";
 pub const RESERVATION: &str = "multiplex-gate";
 /// How often the node list is read again (sinfo).
 const NODES_EVERY: Duration = Duration::from_secs(60);
-/// How soon it is read again when a job names a node it lacks (one added since): a job's
-/// node list is its user's, so this bounds what such a job costs slurmctld.
+/// How soon it is read again when a job names a node it lacks (one added since), or when a
+/// node of the list was not up (a slurmd not registered yet as the cluster starts, a node
+/// down, drained or resuming): a job's node list is its user's, so this bounds what such a
+/// job costs slurmctld, and a node that comes up is used within this, not [`NODES_EVERY`].
 const NODES_AGAIN: Duration = Duration::from_secs(10);
 /// How long a job pinned to a GPU but not yet started keeps its slot there: Slurm's next pass
 /// starts it within a second or two. Past this (the slot was taken meanwhile, or the pin is
@@ -146,7 +148,9 @@ impl Claimer {
         let jobs = slurm.jobs(&self.config.partition)?;
         let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
             let age = now.duration_since(*at);
-            age >= NODES_EVERY || (age >= NODES_AGAIN && (self.nodes_unsettled || names_unknown(nodes, &jobs)))
+            let some_down = nodes.iter().any(|n| !n.usable());
+            age >= NODES_EVERY
+                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, &jobs)))
         });
         if stale {
             self.nodes_unsettled = false;
@@ -895,6 +899,29 @@ mod tests {
                 .map(|(j, n, _)| (*j, n.as_str()))
                 .collect::<Vec<_>>(),
             [(1, "n2")]
+        );
+        // A node that comes up is used within NODES_AGAIN too, though every job could run
+        // elsewhere: a burst right after a cluster starts spreads over both nodes.
+        let slurm = fake(vec![]);
+        slurm.state.lock().unwrap().nodes[0].state = "unknown*".into();
+        let mut c = Claimer::new(config(), 1);
+        c.look(&slurm, &node, t0).unwrap();
+        {
+            let mut s = slurm.state.lock().unwrap();
+            s.nodes[0].state = "idle".into();
+            s.jobs = (11..=14).map(|i| gated(i, "b")).collect();
+        }
+        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN).unwrap();
+        let mut gpus: Vec<(&str, &str)> = looked
+            .claimed
+            .iter()
+            .map(|(_, n, g)| (n.as_str(), g.as_str()))
+            .collect();
+        gpus.sort_unstable();
+        assert_eq!(
+            gpus,
+            [("n1", "v100_0"), ("n1", "v100_1"), ("n2", "v100_0"), ("n2", "v100_1")],
+            "{looked:?}"
         );
         // With no node up at all, nothing is refused either.
         let slurm = fake(vec![gated(2, "a")]);
