@@ -389,14 +389,13 @@ fn choose_with(
         };
         let job = &pending[left[k]];
         if let Some(g) = nodes[node].gpus.iter_mut().find(|g| g.index == gpu) {
-            // Each pair never tried that this claim gambles on is being tried from now on.
-            for r in &g.residents {
-                let untried = history
-                    .pair(&g.model, &job.app, &r.app)
-                    .is_none_or(|e| e.observations == 0 && !e.oom);
-                let memory_known = job.mem_mb.is_some() && r.mem_mb.is_some();
-                if untried && !memory_known {
-                    history.try_pair(&g.model, &job.app, &r.app, job.job_id);
+            // Each pair never tried that this claim gambles on (as placement weighed it) is
+            // being tried from now on.
+            if !placement::memory_known(job.mem_mb, g) {
+                for r in &g.residents {
+                    if placement::untried_pair(history.pair(&g.model, &job.app, &r.app)) {
+                        history.try_pair(&g.model, &job.app, &r.app, job.job_id);
+                    }
                 }
             }
             g.residents.push(placement::Resident {

@@ -301,6 +301,20 @@ impl Bypasses {
     }
 }
 
+/// Whether a newcomer needing `job_mem_mb` and every resident of `gpu` have their memory known
+/// (a hint, or measured through NVML): placement checks that it fits, and a pair never tried
+/// there carries no risk from how often its applications ran out of memory with others (those
+/// rates stand in for memory where nothing measures it, and memory is what runs out).
+pub fn memory_known(job_mem_mb: Option<u64>, gpu: &GpuState) -> bool {
+    job_mem_mb.is_some() && gpu.residents.iter().all(|r| r.mem_mb.is_some())
+}
+
+/// Whether a pair's row (`history.pair`) says it never ran together: no speed learned (a pair
+/// that ran out of memory is ruled out before this is asked).
+pub fn untried_pair(estimate: Option<PairEstimate>) -> bool {
+    estimate.is_none_or(|e| e.observations == 0)
+}
+
 fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
     if gpu.residents.len() as u32 >= knobs.slots {
         return Err(format!("full ({} of {} jobs)", gpu.residents.len(), knobs.slots));
@@ -325,11 +339,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             reason: format!("GPU {} is free: runs alone", gpu.index),
         });
     }
-    // Where the newcomer's memory and every resident's are known (a hint, or measured through
-    // NVML) and fit together, as checked above, a pair never tried carries no risk from how
-    // often its applications ran out of memory with others: those rates stand in for memory
-    // where nothing measures it, and memory is what runs out.
-    let memory_known = job.mem_mb.is_some() && gpu.residents.iter().all(|r| r.mem_mb.is_some());
+    let memory_known = memory_known(job.mem_mb, gpu);
     let prior = knobs.unknown_pair_speed;
     let mut speed = 1.0;
     let mut gain = 0.0;
@@ -344,7 +354,7 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
                 job.app, r.app, r.job_id
             ));
         }
-        if est.is_none_or(|e| e.observations == 0) {
+        if untried_pair(est) {
             if !memory_known {
                 // One gamble on a pair at a time: a second job of it waits for how the first
                 // went, so that a pair that does not fit fails once, not once per job that
