@@ -419,7 +419,22 @@ impl Drop for DaemonStopped {
         if !wait_until(Duration::from_secs(5), listening) && !std::thread::panicking() {
             panic!("multiplexd {node} did not come back");
         }
+        // The cluster's claimer, back after its gate lapsed, makes it again on its first look:
+        // until then a job submitted starts where Slurm puts it, unclaimed.
+        let claims = std::fs::read_to_string(config_path(&self.state, node))
+            .is_ok_and(|c| c.contains("\n[claim]\nenabled = true\n"));
+        if claims && !wait_until(Duration::from_secs(15), gate_held) && !std::thread::panicking() {
+            panic!("multiplexd {node}, the claimer, did not hold the gate again within 15 s");
+        }
     }
+}
+
+/// Whether the claimer's gate (its reservation of every `multiplex` license) is in force.
+pub fn gate_held() -> bool {
+    Command::new("scontrol")
+        .args(["show", "reservation", "multiplex-gate"])
+        .output()
+        .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("State=ACTIVE"))
 }
 
 /// Jobs to cancel when the test ends, whether it passes or fails, so that a failed test
