@@ -2,6 +2,7 @@
 //! `--multiplex[=SPEC]`, the messages on the daemon's Unix socket, and a blocking client for
 //! code that runs inside Slurm processes.
 
+pub mod claim;
 pub mod client;
 pub mod gres;
 pub mod spec;
@@ -9,6 +10,7 @@ pub mod srun;
 pub mod user;
 pub mod wire;
 
+pub use claim::{Claim, ClaimError};
 pub use client::{Client, ClientError};
 pub use spec::{Spec, SpecError};
 pub use wire::*;
