@@ -78,12 +78,9 @@ fn assert_fenced(c: &Cluster, what: &str, job: u32, env: &HashMap<String, String
             rec["TresPerNode"].contains(&format!("shard:v100_{gpu}:1")),
             "{what}: claimed for v100_{gpu}: {rec:?}"
         );
-        format!(" | multiplex: claimed for {} GPU v100_{gpu} ", rec["NodeList"])
+        format!(" | multiplex: claim node:{} gpu:v100_{gpu} ", rec["NodeList"])
     } else {
-        format!(
-            " | multiplex: claimed for {} (GPU Slurm's choice: srun made the job)",
-            rec["NodeList"]
-        )
+        format!(" | multiplex: claim node:{} gpu:any ", rec["NodeList"])
     };
     assert!(rec["AdminComment"].contains(&note), "{what}: {note:?} in {rec:?}");
     assert_eq!(rec["Restarts"], "0", "{what}: {rec:?}");
@@ -115,7 +112,7 @@ fn a_multiplexed_job_runs_on_the_gpu_the_claimer_chose_and_can_open_no_other() {
     // gate's license away, leaving its note after the tag.
     assert_eq!(rec["Partition"], "shared");
     assert!(
-        rec["AdminComment"].starts_with("multiplex:app=itest-bert,mem=4096M | multiplex: claimed for "),
+        rec["AdminComment"].starts_with("multiplex:app=itest-bert,mem=4096M | multiplex: claim node:"),
         "{rec:?}"
     );
     assert!(!rec.get("Licenses").is_some_and(|l| l.contains("multiplex")), "{rec:?}");
@@ -130,7 +127,15 @@ fn a_multiplexed_job_runs_on_the_gpu_the_claimer_chose_and_can_open_no_other() {
         )),
         "{env:?}"
     );
-    assert!(env.contains_key("MULTIPLEX_PREDICTED_SPEED"), "{env:?}");
+    // The claim, read back by the one parser of its record: the node and GPU it ran on, and
+    // the speed the job was told is the one the claim was made on.
+    let claim = multiplex_protocol::Claim::from_comment(Some(&rec["AdminComment"]))
+        .expect("a claim")
+        .expect("a claim that reads");
+    assert_eq!(claim.node, env["SLURMD_NODENAME"], "{rec:?}");
+    assert_eq!(claim.gpu, Some(format!("v100_{gpu}")), "{rec:?}");
+    let told: f64 = env["MULTIPLEX_PREDICTED_SPEED"].parse().expect("a speed");
+    assert!((told - claim.predicted_speed).abs() < 1e-9, "{claim:?} {env:?}");
     // The daemon of that node recorded the job on that GPU, and its end.
     let node = &env["SLURMD_NODENAME"];
     let db = c.history(node);
@@ -1242,7 +1247,7 @@ fn with_every_daemon_down_a_multiplexed_job_starts_once_the_gates_lease_lapses()
         "true",
     ]);
     let rec = c.wait(job, WAIT);
-    assert!(rec["AdminComment"].contains(" | multiplex: claimed for "), "{rec:?}");
+    assert!(rec["AdminComment"].contains(" | multiplex: claim node:"), "{rec:?}");
 }
 
 #[test]
@@ -1721,7 +1726,7 @@ fn accounting_sacct_shows_where_a_multiplexed_job_ran_after_it_ended() {
     // record, as sacct reads it from MariaDB once the job has ended.
     let gpu = &env["MULTIPLEX_GPU"];
     let want = format!(
-        "{job}|COMPLETED|multiplex:app=itest-sacct | multiplex: claimed for {} GPU v100_{gpu} ",
+        "{job}|COMPLETED|multiplex:app=itest-sacct | multiplex: claim node:{} gpu:v100_{gpu} ",
         rec["NodeList"]
     );
     let sacct = || {

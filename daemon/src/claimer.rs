@@ -22,6 +22,7 @@ use crate::placement::{GpuState, Resident};
 use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
+use multiplex_protocol::Claim;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -183,8 +184,8 @@ impl Claimer {
             .collect();
         self.hostlists.retain(|list, _| named.contains(list.as_str()));
         let mut nodes = cluster(&infos, &memory);
-        let mut candidates: Vec<(Candidate, &Job)> = Vec::new();
-        for (job, spec) in jobs.iter().zip(specs.iter().cloned()) {
+        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
+        for (index, (job, spec)) in jobs.iter().zip(specs.iter().cloned()).enumerate() {
             let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
             if job.pending && pinned {
                 let since = *self.pinned_since.entry(job.id).or_insert(now);
@@ -256,7 +257,7 @@ impl Claimer {
                         gpu,
                         nodes,
                     },
-                    job,
+                    index,
                 ));
             }
         }
@@ -283,7 +284,8 @@ impl Claimer {
                     predicted_speed,
                     ..
                 } => {
-                    let (_, slurm_job) = candidates[job];
+                    let (_, index) = candidates[job];
+                    let slurm_job = &jobs[index];
                     let target = &nodes[n];
                     let Some(kind) = target
                         .gpus
@@ -295,16 +297,16 @@ impl Claimer {
                     };
                     // A job srun made itself is claimed for the node only (`pin=node` in its
                     // tag): Slurm picks its GPU there, and it is counted where it lands.
-                    let node_only = Spec::from_tag(slurm_job.admin_comment.as_deref())
-                        .and_then(Result::ok)
-                        .is_some_and(|s| s.node_only);
+                    let node_only = specs[index].as_ref().is_some_and(|s| s.node_only);
+                    let claim = Claim {
+                        node: target.node.clone(),
+                        gpu: (!node_only).then(|| kind.clone()),
+                        partners,
+                        predicted_speed,
+                    };
                     let comment = with_note(
                         slurm_job.admin_comment.as_deref().unwrap_or_default(),
-                        &if node_only {
-                            note_node_only(&target.node, &partners, predicted_speed)
-                        } else {
-                            note(&target.node, &kind, &partners, predicted_speed)
-                        },
+                        &claim.to_string(),
                     );
                     let pin = Pin {
                         job: slurm_job.id,
@@ -326,7 +328,8 @@ impl Claimer {
                     }
                 }
                 Choice::Refuse { job, reason } => {
-                    let (_, slurm_job) = candidates[job];
+                    let (_, index) = candidates[job];
+                    let slurm_job = &jobs[index];
                     let comment = with_note(
                         slurm_job.admin_comment.as_deref().unwrap_or_default(),
                         &format!("refused: {reason}"),
@@ -438,33 +441,6 @@ pub fn without_gate(licenses: &str) -> String {
         .filter(|l| !l.is_empty() && l.split([':', '=']).next() != Some(LICENSE))
         .collect::<Vec<_>>()
         .join(",")
-}
-
-/// The note a claim writes after the tag: where the job goes, beside whom, how fast.
-pub fn note(node: &str, kind: &str, partners: &[u32], predicted_speed: f64) -> String {
-    format!(
-        "claimed for {node} GPU {kind} {} (predicted speed {predicted_speed:.2})",
-        beside(partners)
-    )
-}
-
-/// The note of a claim for a node only: where the claimer meant it to go; Slurm picks the GPU.
-pub fn note_node_only(node: &str, partners: &[u32], predicted_speed: f64) -> String {
-    format!(
-        "claimed for {node} (GPU Slurm's choice: srun made the job), meant {} (predicted speed {predicted_speed:.2})",
-        beside(partners)
-    )
-}
-
-fn beside(partners: &[u32]) -> String {
-    match partners {
-        [] => "alone".to_string(),
-        [one] => format!("beside job {one}"),
-        ids => format!(
-            "beside jobs {}",
-            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
-        ),
-    }
 }
 
 /// Runs the claimer every `look_ms` until `shutdown`. The gate is left to lapse on its own: a
@@ -695,10 +671,8 @@ mod tests {
         let s = slurm.state.lock().unwrap();
         let pin = &s.claims[0];
         assert_eq!((pin.gres.as_deref(), pin.licenses.as_str()), (None, ""), "{pin:?}");
-        assert!(
-            pin.admin_comment.contains("(GPU Slurm's choice: srun made the job)"),
-            "{pin:?}"
-        );
+        let claim = Claim::from_comment(Some(&pin.admin_comment)).unwrap().unwrap();
+        assert_eq!((claim.node.as_str(), claim.gpu), ("n1", None), "{pin:?}");
         assert_eq!(s.jobs[0].gres, "shard:1");
     }
 
@@ -736,10 +710,13 @@ mod tests {
             );
             assert!(
                 pin.admin_comment
-                    .starts_with("multiplex:app=a | multiplex: claimed for n"),
+                    .starts_with("multiplex:app=a | multiplex: claim node:n"),
                 "{pin:?}"
             );
-            assert!(pin.admin_comment.ends_with("alone (predicted speed 1.00)"), "{pin:?}");
+            let claim = Claim::from_comment(Some(&pin.admin_comment)).unwrap().unwrap();
+            assert_eq!(Some(&claim.node), Some(&pin.node), "{pin:?}");
+            assert_eq!(claim.gpu.map(|g| format!("shard:{g}:1")), pin.gres, "{pin:?}");
+            assert_eq!((claim.partners, claim.predicted_speed), (vec![], 1.0), "{pin:?}");
         }
     }
 
@@ -852,7 +829,7 @@ mod tests {
             gres: "shard:v100_1:1".into(),
             licenses: String::new(),
             admin_comment: Some(format!(
-                "multiplex:app=a,nodes={nodes} | multiplex: claimed for n1 GPU v100_1 alone"
+                "multiplex:app=a,nodes={nodes} | multiplex: claim node:n1 gpu:v100_1 beside:- speed:1.00"
             )),
             ..gated(id, "a")
         };
@@ -1056,7 +1033,7 @@ mod tests {
     }
 
     #[test]
-    fn types_licenses_and_notes() {
+    fn types_and_licenses() {
         assert_eq!(split_gpu_type("v100_1"), Some(("v100", 1)));
         assert_eq!(split_gpu_type("a100_80gb_3"), Some(("a100_80gb", 3)));
         assert_eq!(split_gpu_type("v100"), None);
@@ -1064,9 +1041,5 @@ mod tests {
         assert_eq!(gpu_type("v100", 2), "v100_2");
         assert_eq!(without_gate("matlab:2,multiplex:1"), "matlab:2");
         assert_eq!(without_gate("multiplex:1"), "");
-        assert_eq!(
-            note("n1", "v100_0", &[3, 4], 0.5),
-            "claimed for n1 GPU v100_0 beside jobs 3, 4 (predicted speed 0.50)"
-        );
     }
 }

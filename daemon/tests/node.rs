@@ -690,6 +690,47 @@ fn with_mps_each_job_gets_a_thread_limit_from_the_predicted_speeds() {
 }
 
 #[test]
+fn a_claimed_job_is_told_the_speed_its_claim_was_made_on_while_its_partners_are_those_claimed() {
+    let told = |r: Response| match r {
+        Response::Started(p) => (p.gpu, p.predicted_speed),
+        other => panic!("{other:?}"),
+    };
+    let mut w = World::with_gpus("", 2);
+    let node = w.name.clone();
+    let claimed = |job: u32, app: &str, claim: &str| StartRequest {
+        step_id: 0xffff_fffb,
+        slurm_gres: Some("gres/shard:v100_0:1".into()),
+        slurm_job_gpus: Some("0".into()),
+        admin_comment: Some(format!("multiplex:app={app} | multiplex: {claim}")),
+        ..StartRequest::new(job, 1000, app, node.clone(), 1)
+    };
+    let (g, speed) = told(wire(w.at(0.0).start(&claimed(
+        1,
+        "gpt",
+        &format!("claim node:{node} gpu:v100_0 beside:- speed:1.00"),
+    ))));
+    assert_eq!((g, speed), (0, 1.0));
+    // Beside job 1, as claimed: the claim's 0.42, not this node's prior for a pair never seen.
+    let claim = format!("claim node:{node} gpu:v100_0 beside:1 speed:0.42");
+    assert_eq!(told(wire(w.at(1.0).start(&claimed(2, "vgg", &claim)))), (0, 0.42));
+    w.end(2.0, 2, 0);
+    // Claimed to be alone, but job 1 is still there: the node's own prediction.
+    let claim = format!("claim node:{node} gpu:v100_0 beside:- speed:0.99");
+    let (_, speed) = told(wire(w.at(3.0).start(&claimed(3, "bert", &claim))));
+    assert!((speed - 0.99).abs() > 0.1, "{speed}");
+    w.end(4.0, 3, 0);
+    // A claim for another node, or one that does not read, is not this start's.
+    for claim in [
+        "claim node:elsewhere gpu:v100_0 beside:1 speed:0.42".to_string(),
+        format!("claim node:{node} gpu:v100_0 beside:1 speed:fast"),
+    ] {
+        let (_, speed) = told(wire(w.at(5.0).start(&claimed(4, "t5", &claim))));
+        assert!((speed - 0.42).abs() > 0.1, "{claim}: {speed}");
+        w.end(6.0, 4, 0);
+    }
+}
+
+#[test]
 fn a_job_is_recorded_where_slurm_bound_it_by_type_or_by_index_and_learned_from() {
     let gpu = |r: Response| match r {
         Response::Started(p) => (p.gpu, p.corunners, p.reason),
@@ -726,7 +767,7 @@ fn a_job_is_recorded_where_slurm_bound_it_by_type_or_by_index_and_learned_from()
         slurm_gres: Some("gres/shard:1".into()),
         slurm_job_gpus: Some("1".into()),
         admin_comment: Some(format!(
-            "multiplex:app=srun,pin=node | multiplex: claimed for {node} (GPU Slurm's choice: srun made the job), meant alone (predicted speed 1.00)"
+            "multiplex:app=srun,pin=node | multiplex: claim node:{node} gpu:any beside:- speed:1.00"
         )),
         ..StartRequest::new(9, 1000, "srun", node, 1)
     };

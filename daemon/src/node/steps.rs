@@ -7,6 +7,7 @@ use crate::history::{ActiveJob, HistoryError, NewJob};
 use crate::lessons::Lesson;
 use crate::placement::{self, Estimates, Wanted};
 use multiplex_protocol::spec::Spec;
+use multiplex_protocol::Claim;
 use multiplex_protocol::{step_label, FinishRequest, Placement, ReportKind, ReportRequest, StartRequest};
 
 /// How a started step came by its GPU.
@@ -156,18 +157,31 @@ impl Node {
             predicted_speed *= speed;
             beside.push(format!("beside {} (job {}): {why}", p.app, p.job_id));
         }
+        // Slurm's books say whether the claim's GPU was allocated (the typed shard it names);
+        // the claim, written by the claimer under the tag, says what it was made for.
         let claimed = req
             .slurm_gres
             .as_deref()
             .is_some_and(|g| g.contains(&format!(":{kind}:")));
+        let claim = Claim::from_comment(req.admin_comment.as_deref())
+            .and_then(Result::ok)
+            .filter(|c| c.node == req.node);
         // A job srun made is claimed for its node only (`pin=node`): Slurm picks the GPU there.
-        let node_claimed = !claimed
-            && req.admin_comment.as_deref().is_some_and(|c| {
-                Spec::from_tag(Some(c))
-                    .and_then(Result::ok)
-                    .is_some_and(|s| s.node_only)
-                    && c.contains(&format!("{}claimed for {} ", multiplex_protocol::spec::NOTE, req.node))
-            });
+        let node_only = Spec::from_tag(req.admin_comment.as_deref())
+            .and_then(Result::ok)
+            .is_some_and(|s| s.node_only);
+        let node_claimed = !claimed && node_only && claim.as_ref().is_some_and(|c| c.gpu.is_none());
+        // Beside the partners it was claimed beside, the job runs at the speed the claim was
+        // made on; where they changed since, at the speed this node's history predicts.
+        if let Some(c) = claim.as_ref().filter(|_| claimed || node_claimed) {
+            let mut now_beside: Vec<u32> = residents.iter().map(|p| p.job_id).collect();
+            let mut then_beside = c.partners.clone();
+            now_beside.sort_unstable();
+            then_beside.sort_unstable();
+            if now_beside == then_beside {
+                predicted_speed = c.predicted_speed;
+            }
+        }
         let (bound, mut reason) = if claimed {
             (
                 Bound::Claimed,
