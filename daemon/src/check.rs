@@ -318,13 +318,13 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
     match &i.gate_licenses {
         Ok(n) if *n > 0 => out.push(finding(
             Level::Ok,
-            format!("slurmctld has {n} of the gate's license {}", crate::claimer::LICENSE),
+            format!("slurmctld has {n} of the gate's license {}", multiplex_protocol::spec::GATE_LICENSE),
         )),
         Ok(_) => out.push(finding(
             Level::Error,
             format!(
                 "slurmctld has no license {0}: job_submit adds {0}:1 to every multiplexed job, which slurmctld then refuses (slurm.conf: Licenses={0}:100000)",
-                crate::claimer::LICENSE
+                multiplex_protocol::spec::GATE_LICENSE
             ),
         )),
         Err(e) => out.push(finding(Level::Error, format!("the gate's license: {e}"))),

@@ -30,9 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use crate::config::ClaimConfig;
 
-/// The license every multiplexed job holds one of until it is claimed (slurm.conf
-/// `Licenses=multiplex:N`, job_submit adds it).
-pub const LICENSE: &str = "multiplex";
+pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
 /// The reservation that holds every one of them while a claimer runs.
 pub const RESERVATION: &str = "multiplex-gate";
 /// How often the node list is read again (sinfo).

@@ -22,14 +22,14 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = crate::tools::load_config(config_path)?;
+    let config = crate::config::load(config_path)?;
     let gpus = crate::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
     let access = Access {
         privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
         // Private until Slurm says otherwise: never more than Slurm would show.
         private_jobs: Arc::new(AtomicBool::new(true)),
     };
-    let slurm: Arc<dyn Slurm> = Arc::new(config.slurm());
+    let slurm: Arc<dyn Slurm> = Arc::new(crate::slurm::Commands::new(&config.slurm_bin));
     let socket = config.socket.clone();
     let node_name = config.node.clone();
     let reconcile = config.reconcile.clone();
@@ -161,7 +161,7 @@ fn daemon_signals() -> libc::sigset_t {
 /// file that no longer parses changes nothing, and the log says why.
 fn reload(config_path: &Path, node: &Mutex<Node>) {
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Reloading]);
-    let outcome = crate::tools::load_config(config_path).and_then(|new| {
+    let outcome = crate::config::load(config_path).and_then(|new| {
         let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
         let reload = node.config().reload(&new)?;
         if let Some(policy) = reload.policy.clone() {

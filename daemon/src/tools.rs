@@ -5,6 +5,7 @@
 use crate::config::Config;
 use crate::history::History;
 use crate::inspect;
+use crate::slurm::Commands;
 use multiplex_protocol::{client, Request, Response};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use std::time::Duration;
 pub fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(), String> {
     let socket = match socket {
         Some(s) => s.to_path_buf(),
-        None => load_config(config_path)?.socket,
+        None => crate::config::load(config_path)?.socket,
     };
     let response = client::call(&socket, Duration::from_secs(5), Request::Status).map_err(|e| e.to_string())?;
     let status = match response {
@@ -29,20 +30,10 @@ pub fn status(config_path: &Path, socket: Option<&Path>, json: bool) -> Result<(
     Ok(())
 }
 
-/// Reads the daemon's config; a missing file says how to name another one.
-pub fn load_config(path: &Path) -> Result<Config, String> {
-    Config::load(path).map_err(|e| match &e {
-        crate::config::ConfigError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-            format!("{e} (name the node's config with --config FILE or MULTIPLEXD_CONFIG=FILE)")
-        }
-        _ => e.to_string(),
-    })
-}
-
 /// The history database named by the config, opened (never created by a tool: a wrong path
 /// is an error, not a new empty history).
 fn open_history(config_path: &Path) -> Result<History, String> {
-    let config = load_config(config_path)?;
+    let config = crate::config::load(config_path)?;
     history_of(&config, config_path)
 }
 
@@ -87,7 +78,7 @@ pub fn history(config_path: &Path, json: bool) -> Result<(), String> {
 /// `multiplexd explain JOB`: why the job got its GPU (or why it was declined), who shared it,
 /// and what was learned from it.
 pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String> {
-    let config = load_config(config_path)?;
+    let config = crate::config::load(config_path)?;
     let found = match std::fs::File::open(&config.database) {
         // The history is readable by root and the daemon's user only: others ask the daemon,
         // which answers for their own jobs (all jobs where Slurm does not keep them private).
@@ -130,7 +121,7 @@ pub fn explain(config_path: &Path, job_id: u32, json: bool) -> Result<(), String
 fn not_here(config: &Config, job_id: u32) -> String {
     let here = format!("job {job_id} is not in the history of {}", config.node);
     use crate::slurm::Slurm;
-    match config.slurm().job_nodes(job_id) {
+    match Commands::new(&config.slurm_bin).job_nodes(job_id) {
         Ok(nodes) => match nodes {
             Some(nodes) if nodes != config.node => format!(
                 "{here}: Slurm says it ran on {nodes}; ask that node's daemon there \
@@ -177,7 +168,7 @@ pub fn import(config_path: &Path, file: &Path) -> Result<(), String> {
     };
     let data: crate::history::Export =
         serde_json::from_str(&text).map_err(|e| format!("{}: not a multiplexd history export: {e}", file.display()))?;
-    let config = load_config(config_path)?;
+    let config = crate::config::load(config_path)?;
     // Seeding a node before its daemon first starts is what import is for: the history the
     // config names is made (as the daemon would make it) where there is none yet.
     let mut h = if config.database.exists() {
@@ -222,7 +213,7 @@ pub fn report(
     };
     let socket = match socket.or_else(|| std::env::var_os("MULTIPLEX_SOCKET").map(PathBuf::from)) {
         Some(s) => s,
-        None => load_config(config)?.socket,
+        None => crate::config::load(config)?.socket,
     };
     let kind = match progress {
         Some(done) if !oom => multiplex_protocol::ReportKind::Progress { done },
@@ -258,8 +249,8 @@ fn conf_key(text: &str, key: &str) -> Option<String> {
 pub fn check_config(config_path: &Path) -> Result<bool, String> {
     use crate::check::{self, Finding, Inputs, Level, PolicyView};
     use crate::slurm::Slurm;
-    let config = load_config(config_path)?;
-    let slurm = config.slurm();
+    let config = crate::config::load(config_path)?;
+    let slurm = Commands::new(&config.slurm_bin);
     // gres.conf repeats one NodeName= list on line after line: each is asked of scontrol once.
     let asked = std::cell::RefCell::new(std::collections::HashMap::<String, bool>::new());
     let names_node = |list: &str| {

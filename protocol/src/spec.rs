@@ -126,6 +126,11 @@ pub fn recordable_nodes(list: &str) -> bool {
     !list.is_empty() && list.len() <= MAX_NODES_LEN && list.chars().all(fits)
 }
 
+/// The license every multiplexed job holds one of until the claimer pins it to a GPU
+/// (slurm.conf `Licenses=multiplex:N`): job_submit adds it, the claimer reserves them all while
+/// it runs and takes a job's away when it claims the job.
+pub const GATE_LICENSE: &str = "multiplex";
+
 /// What job_submit writes at the start of a multiplexed job's admin comment, followed by the
 /// job's SPEC (its application resolved): a field the job's user cannot set, so the one fact
 /// slurmstepd trusts about whether and how a job is multiplexed.

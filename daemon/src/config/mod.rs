@@ -349,11 +349,16 @@ impl Config {
             },
         })
     }
+}
 
-    /// Slurm's commands, as this config names them.
-    pub fn slurm(&self) -> crate::slurm::Commands {
-        crate::slurm::Commands::new(&self.slurm_bin)
-    }
+/// Reads the daemon's config for a command; a missing file says how to name another one.
+pub fn load(path: &Path) -> Result<Config, String> {
+    Config::load(path).map_err(|e| match &e {
+        ConfigError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            format!("{e} (name the node's config with --config FILE or MULTIPLEXD_CONFIG=FILE)")
+        }
+        _ => e.to_string(),
+    })
 }
 
 /// What a config re-read by a running daemon (SIGHUP) changes: `policy.min_gain` and
@@ -725,7 +730,7 @@ mod tests {
             (c.policy.separate_below, c.policy.separate_look_ms),
             (DEFAULT_SEPARATE_BELOW, DEFAULT_SEPARATE_LOOK_MS)
         );
-        assert_eq!(c.slurm().bin, PathBuf::new());
+        assert_eq!(c.slurm_bin, PathBuf::new());
     }
 
     #[test]
