@@ -4,8 +4,10 @@
 //! besides a `stat` of the policy file once a second, and
 //! reading it when it changed.
 
+pub mod modify;
 pub mod policy;
 pub mod rewrite;
+pub mod tres;
 
 use libc::{c_char, c_int};
 use policy::{Change, Policy, Watcher};
@@ -292,14 +294,14 @@ fn modify(
         // slurmctld runs as the Slurm user: root and it may let a job through the gate.
         // SAFETY: getuid(2) has no preconditions.
         let privileged = submit_uid == 0 || submit_uid == unsafe { libc::getuid() };
-        match rewrite::check_modify(&update, tag.as_deref(), &policy, privileged) {
-            Ok(rewrite::ModifyOk::AsAsked) => bindings::SLURM_SUCCESS as c_int,
-            Ok(rewrite::ModifyOk::Licenses(licenses)) => {
+        match modify::check_modify(&update, tag.as_deref(), &policy, privileged) {
+            Ok(modify::ModifyOk::AsAsked) => bindings::SLURM_SUCCESS as c_int,
+            Ok(modify::ModifyOk::Licenses(licenses)) => {
                 // SAFETY: the update's licenses is a Slurm-owned string.
                 unsafe { host::replace_string(&mut desc.licenses, &licenses) };
                 bindings::SLURM_SUCCESS as c_int
             }
-            Ok(rewrite::ModifyOk::ExcNodes(exc_nodes)) => {
+            Ok(modify::ModifyOk::ExcNodes(exc_nodes)) => {
                 // SAFETY: the update's exc_nodes is a Slurm-owned string.
                 unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };
                 bindings::SLURM_SUCCESS as c_int

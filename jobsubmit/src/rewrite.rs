@@ -3,6 +3,7 @@
 //! it with a sentence for the user.
 
 use crate::policy::Policy;
+use crate::tres::{checked_sum, is_gpu, join, parse_tres, TresEntry};
 use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
 use multiplex_protocol::srun::{self, Field, GPU_REQUEST_ENV};
 
@@ -41,9 +42,7 @@ pub struct JobView {
     pub licenses: Option<String>,
 }
 
-/// The license every multiplexed job holds one of until the claimer pins it to a GPU (slurm.conf
-/// `Licenses=multiplex:N`; the claimer reserves them all while it runs).
-pub const GATE_LICENSE: &str = "multiplex";
+pub use multiplex_protocol::spec::GATE_LICENSE;
 
 /// The job's licenses with the gate's one added (any the job named itself replaced).
 pub fn with_gate(licenses: Option<&str>) -> String {
@@ -113,70 +112,6 @@ pub enum Outcome {
         kind: RejectKind,
         message: String,
     },
-}
-
-/// One entry of a TRES string such as `gres:gpu:tesla:2` or `gres/gpu:2`.
-#[derive(Debug, Clone, PartialEq)]
-struct TresEntry {
-    /// `:` (22.05) or `/` (23.11+) after `gres`; `None` for entries that are not gres.
-    sep: Option<char>,
-    name: String,
-    /// The type between the name and the count (`tesla` of `gres:gpu:tesla:2`).
-    kind: Option<String>,
-    /// The entry as written, for entries kept unchanged.
-    text: String,
-    count: u64,
-}
-
-/// The sum of `counts`, or `None` past `u64::MAX`.
-fn checked_sum(counts: impl Iterator<Item = u64>) -> Option<u64> {
-    counts.into_iter().try_fold(0u64, |total, n| total.checked_add(n))
-}
-
-fn parse_tres(s: &str) -> Vec<TresEntry> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (sep, rest) = if let Some(r) = e.strip_prefix("gres:") {
-                (Some(':'), r)
-            } else if let Some(r) = e.strip_prefix("gres/") {
-                (Some('/'), r)
-            } else {
-                (None, e)
-            };
-            let parts: Vec<&str> = rest.split(':').collect();
-            let name = parts[0].to_string();
-            let last = parts[parts.len() - 1];
-            let count = if parts.len() > 1 { last.parse().unwrap_or(1) } else { 1 };
-            // `gpu:tesla:2`, or `gpu:tesla` (a count of 1).
-            let kind = match parts[..] {
-                [_, k, _] => Some(k.to_string()),
-                [_, k] if k.parse::<u64>().is_err() => Some(k.to_string()),
-                _ => None,
-            };
-            TresEntry {
-                sep,
-                name,
-                kind,
-                text: e.to_string(),
-                count,
-            }
-        })
-        .collect()
-}
-
-fn join(entries: impl Iterator<Item = String>) -> Option<String> {
-    let v: Vec<String> = entries.collect();
-    if v.is_empty() {
-        None
-    } else {
-        Some(v.join(","))
-    }
-}
-
-fn is_gpu(e: &TresEntry) -> bool {
-    e.sep.is_some() && e.name == "gpu"
 }
 
 /// Decides what happens to `job` under `policy`.
@@ -449,11 +384,11 @@ fn reject(kind: RejectKind, message: String) -> Outcome {
     }
 }
 
-fn refuse(kind: RejectKind, message: String) -> (RejectKind, String) {
+pub(crate) fn refuse(kind: RejectKind, message: String) -> (RejectKind, String) {
     (kind, format!("multiplex: {message}"))
 }
 
-fn partition_names(list: &str) -> impl Iterator<Item = &str> {
+pub(crate) fn partition_names(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim).filter(|p| !p.is_empty())
 }
 
@@ -472,7 +407,7 @@ fn shared_partition(asked: Option<&str>, policy: &Policy) -> String {
 
 /// The sentence for a job without --multiplex that asks for a shared partition, when the
 /// policy keeps those partitions for multiplexed jobs.
-fn unflagged_on_shared(asked: Option<&str>, policy: &Policy) -> Option<String> {
+pub(crate) fn unflagged_on_shared(asked: Option<&str>, policy: &Policy) -> Option<String> {
     if policy.unflagged_on_shared {
         return None;
     }
@@ -483,47 +418,8 @@ fn unflagged_on_shared(asked: Option<&str>, policy: &Policy) -> Option<String> {
     ))
 }
 
-/// What an accepted update becomes.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModifyOk {
-    AsAsked,
-    /// The update's `--exclude`, with the shared nodes added back.
-    ExcNodes(String),
-    /// The update's licenses, with the gate's kept: only the claimer (root or the Slurm user)
-    /// lets a multiplexed job through the gate.
-    Licenses(String),
-}
-
-/// An update of a job without --multiplex where the policy names `shared_nodes`. The job's own
-/// request is not at hand here (only the update), so: an update that gives it GPUs is refused
-/// (its exclusion could not be kept), one that names a shared node in its node list is
-/// refused, and a new `--exclude` gets the shared nodes added back.
-fn plain_update_off_shared_nodes(update: &JobView, policy: &Policy) -> Result<ModifyOk, (RejectKind, String)> {
-    let Some(shared) = policy.shared_nodes.as_ref() else {
-        return Ok(ModifyOk::AsAsked);
-    };
-    let why = "the site shares the GPUs of nodes that are also in other partitions";
-    if asks_gpus(update, policy) {
-        return Err(refuse(
-            RejectKind::SharedNode,
-            format!("{why}: a job without --multiplex is given GPUs at submission, not by an update; submit it again"),
-        ));
-    }
-    if let Some(node) = update.req_nodes.iter().find(|n| shared.hosts.contains(*n)) {
-        return Err(refuse(
-            RejectKind::SharedNode,
-            format!("{why}: a job without --multiplex cannot be moved to {node}, whose GPUs are shared"),
-        ));
-    }
-    Ok(match update.exc_nodes.as_deref() {
-        None => ModifyOk::AsAsked,
-        Some(e) if e.trim().is_empty() => ModifyOk::ExcNodes(shared.list.clone()),
-        Some(e) => ModifyOk::ExcNodes(format!("{},{}", e.trim(), shared.list)),
-    })
-}
-
 /// Whether any TRES field of `job` asks for GPUs or for the shared-GPU gres.
-fn asks_gpus(job: &JobView, policy: &Policy) -> bool {
+pub(crate) fn asks_gpus(job: &JobView, policy: &Policy) -> bool {
     [
         &job.tres_per_node,
         &job.tres_per_job,
@@ -598,108 +494,10 @@ fn not_allowed(job: &JobView, policy: &Policy) -> Option<String> {
     ))
 }
 
-/// Checks an update of an existing job (`scontrol update`): a multiplexed job (tagged in
-/// `current_tag`, its admin_comment) cannot be modified into what the rewrite would have
-/// rejected, and a job without the flag cannot be moved into a shared partition the policy
-/// keeps for multiplexed jobs. `update` holds only the fields being changed.
-pub fn check_modify(
-    update: &JobView,
-    current_tag: Option<&str>,
-    policy: &Policy,
-    privileged: bool,
-) -> Result<ModifyOk, (RejectKind, String)> {
-    let multiplexed = current_tag.is_some_and(|t| t.starts_with(TAG_PREFIX))
-        // An update that also drops the tag (an admin taking the job out of multiplexing) is
-        // judged as for a plain job.
-        && update.admin_comment.as_deref().is_none_or(|c| c.starts_with(TAG_PREFIX));
-    if !multiplexed {
-        if let Some(message) = unflagged_on_shared(update.partition.as_deref(), policy) {
-            return Err(refuse(RejectKind::SharedPartition, message));
-        }
-        return plain_update_off_shared_nodes(update, policy);
-    }
-    let why = "a multiplexed job shares its GPU: ";
-    if update.exclusive {
-        return Err(refuse(
-            RejectKind::Exclusive,
-            format!("{why}it cannot be made --exclusive"),
-        ));
-    }
-    if let Some(n) = [update.min_nodes, update.max_nodes]
-        .into_iter()
-        .flatten()
-        .find(|&n| n > 1)
-    {
-        return Err(refuse(
-            RejectKind::TooManyNodes,
-            format!("{why}it runs on one node and cannot be given {n}"),
-        ));
-    }
-    if let Some(partition) = update.partition.as_deref() {
-        if let Some(p) = partition_names(partition).find(|p| !policy.is_shared(p)) {
-            return Err(refuse(
-                RejectKind::SharedPartition,
-                format!(
-                    "{why}it stays in the shared partition{} ({}), not {p}",
-                    if policy.partitions.len() > 1 { "s" } else { "" },
-                    policy.partitions.join(", ")
-                ),
-            ));
-        }
-    }
-    let fields = [
-        &update.tres_per_node,
-        &update.tres_per_job,
-        &update.tres_per_task,
-        &update.tres_per_socket,
-    ];
-    let entries: Vec<TresEntry> = fields
-        .iter()
-        .filter_map(|f| f.as_deref())
-        .flat_map(parse_tres)
-        .collect();
-    if entries.iter().any(is_gpu) {
-        return Err(refuse(
-            RejectKind::MixedGres,
-            format!("{why}it holds {} slots, not whole GPUs", policy.gres),
-        ));
-    }
-    let units = checked_sum(
-        entries
-            .iter()
-            .filter(|e| e.sep.is_some() && e.name == policy.gres)
-            .map(|e| e.count),
-    );
-    let limit = u64::from(policy.max_gpus) * u64::from(policy.gres_per_gpu);
-    match units {
-        Some(units) if units <= limit => {}
-        Some(units) => {
-            return Err(refuse(
-                RejectKind::TooManyGpus,
-                format!("{why}it may hold at most {limit} {} here, not {units}", policy.gres),
-            ))
-        }
-        None => {
-            return Err(refuse(
-                RejectKind::TooManyGpus,
-                format!(
-                    "{why}it may hold at most {limit} {} here, not more than can be counted",
-                    policy.gres
-                ),
-            ))
-        }
-    }
-    // A user's change of licenses keeps the gate's: dropping it would let the job start where
-    // Slurm puts it, ahead of jobs waiting for a claim.
-    match update.licenses.as_deref() {
-        Some(l) if !privileged => Ok(ModifyOk::Licenses(with_gate(Some(l)))),
-        _ => Ok(ModifyOk::AsAsked),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::modify::{check_modify, ModifyOk};
 
     fn job(opt: Option<&str>, tres_per_node: Option<&str>) -> JobView {
         JobView {
