@@ -2,10 +2,15 @@
 //! speeds. The world (see [`world`]) plays Slurm and reality; the policies (see [`policy`])
 //! play the node daemon, `learned` being the daemon's own code with its SQLite history.
 
+mod events;
 pub mod grade;
 pub mod input;
+mod learned;
+pub mod model;
+mod oracle;
 pub mod plot;
 pub mod policy;
+mod watchdog;
 pub mod world;
 
 use input::{Rng, Table, TraceJob};

@@ -1,0 +1,535 @@
+//! The daemon's own code as policies: `learned`, one real [`Node`] per simulated node with
+//! its SQLite history, node 0's claimer claiming for the cluster; and `oracle`, the claimer's
+//! code handed the true table.
+
+use super::input::Table;
+use super::world::{JobRef, Policy, Shape};
+use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
+use multiplexd::claim::{self, Candidate, NodeGpus};
+use multiplexd::config::{Config, GpuSpec, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
+use multiplexd::history::{ActiveJob, Export};
+use multiplexd::node::{Node, Started};
+use multiplexd::placement::{GpuState, Resident, Wanted};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+
+/// The daemon's settings the learned policy and the oracle run with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// The learned policy's nodes merge their histories every this many simulated seconds
+    /// (`multiplexd export` into `multiplexd import`, as `[share] dir` does; 0: never, each
+    /// node learns alone and the claimer knows what its own node learned).
+    pub share_every_s: f64,
+    /// The daemon's `policy.min_gain`.
+    pub min_gain: f64,
+    /// The daemon's `policy.separate_below`: a GPU whose measured jobs deliver less than this
+    /// times what they would without the newest one gives that one back (0: never).
+    pub separate_below: f64,
+    /// The claimer's `claim.lookahead`: how many of the first pending jobs in Slurm's order one
+    /// look weighs.
+    pub lookahead: usize,
+    /// Each job is bound to one GPU index from its submission (job_submit's rotation, where
+    /// Slurm cannot move a pending job to another GPU type: 22.05), and a claim chooses only
+    /// its node.
+    pub fixed_gpu: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            share_every_s: DEFAULT_SHARE_EVERY_S,
+            min_gain: DEFAULT_MIN_GAIN,
+            separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
+            lookahead: multiplexd::config::ClaimConfig::default().lookahead,
+            fixed_gpu: false,
+        }
+    }
+}
+
+/// How often the learned policy's nodes pool what they learn by default: as a site's
+/// `[share] every_s` does with its default.
+pub const DEFAULT_SHARE_EVERY_S: f64 = 600.0;
+
+impl Options {
+    /// The daemon's config for `node` with these settings: the learned policy's daemons and
+    /// the oracle read their `[policy]` from one place, checked as the daemon checks its file.
+    pub(crate) fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
+        Config::parse(&format!(
+            "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
+             min_gain = {}\nseparate_below = {}\n[claim]\nlookahead = {}\n",
+            self.min_gain, self.separate_below, self.lookahead
+        ))
+    }
+}
+
+/// Pending jobs as the claimer reads them from Slurm's queue (the trace has no memory hints:
+/// `memory` gives what each application is known to need, if anything).
+pub(crate) fn candidates(
+    table: &Table,
+    pending: &[JobRef],
+    memory: impl Fn(usize) -> Option<u64>,
+    fixed_gpu: Option<usize>,
+) -> Vec<Candidate> {
+    pending
+        .iter()
+        .map(|j| Candidate {
+            job_id: j.id,
+            app: table.apps[j.app].clone(),
+            mem_mb: memory(j.app),
+            model: None,
+            // job_submit's rotation over the GPU indices, in submission order.
+            gpu: fixed_gpu.map(|gpus| ((j.id as usize - 1) % gpus) as u32),
+            nodes: None,
+        })
+        .collect()
+}
+
+/// The claims as the world takes them: (pending index, node, GPU). A job refused for good has
+/// no place in the world's trace: every job of it fits some GPU alone.
+pub(crate) fn pins(choices: &[claim::Choice]) -> Result<Vec<(usize, usize, usize)>, String> {
+    choices
+        .iter()
+        .map(|c| match c {
+            claim::Choice::Pin { job, node, gpu, .. } => Ok((*job, *node, *gpu as usize)),
+            claim::Choice::Refuse { job, reason } => Err(format!("pending job {job} refused: {reason}")),
+        })
+        .collect()
+}
+
+/// The daemon: one [`Node`] per simulated node, its history starting empty.
+///
+/// What a node does whose answer the world does not wait for (learning from a job that
+/// ended, recording a job's report) is queued on the node, and a second thread works through
+/// the queues while the world goes on with other nodes; the next placement or finish on a
+/// node first does whatever is still queued there itself. Each node has a clock of its own,
+/// set to the simulated time of whatever it is asked, so each node sees the same sequence
+/// at the same times as with everything on one thread: results do not change.
+pub(crate) struct Learned<'a> {
+    table: &'a Table,
+    share_every_s: f64,
+    /// Node 0's daemon is the cluster's claimer: what the other nodes learn reaches it as
+    /// pooled histories do (`share_every_s`). How many pending jobs a look weighs, and its
+    /// bypass counts.
+    lookahead: usize,
+    fixed_gpu: bool,
+    memory: claim::Memory,
+    next_share: f64,
+    nodes: Arc<Vec<Mutex<Slot>>>,
+    learner: Option<Learner>,
+    /// Per node, the simulated time its daemon reads.
+    clocks: Arc<Vec<AtomicU64>>,
+    /// The first thing that went wrong on the learner thread.
+    failed: Arc<Mutex<Option<String>>>,
+}
+
+/// A simulated node's daemon and the work queued for it.
+struct Slot {
+    node: Node,
+    queue: VecDeque<Work>,
+}
+
+impl Slot {
+    /// Does the queued work, in order, on the node whose clock is `clock`.
+    fn catch_up(&mut self, clock: &AtomicU64) -> Result<(), String> {
+        while let Some(work) = self.queue.pop_front() {
+            work.run(&mut self.node, clock)?;
+        }
+        Ok(())
+    }
+}
+
+/// Work for a node that the world does not wait for.
+enum Work {
+    /// Learn from a job that ended.
+    Learn(ActiveJob),
+    /// Record a job's report at the simulated time given.
+    Report(f64, ReportRequest),
+    /// Record a round of GPU telemetry at the simulated time given (processes are jobs).
+    Telemetry(f64, Vec<multiplexd::gpus::GpuSample>),
+}
+
+impl Work {
+    /// Does the work on its node, whose clock is `clock`.
+    fn run(self, node: &mut Node, clock: &AtomicU64) -> Result<(), String> {
+        match self {
+            Work::Learn(job) => {
+                node.learn_ended(&job);
+                Ok(())
+            }
+            Work::Report(now, req) => {
+                clock.store(now.to_bits(), Ordering::Relaxed);
+                node.report(&req, 0, true).map(drop).map_err(|e| e.to_string())
+            }
+            Work::Telemetry(now, samples) => {
+                clock.store(now.to_bits(), Ordering::Relaxed);
+                // Every process is its job's, run as the job's user (the simulator's uid 0).
+                node.record_telemetry(&samples, &|pid| Some((pid, 0)))
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+/// The learner thread and the way to tell it a node has work queued.
+type Learner = (mpsc::Sender<usize>, std::thread::JoinHandle<()>);
+
+/// A simulated node's daemon, caught up with its queued work.
+struct NodeGuard<'a>(MutexGuard<'a, Slot>);
+
+impl std::ops::Deref for NodeGuard<'_> {
+    type Target = Node;
+    fn deref(&self) -> &Node {
+        &self.0.node
+    }
+}
+
+impl std::ops::DerefMut for NodeGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Node {
+        &mut self.0.node
+    }
+}
+
+fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<'a> Learned<'a> {
+    pub(crate) fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
+        let share_every_s = options.share_every_s;
+        let clocks = Arc::new(
+            (0..shape.nodes)
+                .map(|_| AtomicU64::new(0f64.to_bits()))
+                .collect::<Vec<_>>(),
+        );
+        let gpus: Vec<GpuSpec> = (0..shape.gpus_per_node as u32)
+            .map(|index| GpuSpec {
+                index,
+                model: table.model.clone(),
+                // Where the table has no memory, memory never decides.
+                memory_mb: table.gpu_memory().unwrap_or(1 << 40),
+                uuid: None,
+            })
+            .collect();
+        let nodes = (0..shape.nodes)
+            .map(|n| {
+                let config = options.config(&format!("sim{n}"), shape.jobs_per_gpu)?;
+                let c = Arc::clone(&clocks);
+                let node = Node::open(
+                    config,
+                    gpus.clone(),
+                    Box::new(move || f64::from_bits(c[n].load(Ordering::Relaxed))),
+                )
+                .map_err(|e| e.to_string())?;
+                Ok(Mutex::new(Slot {
+                    node,
+                    queue: VecDeque::new(),
+                }))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let nodes = Arc::new(nodes);
+        let failed = Arc::new(Mutex::new(None));
+        let (tx, rx) = mpsc::channel::<usize>();
+        let learner = {
+            let (nodes, clocks, failed) = (Arc::clone(&nodes), Arc::clone(&clocks), Arc::clone(&failed));
+            std::thread::Builder::new()
+                .name("sim-learner".into())
+                .spawn(move || {
+                    // A node may be named more than once, or caught up already by the world.
+                    for n in rx {
+                        if let Err(e) = lock(&nodes[n]).catch_up(&clocks[n]) {
+                            failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        }
+                    }
+                })
+                .map_err(|e| format!("cannot start the learner thread: {e}"))?
+        };
+        Ok(Learned {
+            table,
+            share_every_s,
+            lookahead: options.lookahead,
+            fixed_gpu: options.fixed_gpu,
+            // As the daemon's claimer: a pair's outcome reaches node 0 at the next merge.
+            memory: claim::Memory::new(claim::outcome_s(share_every_s)),
+            next_share: share_every_s,
+            nodes,
+            learner: Some((tx, learner)),
+            clocks,
+            failed,
+        })
+    }
+
+    /// Node `n`, caught up with the work queued for it.
+    /// Starts every node from `history` (what `multiplexd import` of a site's earlier export
+    /// gives each node).
+    pub(crate) fn import(&self, history: &Export) -> Result<(), String> {
+        for n in 0..self.nodes.len() {
+            self.node(n)?.import(history)?;
+        }
+        Ok(())
+    }
+
+    fn node(&self, n: usize) -> Result<NodeGuard<'_>, String> {
+        let mut slot = lock(&self.nodes[n]);
+        slot.catch_up(&self.clocks[n])?;
+        Ok(NodeGuard(slot))
+    }
+
+    /// Node `n` at simulated time `now`, caught up with the work queued for it.
+    fn node_at(&self, n: usize, now: f64) -> Result<NodeGuard<'_>, String> {
+        let node = self.node(n)?;
+        self.clocks[n].store(now.to_bits(), Ordering::Relaxed);
+        Ok(node)
+    }
+
+    /// Queues work on node `n` and tells the learner thread.
+    fn hand(&self, n: usize, work: Work) -> Result<(), String> {
+        lock(&self.nodes[n]).queue.push_back(work);
+        match self.learner.as_ref().map(|(tx, _)| tx.send(n)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err("the learner thread has stopped".into()),
+        }
+    }
+
+    /// What went wrong on the learner thread, if anything (once).
+    fn failure(&self) -> Result<(), String> {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Goes on at simulated time `now`, unless something went wrong on the learner thread.
+    fn at(&mut self, now: f64) -> Result<(), String> {
+        self.failure()?;
+        if self.share_every_s > 0.0 && now >= self.next_share {
+            while self.next_share <= now {
+                self.next_share += self.share_every_s;
+            }
+            if let Err(e) = self.share() {
+                tracing::warn!(error = %e, "sharing histories failed");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every node's export merged into the first, and the result into every other.
+    fn share(&mut self) -> Result<(), String> {
+        let mut first = self.node(0)?;
+        for n in 1..self.nodes.len() {
+            let e = self.node(n)?.history().export().map_err(|e| e.to_string())?;
+            first.import(&e)?;
+        }
+        let merged = first.history().export().map_err(|e| e.to_string())?;
+        drop(first);
+        for n in 1..self.nodes.len() {
+            self.node(n)?.import(&merged)?;
+        }
+        Ok(())
+    }
+}
+
+impl Policy for Learned<'_> {
+    fn settle(&mut self) -> Result<(), String> {
+        for n in 0..self.nodes.len() {
+            drop(self.node(n)?);
+        }
+        self.failure()
+    }
+    fn grade(&self) -> Option<String> {
+        Some(Learned::grade(self))
+    }
+    fn history(&mut self) -> Option<Result<Export, String>> {
+        let merged = self
+            .share()
+            .and_then(|()| self.node(0)?.history().export().map_err(|e| e.to_string()));
+        Some(merged)
+    }
+    fn claims(&self) -> bool {
+        true
+    }
+    fn claim_lookahead(&self) -> usize {
+        self.lookahead
+    }
+    fn look_again(&self) -> Option<f64> {
+        self.memory.trials.next_end()
+    }
+    fn started(&mut self, now: f64, node: usize, job: JobRef, gpu: usize) -> Result<(), String> {
+        self.at(now)?;
+        let req = StartRequest::new(
+            job.id,
+            0,
+            self.table.apps[job.app].clone(),
+            format!("sim{node}"),
+            gpu as u32,
+        );
+        match self.node_at(node, now)?.start(&req).map_err(|e| e.to_string())? {
+            Started::Placed { .. } => Ok(()),
+            Started::Refused { reason } => Err(format!("the daemon refused job {}: {reason}", job.id)),
+        }
+    }
+    fn claim(
+        &mut self,
+        now: f64,
+        cluster: &[Vec<Vec<JobRef>>],
+        pending: &[JobRef],
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        self.at(now)?;
+        let model = &self.table.model;
+        let memory_mb = self.table.gpu_memory().unwrap_or(1 << 40);
+        let nodes: Vec<NodeGpus> = cluster
+            .iter()
+            .enumerate()
+            .map(|(n, gpus)| NodeGpus {
+                node: format!("sim{n}"),
+                gpus: gpus
+                    .iter()
+                    .enumerate()
+                    .map(|(g, jobs)| GpuState {
+                        index: g as u32,
+                        model: model.clone(),
+                        memory_mb,
+                        residents: jobs
+                            .iter()
+                            .map(|r| Resident {
+                                job_id: r.id,
+                                app: self.table.apps[r.app].clone(),
+                                mem_mb: None,
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let fixed = self.fixed_gpu.then_some(cluster.first().map_or(1, Vec::len));
+        let candidates = candidates(self.table, pending, |_| None, fixed);
+        let mut memory = std::mem::take(&mut self.memory);
+        let choices = self.node_at(0, now)?.claims(&nodes, &candidates, &mut memory, now);
+        self.memory = memory;
+        pins(&choices.map_err(|e| e.to_string())?)
+    }
+    fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
+        self.report(now, node, job, ReportKind::Progress { done })
+    }
+    fn out_of_memory(&mut self, now: f64, node: usize, job: JobRef) -> Result<(), String> {
+        self.report(now, node, job, ReportKind::OutOfMemory)
+    }
+    fn telemetry(&mut self, now: f64, node: usize, jobs: &[(usize, JobRef, u32)]) -> Result<(), String> {
+        use multiplexd::gpus::{GpuSample, ProcSample};
+        self.at(now)?;
+        let mut samples: Vec<GpuSample> = Vec::new();
+        for &(gpu, job, util) in jobs {
+            let process = ProcSample {
+                pid: job.id,
+                mem_mb: self.table.memory_of(job.app),
+                sm_util_pct: Some(util),
+            };
+            match samples.iter_mut().find(|s| s.index == gpu as u32) {
+                Some(s) => s.processes.push(process),
+                None => samples.push(GpuSample {
+                    index: gpu as u32,
+                    processes: vec![process],
+                }),
+            }
+        }
+        self.hand(node, Work::Telemetry(now, samples))
+    }
+    fn separations(&mut self, now: f64, node: usize) -> Result<Vec<u32>, String> {
+        self.at(now)?;
+        let mut n = self.node_at(node, now)?;
+        let given = n.separations().map_err(|e| e.to_string())?;
+        for s in &given {
+            n.separated(s.job_id, true, &s.why).map_err(|e| e.to_string())?;
+        }
+        Ok(given.iter().map(|s| s.job_id).collect())
+    }
+    fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String> {
+        self.at(now)?;
+        let req = FinishRequest {
+            job_id: job.id,
+            step_id: 0,
+            exit_status: if ok { 0 } else { 1 << 8 },
+        };
+        let ended = self
+            .node_at(node, now)?
+            .finish_deferred(&req)
+            .map_err(|e| e.to_string())?;
+        if let Some(job) = ended {
+            self.hand(node, Work::Learn(job))?;
+        }
+        Ok(())
+    }
+}
+
+impl Learned<'_> {
+    /// A job's report, recorded on the learner thread: the world does not wait for its answer
+    /// (a failure stops the run at the next call).
+    fn report(&mut self, now: f64, node: usize, job: JobRef, kind: ReportKind) -> Result<(), String> {
+        self.at(now)?;
+        self.hand(node, Work::Report(now, ReportRequest { job_id: job.id, kind }))
+    }
+}
+
+impl Drop for Learned<'_> {
+    fn drop(&mut self) {
+        if let Some((tx, learner)) = self.learner.take() {
+            drop(tx);
+            let _ = learner.join();
+        }
+    }
+}
+
+/// How many nodes [`Learned::grade`] looks at.
+const GRADED_NODES: usize = 16;
+
+impl Learned<'_> {
+    /// After the run: how much of the table the nodes learned, and how far off they are (the
+    /// table is read here only to grade, never to decide).
+    fn grade(&self) -> String {
+        let (mut seen, mut seen_err, mut unseen, mut unseen_err) = (0usize, 0.0, 0usize, 0.0);
+        let model = &self.table.model;
+        // Every node would cost minutes on a large cluster: up to 16 of them, spread evenly.
+        let step = self.nodes.len().div_ceil(GRADED_NODES).max(1);
+        // After `settle`: every node has done its queued work.
+        let graded: Vec<&Mutex<Slot>> = self.nodes.iter().step_by(step).collect();
+        let mut every_pair = Wanted::default();
+        for a in &self.table.apps {
+            for b in &self.table.apps {
+                every_pair.pair(model, a, b);
+            }
+        }
+        for slot in &graded {
+            let slot = lock(slot);
+            let h = match slot.node.history().estimates(&every_pair) {
+                Ok(h) => h,
+                Err(e) => return format!("learned: cannot read a node's estimates: {e}"),
+            };
+            let h = &h;
+            for (ai, a) in self.table.apps.iter().enumerate() {
+                for (bi, b) in self.table.apps.iter().enumerate() {
+                    let Some(truth) = self.table.speed(ai, bi) else {
+                        continue;
+                    };
+                    let (est, row, _) = multiplexd::placement::estimate(h, model, a, b, DEFAULT_UNKNOWN_PAIR_SPEED);
+                    if row.is_some_and(|r| r.observations > 0 && !r.oom) {
+                        seen += 1;
+                        seen_err += (est - truth).abs();
+                    } else {
+                        unseen += 1;
+                        unseen_err += (est - truth).abs();
+                    }
+                }
+            }
+        }
+        let n = graded.len().max(1) as f64;
+        format!(
+            "learned: each node learned {:.0} of the {} pairs that can share (mean error {:.3}); \
+             its estimates for the other {:.0} were off by {:.3} on average",
+            seen as f64 / n,
+            (seen + unseen) as f64 / n,
+            seen_err / seen.max(1) as f64,
+            unseen as f64 / n,
+            unseen_err / unseen.max(1) as f64
+        )
+    }
+}

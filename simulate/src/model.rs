@@ -1,0 +1,129 @@
+//! What a policy and the simulated world exchange: the cluster's shape, the jobs as a policy
+//! sees them, the policy's part, and what happened.
+
+/// The cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub jobs_per_gpu: u32,
+}
+
+/// Progress reports from the jobs, as a job that opts in sends them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Seconds between reports of one job; 0: jobs do not report.
+    pub every_s: f64,
+    /// Relative noise of each report (standard deviation, as a fraction of one interval's work).
+    pub noise: f64,
+    /// Seconds between rounds of GPU telemetry on every node, which give the daemon each
+    /// running job's SM utilisation over the round as NVML would on a time-sliced GPU (its
+    /// utilisation alone times its speed); 0: no GPU telemetry (the default: a simulated node
+    /// has no NVML).
+    pub busy_every_s: f64,
+    /// Relative noise of each round's utilisation of a job (standard deviation).
+    pub busy_noise: f64,
+    /// The most by which a shared job's utilisation overstates its speed: each application
+    /// draws a bias b between 0 and this, and shows `s + b (1 - s)` of its utilisation alone
+    /// at speed s (alone, s = 1, unbiased).
+    pub busy_bias: f64,
+}
+
+/// A job as a policy sees it: its id (as Slurm would number it) and application.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JobRef {
+    pub id: u32,
+    pub app: usize,
+}
+
+/// A policy: Slurm's own GPU choice, or the claimer and the node daemons.
+pub trait Policy {
+    /// Jobs per GPU Slurm may put on one GPU under this policy.
+    fn slots(&self, shape: &Shape) -> u32 {
+        shape.jobs_per_gpu
+    }
+    /// Slurm's own placement: a GPU of `node` for `job` (`gpus[g]`: the jobs on GPU g), of
+    /// those with a free slot (Slurm offers the node only when it has one).
+    fn place(&mut self, _now: f64, _node: usize, _job: JobRef, _gpus: &[Vec<JobRef>]) -> Result<usize, String> {
+        Err("this policy claims jobs; Slurm places none".into())
+    }
+    /// Whether the policy claims jobs before Slurm allocates them: every job then waits, out
+    /// of Slurm's own placement, until [`Policy::claim`] pins it to a GPU of a node.
+    fn claims(&self) -> bool {
+        false
+    }
+    /// When a look would decide otherwise though nothing else changed (a pair's trial ends):
+    /// the world looks again then, as the daemon's claimer, which looks every second, would.
+    fn look_again(&self) -> Option<f64> {
+        None
+    }
+    /// How many of the first pending jobs in Slurm's order a look weighs ([`Policy::claim`]).
+    fn claim_lookahead(&self) -> usize {
+        0
+    }
+    /// One look at the cluster: `cluster[n][g]` are the jobs on GPU g of node n (running, or
+    /// claimed and about to start), `pending` the first jobs waiting, in Slurm's order. Answers
+    /// the claims made: (index into `pending`, node, GPU), in the order they were made.
+    fn claim(
+        &mut self,
+        _now: f64,
+        _cluster: &[Vec<Vec<JobRef>>],
+        _pending: &[JobRef],
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        Ok(Vec::new())
+    }
+    /// Slurm started `job` on GPU `gpu` of `node` (pinned there by a claim, or placed by
+    /// Slurm): its step tells the node's daemon.
+    fn started(&mut self, _now: f64, _node: usize, _job: JobRef, _gpu: usize) -> Result<(), String> {
+        Ok(())
+    }
+    /// A running job reports its progress (in its own unit, from its start).
+    fn progress(&mut self, _now: f64, _node: usize, _job: JobRef, _done: f64) -> Result<(), String> {
+        Ok(())
+    }
+    /// A round of GPU telemetry of `node`: each running job's GPU and its SM utilisation over
+    /// the round, percent.
+    fn telemetry(&mut self, _now: f64, _node: usize, _jobs: &[(usize, JobRef, u32)]) -> Result<(), String> {
+        Ok(())
+    }
+    /// A job ran out of GPU memory beside its partners (it reports so, then ends).
+    fn out_of_memory(&mut self, _now: f64, _node: usize, _job: JobRef) -> Result<(), String> {
+        Ok(())
+    }
+    /// After a report of a job on `node`: the ids of the running jobs there the policy gives
+    /// back to Slurm (requeued, to run apart from partners they lose beside).
+    fn separations(&mut self, _now: f64, _node: usize) -> Result<Vec<u32>, String> {
+        Ok(Vec::new())
+    }
+    /// A job ended: completed (`ok`) or failed.
+    fn finished(&mut self, now: f64, node: usize, job: JobRef, ok: bool) -> Result<(), String>;
+    /// After the run: finishes what the policy left in flight; an error there fails the run.
+    fn settle(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    /// After the run, a line on what the policy learned, graded against the table.
+    fn grade(&self) -> Option<String> {
+        None
+    }
+    /// After the run, what the policy learned as `multiplexd export` writes it, its nodes'
+    /// histories merged (learned policy only).
+    fn history(&mut self) -> Option<Result<multiplexd::history::Export, String>> {
+        None
+    }
+}
+
+/// What happened to every job, and the counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Per job, in trace order: (submit, start of the run that completed, completion).
+    pub jobs: Vec<(f64, f64, f64)>,
+    pub oom_failures: u64,
+    /// How many running jobs a policy gave back to Slurm to run apart ([`Policy::separations`]).
+    pub separations: u64,
+    /// How many claims a policy made ([`Policy::claim`]), each one `scontrol update` of a
+    /// pending job.
+    pub claims: u64,
+    /// Integral of the summed speeds of the jobs on each GPU over time, and of busy time.
+    pub speed_seconds: f64,
+    pub busy_seconds: f64,
+}
