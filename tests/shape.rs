@@ -354,8 +354,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/check.rs", "parse_gres_conf", 65),
     ("daemon/src/check.rs", "check", 244),
     ("daemon/src/claim.rs", "choose_with", 105),
-    ("daemon/src/claimer.rs", "look", 200),
-    ("daemon/src/claimer.rs", "spawn", 74),
     ("daemon/src/command.rs", "run", 66),
     ("daemon/src/config/mod.rs", "parse", 173),
     ("daemon/src/config/mod.rs", "reload", 87),

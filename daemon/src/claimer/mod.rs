@@ -15,7 +15,6 @@
 //! `lease_s`, and every waiting job starts where Slurm's own placement puts it; the node's
 //! daemon records it there.
 
-use crate::background::Trouble;
 use crate::claim::{Candidate, Choice, Memory, NodeGpus};
 use crate::node::Node;
 use crate::placement::{GpuState, Resident};
@@ -24,11 +23,13 @@ use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub use crate::config::ClaimConfig;
+pub use thread::spawn;
+
+mod thread;
 
 pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
 /// The reservation that holds every one of them while a claimer runs.
@@ -144,33 +145,121 @@ impl Claimer {
     /// scores, and its GPUs say how much memory each GPU model has.
     pub fn look(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Looked, SlurmError> {
         self.hold_gate(slurm, now)?;
-        let jobs = slurm.jobs(&self.config.partition)?;
-        let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
-            let age = now.duration_since(*at);
-            let some_down = nodes.iter().any(|n| !n.usable());
-            age >= NODES_EVERY
-                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, &jobs)))
-        });
-        if stale {
-            self.nodes_unsettled = false;
-            self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
+        let queue = self.read(slurm, node, now)?;
+        if queue.candidates.is_empty() {
+            return Ok(Looked::default());
         }
-        let infos = self.nodes.as_ref().map(|(_, n)| n.clone()).unwrap_or_default();
+        let pending: Vec<Candidate> = queue.candidates.iter().map(|(c, _)| c.clone()).collect();
+        // The history is read under the node's lock; the scoring runs outside it.
+        let inputs = node
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .claim_inputs(&queue.nodes, &pending)
+            .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
+        let clock = now.saturating_duration_since(self.born).as_secs_f64();
+        let choices = inputs.choose(&mut self.memory, clock);
+        self.carry_out(slurm, &queue, choices, now)
+    }
+
+    /// Slurm's queue and nodes as this look sees them: what holds each GPU, and the first
+    /// waiting jobs as the choice weighs them.
+    fn read(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Queue, SlurmError> {
+        let jobs = slurm.jobs(&self.config.partition)?;
+        let infos = self.node_list(slurm, &jobs, now)?;
         let memory = node.lock().unwrap_or_else(|p| p.into_inner()).gpu_memory();
         let merges = slurm.merges_gres_updates()?;
-        // Forget what no longer waits.
-        let is_pending: std::collections::HashMap<u32, bool> = jobs.iter().map(|j| (j.id, j.pending)).collect();
-        self.pinned_since.retain(|id, _| is_pending.get(id) == Some(&true));
-        self.untyped.retain(|id, _| is_pending.get(id) == Some(&false));
         // Each job's tag, read once per look.
         let specs: Vec<Option<Spec>> = jobs
             .iter()
             .map(|j| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok))
             .collect();
-        // Host lists are users' text: keep only those a job still names.
+        self.forget(&jobs, &specs);
+        let mut nodes = cluster(&infos, &memory);
+        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
+        for (index, (job, spec)) in jobs.iter().zip(&specs).enumerate() {
+            match self.classify(slurm, job, spec.as_ref(), now) {
+                Seen::Resident(gpu) => add_resident(&mut nodes, job, spec.as_ref(), gpu),
+                Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
+                    if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
+                        candidates.push((c, index));
+                    }
+                }
+                Seen::Waiting(_) | Seen::Other => {}
+            }
+        }
+        Ok(Queue {
+            jobs,
+            specs,
+            nodes,
+            candidates,
+        })
+    }
+
+    /// Makes the claims and refusals chosen, one update each, in order.
+    fn carry_out(
+        &mut self,
+        slurm: &dyn Slurm,
+        queue: &Queue,
+        choices: Vec<Choice>,
+        now: Instant,
+    ) -> Result<Looked, SlurmError> {
+        let mut looked = Looked::default();
+        for choice in choices {
+            let (job, result) = match choice {
+                Choice::Pin {
+                    job,
+                    node: n,
+                    gpu,
+                    partners,
+                    predicted_speed,
+                    ..
+                } => {
+                    let index = queue.candidates[job].1;
+                    let claim = (&queue.nodes[n], gpu, partners, predicted_speed);
+                    let job = &queue.jobs[index];
+                    (job, self.pin(slurm, job, queue.specs[index].as_ref(), claim, now))
+                }
+                Choice::Refuse { job, reason } => {
+                    let job = &queue.jobs[queue.candidates[job].1];
+                    (job, refuse(slurm, job, reason))
+                }
+            };
+            match result {
+                Ok(Some(Done::Claimed(node, kind))) => looked.claimed.push((job.id, node, kind)),
+                Ok(Some(Done::Refused(reason))) => looked.refused.push((job.id, reason)),
+                Ok(None) => {}
+                Err(SlurmError::NotPending(id)) => looked.too_late.push(id),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(looked)
+    }
+
+    /// The partition's nodes: read again every [`NODES_EVERY`], or after [`NODES_AGAIN`] while
+    /// a node is not up, a job names a node the list lacks, or a job found none of its nodes up.
+    fn node_list(&mut self, slurm: &dyn Slurm, jobs: &[Job], now: Instant) -> Result<Vec<NodeInfo>, SlurmError> {
+        let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
+            let age = now.duration_since(*at);
+            let some_down = nodes.iter().any(|n| !n.usable());
+            age >= NODES_EVERY
+                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, jobs)))
+        });
+        if stale {
+            self.nodes_unsettled = false;
+            self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
+        }
+        Ok(self.nodes.as_ref().map(|(_, n)| n.clone()).unwrap_or_default())
+    }
+
+    /// Forgets what no longer waits, and host lists no job names any more (they are users'
+    /// text).
+    fn forget(&mut self, jobs: &[Job], specs: &[Option<Spec>]) {
+        let is_pending: HashMap<u32, bool> = jobs.iter().map(|j| (j.id, j.pending)).collect();
+        self.pinned_since.retain(|id, _| is_pending.get(id) == Some(&true));
+        self.untyped.retain(|id, _| is_pending.get(id) == Some(&false));
         let named: std::collections::HashSet<&str> = jobs
             .iter()
-            .zip(&specs)
+            .zip(specs)
             .flat_map(|(j, s)| {
                 [
                     j.node.as_deref(),
@@ -181,167 +270,166 @@ impl Claimer {
             .flatten()
             .collect();
         self.hostlists.retain(|list, _| named.contains(list.as_str()));
-        let mut nodes = cluster(&infos, &memory);
-        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
-        for (index, (job, spec)) in jobs.iter().zip(specs.iter().cloned()).enumerate() {
-            let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
-            if job.pending && pinned {
-                let since = *self.pinned_since.entry(job.id).or_insert(now);
-                if now.duration_since(since) < PIN_GRACE {
-                    let gpu = job.gres_type().and_then(split_gpu_type).map(|(m, i)| (Some(m), i));
-                    add_resident(&mut nodes, job, spec.as_ref(), gpu);
-                    continue;
-                }
-                if !pin_may_help(job) {
-                    continue;
-                }
-            }
-            if !job.pending {
-                let gpu = match job.gres_type() {
-                    Some(t) => split_gpu_type(t).map(|(model, index)| (Some(model), index)),
-                    None => match self.untyped.get(&job.id) {
-                        Some(&known) => known,
-                        // Asked once; a failed ask is asked again at the next look.
-                        None => match slurm.job_gpu(job.id) {
-                            Ok(index) => *self.untyped.entry(job.id).or_insert(index),
-                            Err(_) => None,
-                        },
-                    }
-                    .map(|index| (None, index)),
-                };
-                add_resident(&mut nodes, job, spec.as_ref(), gpu);
-                continue;
-            }
-            // A multiplexed job that waits only for the gate (or for a pin that went stale).
-            let Some(spec) = spec else { continue };
-            let waits_for_claim = waits_for_first_claim(job) || pinned;
-            if waits_for_claim && candidates.len() < self.config.lookahead {
-                // The claim keeps within the nodes the job's user asked for: while it waits
-                // for its first claim, its own node list (as its user or an admin set it);
-                // once pinned, the list is the claimer's own, and the tag's record of the
-                // user's (job_submit, from --nodelist) stands in. Its --exclude is never
-                // replaced.
-                let asked = if pinned {
-                    spec.nodes.as_deref()
-                } else {
-                    job.node.as_deref()
-                };
-                let nodes = self.allowed_nodes(slurm, asked, job.excluded.as_deref(), &infos);
-                // None of the nodes it may run on is up in this look's node list (a slurmd
-                // not registered yet, a node down or drained, one the list does not know):
-                // it waits for one, and the list is read again soon. Refused for good, it
-                // would be let through unclaimed.
-                let up = |n: &str| infos.iter().any(|i| i.name == n && i.usable());
-                let any_up = match &nodes {
-                    Some(list) => list.iter().any(|n| up(n)),
-                    None => infos.iter().any(NodeInfo::usable),
-                };
-                if !any_up {
-                    self.nodes_unsettled = true;
-                    continue;
-                }
-                // Where Slurm merges gres updates, a typed job keeps its GPU index.
-                let gpu = job
-                    .gres_type()
-                    .filter(|_| merges)
-                    .and_then(split_gpu_type)
-                    .map(|(_, index)| index);
-                candidates.push((
-                    Candidate {
-                        job_id: job.id,
-                        app: spec.app.clone().unwrap_or_default(),
-                        mem_mb: spec.mem_mb,
-                        model: spec.model.clone(),
-                        gpu,
-                        nodes,
-                    },
-                    index,
-                ));
-            }
-        }
-        if candidates.is_empty() {
-            return Ok(Looked::default());
-        }
-        let pending: Vec<Candidate> = candidates.iter().map(|(c, _)| c.clone()).collect();
-        // The history is read under the node's lock; the scoring runs outside it.
-        let inputs = node
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .claim_inputs(&nodes, &pending)
-            .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
-        let clock = now.saturating_duration_since(self.born).as_secs_f64();
-        let choices = inputs.choose(&mut self.memory, clock);
-        let mut looked = Looked::default();
-        for choice in choices {
-            match choice {
-                Choice::Pin {
-                    job,
-                    node: n,
-                    gpu,
-                    partners,
-                    predicted_speed,
-                    ..
-                } => {
-                    let (_, index) = candidates[job];
-                    let slurm_job = &jobs[index];
-                    let target = &nodes[n];
-                    let Some(kind) = target
-                        .gpus
-                        .iter()
-                        .find(|g| g.index == gpu)
-                        .map(|g| gpu_type(&g.model, gpu))
-                    else {
-                        continue;
-                    };
-                    // A job srun made itself is claimed for the node only (`pin=node` in its
-                    // tag): Slurm picks its GPU there, and it is counted where it lands.
-                    let node_only = specs[index].as_ref().is_some_and(|s| s.node_only);
-                    let claim = Claim {
-                        node: target.node.clone(),
-                        gpu: (!node_only).then(|| kind.clone()),
-                        partners,
-                        predicted_speed,
-                    };
-                    let comment = with_note(
-                        slurm_job.admin_comment.as_deref().unwrap_or_default(),
-                        &claim.to_string(),
-                    );
-                    let pin = Pin {
-                        job: slurm_job.id,
-                        node: target.node.clone(),
-                        gres: (!node_only).then(|| format!("shard:{kind}:{}", slurm_job.gres_count())),
-                        untyped: slurm_job.gres_type().is_none(),
-                        licenses: without_gate(&slurm_job.licenses),
-                        admin_comment: comment,
-                        // A pinned job held for a begin time: one Slurm requeued.
-                        start_now: slurm_job.reason == "BeginTime" && !slurm_job.gated(LICENSE),
-                    };
-                    match slurm.claim(&pin) {
-                        Ok(()) => {
-                            self.pinned_since.insert(slurm_job.id, now);
-                            looked.claimed.push((slurm_job.id, target.node.clone(), kind));
-                        }
-                        Err(SlurmError::NotPending(id)) => looked.too_late.push(id),
-                        Err(e) => return Err(e),
-                    }
-                }
-                Choice::Refuse { job, reason } => {
-                    let (_, index) = candidates[job];
-                    let slurm_job = &jobs[index];
-                    let comment = with_note(
-                        slurm_job.admin_comment.as_deref().unwrap_or_default(),
-                        &format!("refused: {reason}"),
-                    );
-                    match slurm.release(slurm_job.id, &without_gate(&slurm_job.licenses), &comment) {
-                        Ok(()) => looked.refused.push((slurm_job.id, reason)),
-                        Err(SlurmError::NotPending(id)) => looked.too_late.push(id),
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-        }
-        Ok(looked)
     }
+
+    /// What a job of the queue is to this look: one holding (or pinned to, within
+    /// [`PIN_GRACE`]) a GPU, a multiplexed job waiting for a claim, or neither.
+    fn classify<'s>(&mut self, slurm: &dyn Slurm, job: &'s Job, spec: Option<&'s Spec>, now: Instant) -> Seen<'s> {
+        let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
+        if job.pending && pinned {
+            let since = *self.pinned_since.entry(job.id).or_insert(now);
+            if now.duration_since(since) < PIN_GRACE {
+                let gpu = job.gres_type().and_then(split_gpu_type).map(|(m, i)| (Some(m), i));
+                return Seen::Resident(gpu);
+            }
+            if !pin_may_help(job) {
+                return Seen::Other;
+            }
+        }
+        if !job.pending {
+            let gpu = match job.gres_type() {
+                Some(t) => split_gpu_type(t).map(|(model, index)| (Some(model), index)),
+                None => match self.untyped.get(&job.id) {
+                    Some(&known) => known,
+                    // Asked once; a failed ask is asked again at the next look.
+                    None => match slurm.job_gpu(job.id) {
+                        Ok(index) => *self.untyped.entry(job.id).or_insert(index),
+                        Err(_) => None,
+                    },
+                }
+                .map(|index| (None, index)),
+            };
+            return Seen::Resident(gpu);
+        }
+        // A multiplexed job that waits only for the gate (or for a pin that went stale).
+        match spec {
+            Some(spec) if waits_for_first_claim(job) || pinned => Seen::Waiting(spec),
+            _ => Seen::Other,
+        }
+    }
+
+    /// A waiting job as the choice weighs it; `None` while none of the nodes it may run on is
+    /// up in this look's node list (a slurmd not registered yet, a node down or drained, one
+    /// the list does not know): it waits for one, and the list is read again soon. Refused
+    /// for good, it would be let through unclaimed.
+    fn candidate(
+        &mut self,
+        slurm: &dyn Slurm,
+        job: &Job,
+        spec: &Spec,
+        infos: &[NodeInfo],
+        merges: bool,
+    ) -> Option<Candidate> {
+        let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
+        // The claim keeps within the nodes the job's user asked for: while it waits for its
+        // first claim, its own node list (as its user or an admin set it); once pinned, the
+        // list is the claimer's own, and the tag's record of the user's (job_submit, from
+        // --nodelist) stands in. Its --exclude is never replaced.
+        let asked = if pinned {
+            spec.nodes.as_deref()
+        } else {
+            job.node.as_deref()
+        };
+        let nodes = self.allowed_nodes(slurm, asked, job.excluded.as_deref(), infos);
+        let up = |n: &str| infos.iter().any(|i| i.name == n && i.usable());
+        let any_up = match &nodes {
+            Some(list) => list.iter().any(|n| up(n)),
+            None => infos.iter().any(NodeInfo::usable),
+        };
+        if !any_up {
+            self.nodes_unsettled = true;
+            return None;
+        }
+        Some(Candidate {
+            job_id: job.id,
+            app: spec.app.clone().unwrap_or_default(),
+            mem_mb: spec.mem_mb,
+            model: spec.model.clone(),
+            // Where Slurm merges gres updates, a typed job keeps its GPU index.
+            gpu: job
+                .gres_type()
+                .filter(|_| merges)
+                .and_then(split_gpu_type)
+                .map(|(_, index)| index),
+            nodes,
+        })
+    }
+
+    /// Pins `job` to `gpu` of `target` in one update, with the claim as a record after its
+    /// tag; `None` where the GPU is not in this look's list.
+    fn pin(
+        &mut self,
+        slurm: &dyn Slurm,
+        job: &Job,
+        spec: Option<&Spec>,
+        (target, gpu, partners, predicted_speed): (&NodeGpus, u32, Vec<u32>, f64),
+        now: Instant,
+    ) -> Result<Option<Done>, SlurmError> {
+        let Some(kind) = target
+            .gpus
+            .iter()
+            .find(|g| g.index == gpu)
+            .map(|g| gpu_type(&g.model, gpu))
+        else {
+            return Ok(None);
+        };
+        // A job srun made itself is claimed for the node only (`pin=node` in its tag): Slurm
+        // picks its GPU there, and it is counted where it lands.
+        let node_only = spec.is_some_and(|s| s.node_only);
+        let claim = Claim {
+            node: target.node.clone(),
+            gpu: (!node_only).then(|| kind.clone()),
+            partners,
+            predicted_speed,
+        };
+        let pin = Pin {
+            job: job.id,
+            node: target.node.clone(),
+            gres: (!node_only).then(|| format!("shard:{kind}:{}", job.gres_count())),
+            untyped: job.gres_type().is_none(),
+            licenses: without_gate(&job.licenses),
+            admin_comment: with_note(job.admin_comment.as_deref().unwrap_or_default(), &claim.to_string()),
+            // A pinned job held for a begin time: one Slurm requeued.
+            start_now: job.reason == "BeginTime" && !job.gated(LICENSE),
+        };
+        slurm.claim(&pin)?;
+        self.pinned_since.insert(job.id, now);
+        Ok(Some(Done::Claimed(target.node.clone(), kind)))
+    }
+}
+
+/// The queue as one look read it: every job, its tag, what holds each GPU, and the waiting
+/// jobs the choice weighs (each with its index in `jobs`).
+struct Queue {
+    jobs: Vec<Job>,
+    specs: Vec<Option<Spec>>,
+    nodes: Vec<NodeGpus>,
+    candidates: Vec<(Candidate, usize)>,
+}
+
+/// What a job of the queue is to one look.
+enum Seen<'s> {
+    /// It holds a slot: (its GPU's model where known, its index), if known.
+    Resident(Option<(Option<&'s str>, u32)>),
+    /// Multiplexed, waiting for a claim.
+    Waiting(&'s Spec),
+    Other,
+}
+
+/// What became of a choice.
+enum Done {
+    Claimed(String, String),
+    Refused(String),
+}
+
+/// Lets a job no GPU could ever hold through the gate, to fail with `reason`.
+fn refuse(slurm: &dyn Slurm, job: &Job, reason: String) -> Result<Option<Done>, SlurmError> {
+    let comment = with_note(
+        job.admin_comment.as_deref().unwrap_or_default(),
+        &format!("refused: {reason}"),
+    );
+    slurm.release(job.id, &without_gate(&job.licenses), &comment)?;
+    Ok(Some(Done::Refused(reason)))
 }
 
 impl Claimer {
@@ -439,94 +527,6 @@ pub fn without_gate(licenses: &str) -> String {
         .filter(|l| !l.is_empty() && l.split([':', '=']).next() != Some(LICENSE))
         .collect::<Vec<_>>()
         .join(",")
-}
-
-/// Runs the claimer every `look_ms` until `shutdown`. The gate is left to lapse on its own: a
-/// daemon that restarts within the lease takes over without a job slipping through.
-///
-/// `share_every_s` is `[share] every_s`: what another node's job teaches reaches this
-/// daemon's history within two exchanges and a few seconds ([`crate::claim::outcome_s`]), and
-/// a pair never tried waits that long after its trial ended for the outcome
-/// ([`crate::claim::Trials`]).
-pub fn spawn(
-    node: Arc<Mutex<Node>>,
-    slurm: Arc<dyn Slurm>,
-    config: ClaimConfig,
-    share_every_s: u64,
-    shutdown: Arc<AtomicBool>,
-) {
-    let every = Duration::from_millis(config.look_ms.max(100));
-    tracing::info!(
-        partition = %config.partition,
-        lookahead = config.lookahead,
-        look_ms = config.look_ms,
-        lease_s = config.lease_s,
-        "claiming pending multiplexed jobs for the cluster"
-    );
-    let started = std::thread::Builder::new().name("claim".into()).spawn(move || {
-        let mut trouble = Trouble::default();
-        let mut claimer: Option<Claimer> = None;
-        while !shutdown.load(Ordering::SeqCst) {
-            let next = Instant::now() + every;
-            let c = match &mut claimer {
-                Some(c) => c,
-                None => match slurm.license_total(LICENSE) {
-                    Ok(count) => claimer.insert(
-                        Claimer::new(config.clone(), count)
-                            .outcome_after(crate::claim::outcome_s(share_every_s as f64)),
-                    ),
-                    Err(e) => {
-                        if trouble.failed(&e.to_string()) {
-                            tracing::warn!(
-                                "cannot read how many {LICENSE} licenses slurm.conf has ({e}); no claims until it can, \
-                                 and waiting jobs start where Slurm puts them"
-                            );
-                        }
-                        sleep_until(next, &shutdown);
-                        continue;
-                    }
-                },
-            };
-            match c.look(slurm.as_ref(), &node, Instant::now()) {
-                Ok(looked) => {
-                    if trouble.recovered() {
-                        tracing::info!("claiming works again");
-                    }
-                    for (job, node, kind) in &looked.claimed {
-                        tracing::info!(job, %node, gpu = %kind, "claimed");
-                    }
-                    for (job, reason) in &looked.refused {
-                        tracing::info!(job, %reason, "refused: no GPU of the cluster could ever hold it");
-                    }
-                    for job in &looked.too_late {
-                        tracing::info!(job, "the job left the queue before its claim reached slurmctld");
-                    }
-                    let metrics = crate::metrics::global();
-                    metrics.claim("claimed", looked.claimed.len() as u64);
-                    metrics.claim("refused", looked.refused.len() as u64);
-                    metrics.claim("too_late", looked.too_late.len() as u64);
-                }
-                Err(e) => {
-                    crate::metrics::global().claim("failed", 1);
-                    if trouble.failed(&e.to_string()) {
-                        tracing::warn!(error = %e, "cannot claim; waiting jobs start where Slurm puts them once the gate lapses");
-                    }
-                }
-            }
-            sleep_until(next, &shutdown);
-        }
-    });
-    if let Err(e) = started {
-        tracing::error!(
-            "cannot start the claimer ({e}): waiting jobs start where Slurm puts them once the gate lapses"
-        );
-    }
-}
-
-fn sleep_until(at: Instant, shutdown: &AtomicBool) {
-    while Instant::now() < at && !shutdown.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(50).min(at.saturating_duration_since(Instant::now())));
-    }
 }
 
 #[cfg(test)]
