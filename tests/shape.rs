@@ -369,7 +369,7 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/node/steps.rs", "finish_deferred", 62),
     ("daemon/src/placement.rs", "place", 61),
     ("daemon/src/placement.rs", "score", 113),
-    ("daemon/src/serve.rs", "serve", 127),
+    ("daemon/src/serve.rs", "serve", 114),
     ("daemon/src/server.rs", "handle", 73),
     ("daemon/src/tools.rs", "check_config", 112),
     ("simulate/src/grade.rs", "grade", 72),

@@ -4,6 +4,7 @@
 //! it on threads of their own, and a stop signal ends them all, the learning queue learned
 //! first.
 
+use crate::config::GpuSpec;
 use crate::node::{wall_clock, Node};
 use crate::server::{self, Access};
 use crate::slurm::Slurm;
@@ -35,7 +36,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let reconcile = config.reconcile.clone();
     let share = config.share.clone();
     let claim = config.claim.clone();
-    let telemetry_s = config.telemetry_interval_s.max(1);
+    let telemetry_s = config.telemetry_interval_s;
     let separate_look_ms = config.policy.separate_look_ms;
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
@@ -98,20 +99,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
             Arc::clone(&shutdown),
         );
     }
-    match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
-        Ok(probe) => {
-            tracing::info!(interval_s = telemetry_s, "GPU telemetry through NVML");
-            crate::telemetry::spawn(
-                Arc::clone(&node),
-                Box::new(probe),
-                Duration::from_secs(telemetry_s),
-                Arc::clone(&shutdown),
-            );
-        }
-        Err(e) => tracing::info!(
-            "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
-        ),
-    }
+    start_telemetry(&node, &gpus, telemetry_s, &shutdown);
     follow_private_data(
         Arc::clone(&slurm),
         Arc::clone(&access.private_jobs),
@@ -140,6 +128,30 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// GPU telemetry every `interval_s` through NVML, where it works and the interval is not 0.
+fn start_telemetry(node: &Arc<Mutex<Node>>, gpus: &[GpuSpec], interval_s: u64, shutdown: &Arc<AtomicBool>) {
+    if interval_s == 0 {
+        tracing::info!(
+            "no GPU telemetry (telemetry_interval_s = 0): learning from job start and end times and job reports only"
+        );
+        return;
+    }
+    match crate::telemetry::NvmlProbe::open(gpus.iter().map(|g| g.index).collect()) {
+        Ok(probe) => {
+            tracing::info!(interval_s, "GPU telemetry through NVML");
+            crate::telemetry::spawn(
+                Arc::clone(node),
+                Box::new(probe),
+                Duration::from_secs(interval_s),
+                Arc::clone(shutdown),
+            );
+        }
+        Err(e) => tracing::info!(
+            "no GPU telemetry: NVML is unavailable ({e}); learning from job start and end times and job reports only"
+        ),
+    }
 }
 
 fn daemon_signals() -> libc::sigset_t {

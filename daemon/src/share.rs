@@ -118,7 +118,7 @@ pub fn spawn(node: Arc<Mutex<Node>>, config: ShareConfig, shutdown: Arc<AtomicBo
     let mut sharer = Sharer::default();
     let mut trouble = Trouble::default();
     let mut bad_files = Trouble::default();
-    let every = Duration::from_secs(config.every_s.max(1));
+    let every = Duration::from_secs(config.every_s);
     let started = crate::background::every("share", every, shutdown, move || match sharer.exchange(&node, &dir) {
         Ok(done) => {
             if trouble.recovered() {

@@ -6,6 +6,7 @@ use crate::config::Config;
 use crate::history::History;
 use crate::inspect;
 use crate::slurm::Commands;
+use multiplex_protocol::spec::DEFAULT_PARTITION;
 use multiplex_protocol::{client, Request, Response};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -301,7 +302,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
                     .get("partitions")
                     .and_then(|v| v.as_array())
                     .map(|a| a.iter().filter_map(|p| p.as_str().map(String::from)).collect())
-                    .unwrap_or_else(|| vec!["shared".into()]),
+                    .unwrap_or_else(|| vec![DEFAULT_PARTITION.into()]),
                 names_node: t.get("shared_nodes").and_then(|v| v.as_str()).is_some_and(names_node),
             }),
             Err(e) => {
@@ -319,12 +320,12 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
             notes.push(Finding {
                 level: Level::Ok,
                 text: format!(
-                    "no job_submit policy at {} here: its defaults (partition shared) assumed",
+                    "no job_submit policy at {} here: its defaults (partition {DEFAULT_PARTITION}) assumed",
                     policy_path.display()
                 ),
             });
             Some(PolicyView {
-                partitions: vec!["shared".into()],
+                partitions: vec![DEFAULT_PARTITION.into()],
                 names_node: false,
             })
         }

@@ -272,7 +272,7 @@ fn sighup_rereads_the_config_and_a_broken_one_changes_nothing() {
     let text = |min_gain: &str, jobs_per_gpu: u32| {
         format!(
             "node = \"n1\"\nsocket = \"{d}/d.sock\"\ndatabase = \"{d}/h.sqlite\"\n\
-             jobs_per_gpu = {jobs_per_gpu}\nslurm_bin = \"{d}/no-slurm\"\n\
+             jobs_per_gpu = {jobs_per_gpu}\nslurm_bin = \"{d}/no-slurm\"\ntelemetry_interval_s = 0\n\
              [reconcile]\ninterval_s = 0\n[policy]\nmin_gain = {min_gain}\n\
              [[gpu]]\nindex = 0\nmodel = \"v100\"\nmemory_mb = 16384\n",
             d = dir.path().display()
@@ -304,6 +304,8 @@ fn sighup_rereads_the_config_and_a_broken_one_changes_nothing() {
         );
     };
     wait_for("multiplexd serving");
+    // telemetry_interval_s = 0 is no telemetry, said so (not a round every second).
+    wait_for("no GPU telemetry (telemetry_interval_s = 0)");
     let hup = || {
         // SAFETY: kill with a child's pid and a valid signal.
         assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGHUP) }, 0);

@@ -69,7 +69,7 @@ pub struct Allowed {
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            partitions: vec!["shared".into()],
+            partitions: vec![multiplex_protocol::spec::DEFAULT_PARTITION.into()],
             gres: "shard".into(),
             gres_per_gpu: 1,
             max_gpus: 1,

@@ -131,6 +131,10 @@ pub fn recordable_nodes(list: &str) -> bool {
 /// it runs and takes a job's away when it claims the job.
 pub const GATE_LICENSE: &str = "multiplex";
 
+/// The partition of shared GPUs where a site names none: job_submit's default `partitions`
+/// and the claimer's default `claim.partition`.
+pub const DEFAULT_PARTITION: &str = "shared";
+
 /// What job_submit writes at the start of a multiplexed job's admin comment, followed by the
 /// job's SPEC (its application resolved): a field the job's user cannot set, so the one fact
 /// slurmstepd trusts about whether and how a job is multiplexed.

@@ -55,7 +55,7 @@ pub const DEFAULT_RECONCILE_GRACE_S: f64 = 30.0;
 /// The longest `reconcile.grace_s` (a day).
 pub const MAX_GRACE_S: f64 = 86_400.0;
 pub const DEFAULT_SHARE_EVERY_S: u64 = 600;
-pub const DEFAULT_CLAIM_PARTITION: &str = "shared";
+pub const DEFAULT_CLAIM_PARTITION: &str = multiplex_protocol::spec::DEFAULT_PARTITION;
 pub const DEFAULT_LOOKAHEAD: usize = 8;
 pub const MAX_LOOKAHEAD: usize = 64;
 pub const DEFAULT_LOOK_MS: u64 = 1000;
@@ -180,8 +180,8 @@ pub const KEYS: &[Key] = &[
         "telemetry_interval_s",
         "integer",
         "10",
-        "0 or more",
-        "Seconds between GPU telemetry rounds through NVML, where a driver exists.",
+        "0 (none) or more",
+        "Seconds between GPU telemetry rounds through NVML, where a driver exists; 0: no telemetry, the daemon learns from start and end times and reports only.",
     )
     .test("5", None),
     key(
