@@ -171,9 +171,7 @@ pub struct Memory {
 /// How long after a job left Slurm's books what it taught reaches the claimer's history, where
 /// the nodes exchange what they learn every `share_every_s`: its node writes it at its next
 /// exchange, the claimer's node reads it at its own, each up to `share_every_s` later, and
-/// learning and writing take a few seconds more. (Measured on tests/demo, where the nodes
-/// exchange every second: an out-of-memory failure on n2 was not yet in n1's history 1.65 s
-/// later, and at exactly twice the interval a second job was claimed into the same failure.)
+/// learning and writing take a few seconds more (measured in docs/notebook/2026-11-results.md).
 pub fn outcome_s(share_every_s: f64) -> f64 {
     2.0 * share_every_s + 10.0
 }
@@ -196,8 +194,7 @@ impl Memory {
 /// together: until the history knows how such a pair went (a speed, or that it ran out of
 /// memory), no second job is claimed into it. What another node's job teaches reaches the
 /// claimer through `[share] dir` up to `share.every_s` later; without this, each job of a pair
-/// that does not fit arriving meanwhile was claimed into the same failure (seen in tests/demo:
-/// one pair failed three times in a row). A trial ends when the history knows the pair, when
+/// that does not fit arriving meanwhile would be claimed into the same failure. A trial ends when the history knows the pair, when
 /// its job has run [`Trials::PROVEN_S`] (the pair fits: it is no longer a gamble on memory,
 /// though its speed may be unknown until the job reports or ends), or `outcome_s` after its
 /// job left Slurm's books without the history learning the pair (a job cancelled, or failed

@@ -86,14 +86,9 @@ fn unseen(history: &Estimates, model: &str, app: &str, other: &str, prior: f64) 
 /// two applications' failure rates, each how often it ran out of memory with the partners it
 /// was tried with (shrunk towards none).
 ///
-/// A failure is a pair's, and counts in both applications' rates: where failures are spread
-/// over pairs (a rate r each), the pair's chance is r, and where one application fails beside
-/// most partners (a model too large to share), its own rate is the chance and its partners'
-/// are small. Combining the rates as independent causes (`1 - (1 - ra)(1 - rb)`) counted each
-/// failure twice: 0.91 for a pair of two applications that failed with 70% of their partners,
-/// which then were never tried again. Measured (`tests/bench/tables-matrix 5`, every table,
-/// loads 0.5 to 1.5) with [`OOM_PENALTY`] in docs/notebook/2026-11-results.md, "Calibrated
-/// risk".
+/// The larger, not the two combined: a failure is a pair's and counts in both rates, so
+/// combining them as independent causes would count it twice (measured in
+/// docs/notebook/2026-11-results.md, "Calibrated risk").
 fn oom_risk(history: &Estimates, model: &str, a: &str, b: &str) -> f64 {
     let rate = |app: &str| {
         let (ooms, tried) = history.app(model, app).ooms;
@@ -105,16 +100,8 @@ fn oom_risk(history: &Estimates, model: &str, a: &str, b: &str) -> f64 {
 /// Pairs' worth of weight the prior "never runs out of memory" keeps.
 const OOM_PRIOR_WEIGHT: f64 = 2.0;
 /// What a failure costs, in jobs' worth of throughput, against a placement's predicted gain:
-/// a pair never tried is taken when `(1 - risk) gain > risk OOM_PENALTY`. The gain is a rate
-/// a pair keeps up for as long as it runs together (an hour or more for the jobs this is
-/// for); a failure costs the newcomer its start up to the failure and its wait to start again
-/// (a few minutes), about 0.05 of that. 0.3 leaves room for failures that cost more (an
-/// incumbent that grows into the newcomer's memory fails too). Measured on every table of
-/// tests/bench/tables (5 seeds, loads 0.5 to 1.5) with the calibrated risk above and one
-/// gamble per pair at a time ([`crate::claim::Trials`]): 0.3 is the largest of 0.25, 0.3 and
-/// 0.35 whose average JCT is within 2% of the step-launch placement's on every table and
-/// load; 0.35 is 2.6% slower where most pairs do not fit, with 20% fewer failures
-/// (docs/notebook/2026-11-results.md, "Calibrated risk").
+/// a pair never tried is taken when `(1 - risk) gain > risk OOM_PENALTY` (chosen over every
+/// table in docs/notebook/2026-11-results.md, "Calibrated risk").
 const OOM_PENALTY: f64 = 0.3;
 
 struct Scored {
@@ -147,12 +134,8 @@ impl Scored {
 /// the predicted slowdowns (`1 - speed`) of the jobs on the GPU, so that the job its partners
 /// slow more may use more of the GPU; equal slowdowns give equal shares. Kept between half
 /// the equal share and 80%; alone, 100. Only the newcomer's limit is set: MPS fixes a
-/// client's limit when it starts.
-///
-/// Measured on one H100 (`tests/gpu/mps-check`): a compute-bound job beside a memory-bound
-/// one ran at 0.39 and 0.68 of their solo speeds with no limits (sum 1.07), 0.31 and 0.84 at
-/// 50/50 (1.15), 0.41 and 0.75 at 60/40 (1.16) and 0.70 and 0.55 at 75/25 (1.25): the job
-/// slowed more gains most from a larger share. This rule gives that pair 66/34.
+/// client's limit when it starts. The job slowed more gains most from a larger share
+/// (measured in docs/notebook/2026-11-results.md, "Does the daemon read real GPUs right?").
 pub fn mps_share(speed: f64, partner_speeds: &[f64]) -> u32 {
     if partner_speeds.is_empty() {
         return 100;

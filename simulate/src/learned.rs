@@ -47,9 +47,9 @@ impl Default for Options {
     }
 }
 
-/// How often the learned policy's nodes pool what they learn by default: as a site's
-/// `[share] every_s` does with its default.
-pub const DEFAULT_SHARE_EVERY_S: f64 = 600.0;
+/// How often the learned policy's nodes pool what they learn by default: the daemon's
+/// `[share] every_s` default.
+pub const DEFAULT_SHARE_EVERY_S: f64 = multiplexd::config::keys::DEFAULT_SHARE_EVERY_S as f64;
 
 impl Options {
     /// The daemon's config for `node` with these settings: the learned policy's daemons and
