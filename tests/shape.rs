@@ -355,7 +355,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/check.rs", "check", 244),
     ("daemon/src/claim.rs", "choose_with", 105),
     ("daemon/src/command.rs", "run", 66),
-    ("daemon/src/config/mod.rs", "parse", 173),
     ("daemon/src/config/mod.rs", "reload", 87),
     ("daemon/src/history/effects.rs", "stepped_effects", 108),
     ("daemon/src/history/equations.rs", "equations_of", 90),

@@ -6,7 +6,8 @@ use super::input::Table;
 use super::world::{JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
 use multiplexd::claim::{self, Candidate, NodeGpus};
-use multiplexd::config::{Config, GpuSpec, DEFAULT_MIN_GAIN, DEFAULT_UNKNOWN_PAIR_SPEED};
+use multiplexd::config::keys::{MIN_GAIN, SEPARATE_BELOW};
+use multiplexd::config::{Config, GpuSpec, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
 use multiplexd::node::{Node, Started};
 use multiplexd::placement::{GpuState, Resident, Wanted};
@@ -39,8 +40,8 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             share_every_s: DEFAULT_SHARE_EVERY_S,
-            min_gain: DEFAULT_MIN_GAIN,
-            separate_below: multiplexd::config::DEFAULT_SEPARATE_BELOW,
+            min_gain: MIN_GAIN.default,
+            separate_below: SEPARATE_BELOW.default,
             lookahead: multiplexd::config::ClaimConfig::default().lookahead,
             fixed_gpu: false,
         }
@@ -49,7 +50,7 @@ impl Default for Options {
 
 /// How often the learned policy's nodes pool what they learn by default: the daemon's
 /// `[share] every_s` default.
-pub const DEFAULT_SHARE_EVERY_S: f64 = multiplexd::config::keys::DEFAULT_SHARE_EVERY_S as f64;
+pub const DEFAULT_SHARE_EVERY_S: f64 = multiplexd::config::keys::SHARE_EVERY_S.default as f64;
 
 impl Options {
     /// The daemon's config for `node` with these settings: the learned policy's daemons and

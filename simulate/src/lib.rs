@@ -126,7 +126,9 @@ pub fn generated_trace(
 pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
     check(&setup.shape, &setup.policies)?;
     let min_gain = setup.options.min_gain;
-    multiplexd::config::check_min_gain(min_gain).map_err(|e| format!("--min-gain {min_gain}: {e}"))?;
+    multiplexd::config::keys::MIN_GAIN
+        .read(Some(min_gain))
+        .map_err(|e| format!("--min-gain {min_gain}: {e}"))?;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(setup.policies.len());

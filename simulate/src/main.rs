@@ -82,12 +82,12 @@ struct Args {
     share_history_every: f64,
     /// The daemon's `policy.min_gain` for the learned policy and the oracle: a job is not
     /// claimed for a share that would add less throughput than this (0: any share).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_MIN_GAIN)]
+    #[arg(long, default_value_t = multiplexd::config::keys::MIN_GAIN.default)]
     min_gain: f64,
     /// The daemon's `policy.separate_below` for the learned policy: a GPU whose jobs were
     /// measured to deliver less than this times what they would without the newest of them
     /// requeues that one, to be claimed again (0: never).
-    #[arg(long, default_value_t = multiplexd::config::DEFAULT_SEPARATE_BELOW)]
+    #[arg(long, default_value_t = multiplexd::config::keys::SEPARATE_BELOW.default)]
     separate_below: f64,
     /// The claimer's `claim.lookahead` for the learned policy and the oracle: how many of the
     /// first pending jobs in Slurm's order one look weighs.
@@ -211,13 +211,9 @@ fn simulate(a: Args) -> Result<(), String> {
     if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
         return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
     }
-    if !(1..=multiplexd::config::MAX_LOOKAHEAD).contains(&a.lookahead) {
-        return Err(format!(
-            "--lookahead {}: must be between 1 and {}",
-            a.lookahead,
-            multiplexd::config::MAX_LOOKAHEAD
-        ));
-    }
+    multiplexd::config::keys::LOOKAHEAD
+        .read(Some(a.lookahead))
+        .map_err(|e| format!("--lookahead {}: {e}", a.lookahead))?;
     if !(a.share_history_every.is_finite() && a.share_history_every >= 0.0) {
         return Err(format!(
             "--share-history-every {}: must be 0 or more seconds",

@@ -314,7 +314,7 @@ fn a_pair_measured_to_lose_is_separated_and_both_finish_sooner() {
         ..NO_REPORTS
     };
     let run = |separate_below| learned_on_one_gpu(&t, &trace, reports, separate_below);
-    let (kept, separated) = (run(0.0), run(multiplexd::config::DEFAULT_SEPARATE_BELOW));
+    let (kept, separated) = (run(0.0), run(multiplexd::config::keys::SEPARATE_BELOW.default));
     assert_eq!(kept.separations, 0);
     assert_eq!(separated.separations, 1, "{separated:?}");
     let jct = |o: &world::Outcome| o.jobs[2..].iter().map(|j| j.2 - j.0).sum::<f64>();
@@ -354,7 +354,7 @@ fn busy_gpu_time_measures_a_pair_whose_jobs_report_nothing() {
         job(&t, "3", 2500.0, "x", 10_000.0),
         job(&t, "4", 2500.0, "y", 10_000.0),
     ];
-    let (blind, measured) = blind_and_measured(&t, &trace, multiplexd::config::DEFAULT_SEPARATE_BELOW);
+    let (blind, measured) = blind_and_measured(&t, &trace, multiplexd::config::keys::SEPARATE_BELOW.default);
     assert_eq!(blind.separations, 0, "{blind:?}");
     assert_eq!(measured.separations, 1, "{measured:?}");
     // Given back within a few records of the pair's start, not after x's 33,000 s.

@@ -1,9 +1,10 @@
 //! Every key of `multiplexd.toml`, defined once: its type, default, range, whether a reload
-//! applies it, and what it does. The parser ([`super::Config::parse`]) reads the defaults and
-//! bounds from the constants here; `etc/multiplexd.toml` and the key table of
-//! `docs/admin.md` are rendered from [`KEYS`] ([`example_toml`], [`markdown_table`]), and the
-//! tests fail when the parser, the file or the guide differ from it (`BLESS=1 cargo test -p
-//! multiplexd keys` rewrites the file and the table).
+//! applies it, and what it does. A numeric key is a [`Bounded`]: the parser takes its default
+//! and its range error from it ([`Bounded::read`]), and the key table shows both from it.
+//! `etc/multiplexd.toml` and the key table of `docs/admin.md` are rendered from [`KEYS`]
+//! ([`example_toml`], [`markdown_table`]), and the tests fail when the parser, the file or the
+//! guide differ from it, or a numeric key allows other values than its range (`BLESS=1 cargo
+//! test -p multiplexd keys` rewrites the file and the table).
 
 /// Whether a changed key applies on `systemctl reload` (SIGHUP) or needs a restart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,43 +32,192 @@ pub struct Key {
     /// Another valid value, and one the parser must refuse (for the tests).
     pub other: Option<&'static str>,
     pub bad: Option<&'static str>,
+    /// A numeric key's default and range, from its one definition.
+    pub bounded: Option<&'static dyn Shown>,
 }
 
-pub const DEFAULT_JOBS_PER_GPU: u32 = 2;
-pub const MAX_JOBS_PER_GPU: u32 = 16;
-pub const DEFAULT_TELEMETRY_INTERVAL_S: u64 = 10;
+/// A number a bounded key may hold.
+pub trait Num: Copy + PartialOrd + std::fmt::Display + std::fmt::Debug + Send + Sync + 'static {
+    /// Its type in the guide's key table.
+    const KIND: &'static str;
+    /// How the value of a key of this type is written: a whole number, or a number with a
+    /// decimal point (TOML's float, `30.0`).
+    fn written(self) -> String;
+    fn is_finite(self) -> bool {
+        true
+    }
+    /// A value just past this one, down and up (for the tests of the ranges).
+    fn nearby(self) -> (Option<Self>, Option<Self>);
+}
+
+macro_rules! whole {
+    ($($t:ty),*) => {$(
+        impl Num for $t {
+            const KIND: &'static str = "integer";
+            fn written(self) -> String {
+                self.to_string()
+            }
+            fn nearby(self) -> (Option<Self>, Option<Self>) {
+                (self.checked_sub(1), self.checked_add(1))
+            }
+        }
+    )*};
+}
+whole!(u32, u64, usize);
+
+impl Num for f64 {
+    const KIND: &'static str = "number";
+    fn written(self) -> String {
+        format!("{self:?}")
+    }
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+    fn nearby(self) -> (Option<Self>, Option<Self>) {
+        (Some(self - 0.5), Some(self + 0.5))
+    }
+}
+
+/// A numeric key: its name, default and the values it allows. The parser's default and range
+/// error ([`Bounded::read`]), the example file's default and the admin guide's default and
+/// range all come from here.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounded<T: Num> {
+    pub name: &'static str,
+    pub default: T,
+    pub min: T,
+    /// `min` itself is refused ("above 0").
+    pub above_min: bool,
+    /// `None`: no upper bound.
+    pub max: Option<T>,
+    /// `max` itself is refused ("below 1").
+    pub below_max: bool,
+    /// What `min` means where it is special ("never").
+    pub at_min: Option<&'static str>,
+}
+
+impl<T: Num> Bounded<T> {
+    const fn new(name: &'static str, default: T, min: T, max: Option<T>) -> Self {
+        Bounded {
+            name,
+            default,
+            min,
+            above_min: false,
+            max,
+            below_max: false,
+            at_min: None,
+        }
+    }
+    const fn meaning_at_min(self, what: &'static str) -> Self {
+        Bounded {
+            at_min: Some(what),
+            ..self
+        }
+    }
+    const fn above_min(self) -> Self {
+        Bounded {
+            above_min: true,
+            ..self
+        }
+    }
+    const fn below_max(self) -> Self {
+        Bounded {
+            below_max: true,
+            ..self
+        }
+    }
+
+    /// Whether the key may hold `v`.
+    pub fn allows(&self, v: T) -> bool {
+        let low = if self.above_min { v > self.min } else { v >= self.min };
+        let high = match self.max {
+            None => true,
+            Some(m) if self.below_max => v < m,
+            Some(m) => v <= m,
+        };
+        v.is_finite() && low && high
+    }
+
+    /// The configured value, or the default; one out of range is an error naming the key and
+    /// its range.
+    pub fn read(&self, v: Option<T>) -> Result<T, String> {
+        match v {
+            None => Ok(self.default),
+            Some(v) if self.allows(v) => Ok(v),
+            Some(v) => Err(format!("{} = {v}: must be {}", self.name, self.range())),
+        }
+    }
+}
+
+/// What the guide and the example show of a bounded key, whatever its type.
+pub trait Shown: Sync + std::fmt::Debug {
+    fn default_text(&self) -> String;
+    fn range(&self) -> String;
+    /// Values at and just past the range's ends, as a file writes them, and whether each is
+    /// allowed.
+    fn edges(&self) -> Vec<(String, bool)>;
+}
+
+impl<T: Num> Shown for Bounded<T> {
+    fn default_text(&self) -> String {
+        self.default.written()
+    }
+    fn range(&self) -> String {
+        let low = match (self.above_min, self.at_min) {
+            (true, _) => format!("above {}", self.min),
+            (false, Some(what)) => format!("{} ({what})", self.min),
+            (false, None) => self.min.to_string(),
+        };
+        match self.max {
+            None => format!("{low} or more"),
+            Some(m) if self.above_min => format!("{low}, at most {m}"),
+            Some(m) if self.below_max => format!("{low} to below {m}"),
+            Some(m) => format!("{low} to {m}"),
+        }
+    }
+    fn edges(&self) -> Vec<(String, bool)> {
+        let (below, _) = self.min.nearby();
+        let mut values = vec![Some(self.min), below];
+        if let Some(m) = self.max {
+            values.extend([Some(m), m.nearby().1]);
+        }
+        values
+            .into_iter()
+            .flatten()
+            .map(|v| (v.written(), self.allows(v)))
+            .collect()
+    }
+}
+
+pub const JOBS_PER_GPU: Bounded<u32> = Bounded::new("jobs_per_gpu", 2, 1, Some(16));
+pub const TELEMETRY_INTERVAL_S: Bounded<u64> = Bounded::new("telemetry_interval_s", 10, 0, None).meaning_at_min("none");
 /// Every 5 minutes each running job's busy GPU time is recorded: a job that reports nothing is
 /// measured within minutes of a new pair. Not under MPS.
-pub const DEFAULT_BUSY_RECORD_S: u64 = 300;
+pub const BUSY_RECORD_S: Bounded<u64> = Bounded::new("busy_record_s", 300, 0, None).meaning_at_min("never");
 pub const DEFAULT_SLURM_USER: &str = "slurm";
 pub const DEFAULT_DATABASE: &str = "/var/lib/multiplexd/history.sqlite";
 /// The prior speed of each side of a pair never seen.
-pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = 0.7;
+pub const UNKNOWN_PAIR_SPEED: Bounded<f64> = Bounded::new("policy.unknown_pair_speed", 0.7, 0.0, Some(1.0)).above_min();
 /// A job is not claimed for a share that adds less than a quarter of a GPU's throughput.
-pub const DEFAULT_MIN_GAIN: f64 = 0.25;
+pub const MIN_GAIN: Bounded<f64> = Bounded::new("policy.min_gain", 0.25, 0.0, Some(1.0)).below_max();
 /// A GPU whose jobs deliver together less than 0.9 of what they would without the newest
 /// gives that job back (the margin below 1 pays for the work it loses and its wait).
-pub const DEFAULT_SEPARATE_BELOW: f64 = 0.9;
-pub const MAX_SEPARATE_BELOW: f64 = 2.0;
-pub const DEFAULT_SEPARATE_LOOK_MS: u64 = 5000;
-pub const DEFAULT_RECONCILE_INTERVAL_S: u64 = 60;
-pub const DEFAULT_RECONCILE_GRACE_S: f64 = 30.0;
-/// The longest `reconcile.grace_s` (a day).
-pub const MAX_GRACE_S: f64 = 86_400.0;
-pub const DEFAULT_SHARE_EVERY_S: u64 = 600;
+pub const SEPARATE_BELOW: Bounded<f64> =
+    Bounded::new("policy.separate_below", 0.9, 0.0, Some(2.0)).meaning_at_min("never");
+/// Looks below 100 ms would load slurmctld (the claimer reads the queue each time); above a
+/// minute a free GPU would idle that long.
+pub const SEPARATE_LOOK_MS: Bounded<u64> = Bounded::new("policy.separate_look_ms", 5000, 100, Some(60_000));
+pub const RECONCILE_INTERVAL_S: Bounded<u64> =
+    Bounded::new("reconcile.interval_s", 60, 0, None).meaning_at_min("never");
+/// At most a day: `inf` would keep the slots of jobs that ended while the daemon was down.
+pub const RECONCILE_GRACE_S: Bounded<f64> = Bounded::new("reconcile.grace_s", 30.0, 1.0, Some(86_400.0));
+pub const SHARE_EVERY_S: Bounded<u64> = Bounded::new("share.every_s", 600, 1, None);
 pub const DEFAULT_CLAIM_PARTITION: &str = multiplex_protocol::spec::DEFAULT_PARTITION;
-pub const DEFAULT_LOOKAHEAD: usize = 8;
-pub const MAX_LOOKAHEAD: usize = 64;
-pub const DEFAULT_LOOK_MS: u64 = 1000;
-/// Bounds of the looks' intervals, milliseconds: below 100 ms the claimer's reads of the queue
-/// would load slurmctld; above a minute a free GPU would idle that long.
-pub const MIN_LOOK_MS: u64 = 100;
-pub const MAX_LOOK_MS: u64 = 60_000;
-pub const DEFAULT_LEASE_S: u64 = 300;
+pub const LOOKAHEAD: Bounded<usize> = Bounded::new("claim.lookahead", 8, 1, Some(64));
+pub const LOOK_MS: Bounded<u64> = Bounded::new("claim.look_ms", 1000, 100, Some(60_000));
 /// A lease shorter than a minute would lapse over one slow slurmctld answer; longer than an
 /// hour, a cluster whose claimer died would hold its waiting jobs that long.
-pub const MIN_LEASE_S: u64 = 60;
-pub const MAX_LEASE_S: u64 = 3600;
+pub const LEASE_S: Bounded<u64> = Bounded::new("claim.lease_s", 300, 60, Some(3600));
 
 const fn key(
     name: &'static str,
@@ -87,6 +237,16 @@ const fn key(
         example: None,
         other: None,
         bad: None,
+        bounded: None,
+    }
+}
+
+/// A numeric key of the table, from its definition.
+const fn bounded<T: Num>(b: &'static Bounded<T>, doc: &'static str) -> Key {
+    Key {
+        bounded: Some(b),
+        default: None,
+        ..key(b.name, T::KIND, "", "", doc)
     }
 }
 
@@ -121,11 +281,25 @@ impl Key {
     pub fn split(&self) -> (&'static str, &'static str) {
         self.name.split_once('.').unwrap_or(("", self.name))
     }
+    /// The default as a file writes it; `None` where it is not a value.
+    pub fn default_value(&self) -> Option<String> {
+        match self.bounded {
+            Some(b) => Some(b.default_text()),
+            None => self.default.map(str::to_string),
+        }
+    }
     /// The default as the guide shows it.
     pub fn default_shown(&self) -> String {
-        match self.default {
+        match self.default_value() {
             Some(v) => format!("`{v}`"),
             None => self.default_text.to_string(),
+        }
+    }
+    /// The values the key allows, in words.
+    pub fn range_shown(&self) -> String {
+        match self.bounded {
+            Some(b) => b.range(),
+            None => self.range.to_string(),
         }
     }
 }
@@ -168,27 +342,18 @@ pub const KEYS: &[Key] = &[
         "The SQLite interference history; never replaced when it cannot be opened.",
     )
     .test("\"/tmp/other.sqlite\"", None),
-    key(
-        "jobs_per_gpu",
-        "integer",
-        "2",
-        "1 to 16",
+    bounded(
+        &JOBS_PER_GPU,
         "Jobs that may share one GPU: gres.conf's shards per GPU.",
     )
     .test("3", Some("0")),
-    key(
-        "telemetry_interval_s",
-        "integer",
-        "10",
-        "0 (none) or more",
+    bounded(
+        &TELEMETRY_INTERVAL_S,
         "Seconds between GPU telemetry rounds through NVML, where a driver exists; 0: no telemetry, the daemon learns from start and end times and reports only.",
     )
     .test("5", None),
-    key(
-        "busy_record_s",
-        "integer",
-        "300",
-        "0 (never) or more",
+    bounded(
+        &BUSY_RECORD_S,
         "Seconds between records of each job's busy GPU time, which measure its speed beside its partners without reports (time-sliced GPUs only).",
     )
     .test("60", None),
@@ -230,53 +395,35 @@ pub const KEYS: &[Key] = &[
         .unset("required in each [[gpu]]"),
     key("gpu.uuid", "string", "", "`GPU-...` or `MIG-...`", "NVML's UUID (nvidia-smi -L), by which telemetry matches the GPU.")
         .unset("unset"),
-    key(
-        "policy.unknown_pair_speed",
-        "number",
-        "0.7",
-        "above 0, at most 1",
+    bounded(
+        &UNKNOWN_PAIR_SPEED,
         "Assumed speed of each side of a pair never seen, until the model's learned pairs take over.",
     )
     .test("0.6", Some("0")),
-    key(
-        "policy.min_gain",
-        "number",
-        "0.25",
-        "0 to below 1",
+    bounded(
+        &MIN_GAIN,
         "The least throughput (jobs' worth) a share must add for the claimer to make it; a pair never tried is tried for any gain.",
     )
     .at_once()
     .test("0.1", Some("1")),
-    key(
-        "policy.separate_below",
-        "number",
-        "0.9",
-        "0 (never) to 2",
+    bounded(
+        &SEPARATE_BELOW,
         "A GPU delivering less than this times what it would without its newest job gives that job back to Slurm, once measured.",
     )
     .at_once()
     .test("0.8", Some("3")),
-    key(
-        "policy.separate_look_ms",
-        "integer",
-        "5000",
-        "100 to 60000",
+    bounded(
+        &SEPARATE_LOOK_MS,
         "Milliseconds between looks for jobs to give back.",
     )
     .test("1000", Some("10")),
-    key(
-        "reconcile.interval_s",
-        "integer",
-        "60",
-        "0 (never) or more",
+    bounded(
+        &RECONCILE_INTERVAL_S,
         "Seconds between asking slurmd which jobs run here (no slurmctld RPC), to free the slots of jobs whose end was never reported.",
     )
     .test("30", None),
-    key(
-        "reconcile.grace_s",
-        "number",
-        "30.0",
-        "1 to 86400",
+    bounded(
+        &RECONCILE_GRACE_S,
         "Jobs that started less than this many seconds ago are left alone.",
     )
     .test("10.0", Some("0.5")),
@@ -289,11 +436,8 @@ pub const KEYS: &[Key] = &[
     )
     .unset("unset: the node learns alone")
     .test("\"/shared/slurm/multiplexd\"", Some("\"relative\"")),
-    key(
-        "share.every_s",
-        "integer",
-        "600",
-        "1 or more",
+    bounded(
+        &SHARE_EVERY_S,
         "Seconds between two exchanges through the directory.",
     )
     .test("60", Some("0")),
@@ -313,27 +457,18 @@ pub const KEYS: &[Key] = &[
         "The partition where multiplexed jobs wait (job_submit's first shared partition).",
     )
     .test("\"gpu-shared\"", Some("\"a,b\"")),
-    key(
-        "claim.lookahead",
-        "integer",
-        "8",
-        "1 to 64",
+    bounded(
+        &LOOKAHEAD,
         "How many of the first waiting jobs in Slurm's order one look weighs; none is passed over more than 4 times.",
     )
     .test("4", Some("0")),
-    key(
-        "claim.look_ms",
-        "integer",
-        "1000",
-        "100 to 60000",
+    bounded(
+        &LOOK_MS,
         "Milliseconds between looks; each reads the partition's queue once.",
     )
     .test("500", Some("50")),
-    key(
-        "claim.lease_s",
-        "integer",
-        "300",
-        "60 to 3600",
+    bounded(
+        &LEASE_S,
         "How far ahead the gate is held: with the claimer gone, waiting jobs start where Slurm puts them within this long.",
     )
     .test("120", Some("30")),
@@ -364,7 +499,11 @@ pub fn markdown_table() -> String {
             "| {name} | {} | {} | {} | {} | {} |\n",
             k.kind,
             k.default_shown(),
-            if k.range.is_empty() { "-" } else { k.range },
+            if k.range_shown().is_empty() {
+                "-".to_string()
+            } else {
+                k.range_shown()
+            },
             match k.reload {
                 Reload::AtOnce => "at once",
                 Reload::Restart => "restart",
@@ -426,11 +565,11 @@ pub fn example_toml() -> String {
         for k in KEYS.iter().filter(|k| k.split().0 == *table) {
             let leaf = k.split().1;
             let range = match k.kind {
-                "integer" | "number" => format!(" Range: {}.", k.range),
+                "integer" | "number" => format!(" Range: {}.", k.range_shown()),
                 _ => String::new(),
             };
             s.push_str(&comment(&format!("{}{range}", k.doc)));
-            match (k.example, k.default) {
+            match (k.example, k.default_value()) {
                 (Some(v), _) => s.push_str(&format!("{leaf} = {v}\n")),
                 (None, Some(d)) => s.push_str(&format!("# {leaf} = {d}\n")),
                 (None, None) => match k.other {
@@ -498,8 +637,8 @@ mod tests {
     fn each_defined_default_is_the_parsers() {
         let base = Config::parse("").unwrap();
         for k in KEYS.iter().filter(|k| k.split().0 != "gpu") {
-            if let Some(d) = k.default {
-                let c = Config::parse(&snippet(k, d)).unwrap_or_else(|e| panic!("{}: {e}", k.name));
+            if let Some(d) = k.default_value() {
+                let c = Config::parse(&snippet(k, &d)).unwrap_or_else(|e| panic!("{}: {e}", k.name));
                 assert_eq!(c, base, "{} = {d} is not the parser's default", k.name);
             }
         }
@@ -540,6 +679,27 @@ mod tests {
                 assert!(e.contains(leaf), "{} = {bad}: the refusal names the key: {e}", k.name);
             }
         }
+    }
+
+    #[test]
+    fn each_numeric_key_allows_exactly_its_range() {
+        let mut checked = 0;
+        for k in KEYS {
+            let Some(b) = k.bounded else { continue };
+            for (value, allowed) in b.edges() {
+                let parsed = Config::parse(&snippet(k, &value));
+                match (parsed, allowed) {
+                    (Ok(_), true) => {}
+                    (Err(e), false) => {
+                        let want = format!("{} = ", k.name);
+                        assert!(e.contains(&want) && e.contains(&b.range()), "{}: {e}", k.name)
+                    }
+                    (r, _) => panic!("{} = {value} ({}): {r:?}", k.name, b.range()),
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 30, "{checked} values checked");
     }
 
     /// `path`'s text must be `want`; with BLESS=1 in the environment it is written instead.

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 pub mod keys;
 
 use keys::*;
-pub use keys::{
-    DEFAULT_BUSY_RECORD_S, DEFAULT_MIN_GAIN, DEFAULT_SEPARATE_BELOW, DEFAULT_SEPARATE_LOOK_MS,
-    DEFAULT_UNKNOWN_PAIR_SPEED, MAX_LEASE_S, MAX_LOOKAHEAD, MAX_LOOK_MS, MIN_LEASE_S, MIN_LOOK_MS,
-};
+
+/// The prior speed of each side of a pair never seen, where no config is at hand (the
+/// history's upkeep, the simulator's oracle and grades): `policy.unknown_pair_speed`'s default.
+pub const DEFAULT_UNKNOWN_PAIR_SPEED: f64 = UNKNOWN_PAIR_SPEED.default;
 
 /// Where the daemon reads its configuration when `--config` is not given.
 pub const DEFAULT_CONFIG: &str = "/etc/slurm/multiplexd.toml";
@@ -137,7 +137,7 @@ pub struct Config {
     pub jobs_per_gpu: u32,
     pub telemetry_interval_s: u64,
     /// How often a job's busy GPU time is recorded, seconds (0: never; see
-    /// [`DEFAULT_BUSY_RECORD_S`]).
+    /// [`BUSY_RECORD_S`]).
     pub busy_record_s: u64,
     /// The user slurmstepd runs as besides root; may start and finish tasks.
     pub slurm_user: String,
@@ -176,6 +176,7 @@ impl Config {
     }
 
     /// Parses config text; the error says what is wrong (with line and column from TOML).
+    /// Every default and range comes from the key's definition in [`keys`].
     pub fn parse(text: &str) -> Result<Config, String> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
         let node = match raw.node {
@@ -183,94 +184,100 @@ impl Config {
             Some(_) => return Err("node must not be empty".into()),
             None => hostname(),
         };
-        let jobs_per_gpu = raw.jobs_per_gpu.unwrap_or(DEFAULT_JOBS_PER_GPU);
-        if !(1..=MAX_JOBS_PER_GPU).contains(&jobs_per_gpu) {
-            return Err(format!(
-                "jobs_per_gpu = {jobs_per_gpu}: must be between 1 and {MAX_JOBS_PER_GPU}"
-            ));
+        let share = ShareConfig::read(raw.share, &node)?;
+        Ok(Config {
+            jobs_per_gpu: JOBS_PER_GPU.read(raw.jobs_per_gpu)?,
+            gpus: GpuSource::read(raw.gpu)?,
+            policy: PolicyConfig::read(raw.policy)?,
+            reconcile: ReconcileConfig {
+                interval_s: RECONCILE_INTERVAL_S.read(raw.reconcile.interval_s)?,
+                grace_s: RECONCILE_GRACE_S.read(raw.reconcile.grace_s)?,
+            },
+            share,
+            metrics_listen: match raw.metrics.listen.as_deref() {
+                None | Some("") => None,
+                Some(a) => Some(a.parse::<std::net::SocketAddr>().map_err(|_| {
+                    format!("metrics.listen = {a:?}: must be an address and port, such as \"127.0.0.1:9822\"")
+                })?),
+            },
+            claim: ClaimConfig::read(raw.claim)?,
+            socket: raw
+                .socket
+                .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
+            database: raw.database.unwrap_or_else(|| PathBuf::from(DEFAULT_DATABASE)),
+            node,
+            telemetry_interval_s: TELEMETRY_INTERVAL_S.read(raw.telemetry_interval_s)?,
+            busy_record_s: BUSY_RECORD_S.read(raw.busy_record_s)?,
+            slurm_user: raw.slurm_user.unwrap_or_else(|| DEFAULT_SLURM_USER.into()),
+            slurm_bin: raw.slurm_bin.unwrap_or_default(),
+            mps: raw.mps.unwrap_or(false),
+        })
+    }
+}
+
+impl GpuSource {
+    /// The `[[gpu]]` tables: none, found through NVML; each index once, with its memory, a
+    /// model that can name a gres type, and a UUID NVML would give.
+    fn read(raw: Vec<RawGpu>) -> Result<GpuSource, String> {
+        if raw.is_empty() {
+            return Ok(GpuSource::Nvml);
         }
-        let gpus = if raw.gpu.is_empty() {
-            GpuSource::Nvml
-        } else {
-            let mut seen = std::collections::BTreeSet::new();
-            for g in &raw.gpu {
-                if !seen.insert(g.index) {
-                    return Err(format!("gpu index {} is listed twice", g.index));
-                }
-                if g.memory_mb == 0 {
-                    return Err(format!("gpu {}: memory_mb must be positive", g.index));
-                }
-                if multiplex_protocol::spec::parse_app(&g.model).is_err() {
-                    return Err(format!(
-                        "gpu {}: model = {:?} must be 1 to 64 letters, digits, '.', '_' or '-' (it names the GPU's \
-                         gres type in Slurm, {:?})",
-                        g.index,
-                        g.model,
-                        multiplex_protocol::gres::gpu_type(&g.model, g.index)
-                    ));
-                }
-                if let Some(u) = g
-                    .uuid
-                    .as_deref()
-                    .filter(|u| !u.starts_with("GPU-") && !u.starts_with("MIG-"))
-                {
-                    return Err(format!(
-                        "gpu {}: uuid = {u:?} is not a GPU UUID (nvidia-smi -L shows them: GPU-...)",
-                        g.index
-                    ));
-                }
+        let mut seen = std::collections::BTreeSet::new();
+        for g in &raw {
+            if !seen.insert(g.index) {
+                return Err(format!("gpu index {} is listed twice", g.index));
             }
-            GpuSource::Listed(
-                raw.gpu
-                    .into_iter()
-                    .map(|g| GpuSpec {
-                        index: g.index,
-                        model: g.model,
-                        memory_mb: g.memory_mb,
-                        uuid: g.uuid,
-                    })
-                    .collect(),
-            )
-        };
-        let unknown_pair_speed = raw.policy.unknown_pair_speed.unwrap_or(DEFAULT_UNKNOWN_PAIR_SPEED);
-        if !(0.0..=1.0).contains(&unknown_pair_speed) || unknown_pair_speed == 0.0 {
-            return Err(format!(
-                "policy.unknown_pair_speed = {unknown_pair_speed}: must be in (0, 1]"
-            ));
+            if g.memory_mb == 0 {
+                return Err(format!("gpu {}: memory_mb must be positive", g.index));
+            }
+            if multiplex_protocol::spec::parse_app(&g.model).is_err() {
+                return Err(format!(
+                    "gpu {}: model = {:?} must be 1 to 64 letters, digits, '.', '_' or '-' (it names the GPU's \
+                     gres type in Slurm, {:?})",
+                    g.index,
+                    g.model,
+                    multiplex_protocol::gres::gpu_type(&g.model, g.index)
+                ));
+            }
+            if let Some(u) = g
+                .uuid
+                .as_deref()
+                .filter(|u| !u.starts_with("GPU-") && !u.starts_with("MIG-"))
+            {
+                return Err(format!(
+                    "gpu {}: uuid = {u:?} is not a GPU UUID (nvidia-smi -L shows them: GPU-...)",
+                    g.index
+                ));
+            }
         }
-        let min_gain = raw.policy.min_gain.unwrap_or(DEFAULT_MIN_GAIN);
-        check_min_gain(min_gain).map_err(|e| format!("policy.min_gain = {min_gain}: {e}"))?;
-        let separate_below = raw.policy.separate_below.unwrap_or(DEFAULT_SEPARATE_BELOW);
-        if !(0.0..=MAX_SEPARATE_BELOW).contains(&separate_below) {
-            return Err(format!(
-                "policy.separate_below = {separate_below}: must be between 0 (never separate) and {MAX_SEPARATE_BELOW}"
-            ));
-        }
-        let separate_look_ms = raw.policy.separate_look_ms.unwrap_or(DEFAULT_SEPARATE_LOOK_MS);
-        if !(MIN_LOOK_MS..=MAX_LOOK_MS).contains(&separate_look_ms) {
-            return Err(format!(
-                "policy.separate_look_ms = {separate_look_ms}: must be between {MIN_LOOK_MS} and {MAX_LOOK_MS} \
-                 (milliseconds between looks for jobs to give back)"
-            ));
-        }
-        let dr = ReconcileConfig::default();
-        let reconcile = ReconcileConfig {
-            interval_s: raw.reconcile.interval_s.unwrap_or(dr.interval_s),
-            grace_s: raw.reconcile.grace_s.unwrap_or(dr.grace_s),
-        };
-        // `inf` would keep the slots of jobs that ended while the daemon was down for ever.
-        if !(1.0..=MAX_GRACE_S).contains(&reconcile.grace_s) {
-            return Err(format!(
-                "reconcile.grace_s = {}: must be between 1 and {MAX_GRACE_S} seconds",
-                reconcile.grace_s
-            ));
-        }
-        let ds = ShareConfig::default();
-        let share = ShareConfig {
-            dir: raw.share.dir,
-            every_s: raw.share.every_s.unwrap_or(ds.every_s),
-        };
-        if let Some(dir) = &share.dir {
+        Ok(GpuSource::Listed(
+            raw.into_iter()
+                .map(|g| GpuSpec {
+                    index: g.index,
+                    model: g.model,
+                    memory_mb: g.memory_mb,
+                    uuid: g.uuid,
+                })
+                .collect(),
+        ))
+    }
+}
+
+impl PolicyConfig {
+    fn read(raw: RawPolicy) -> Result<PolicyConfig, String> {
+        Ok(PolicyConfig {
+            unknown_pair_speed: UNKNOWN_PAIR_SPEED.read(raw.unknown_pair_speed)?,
+            min_gain: MIN_GAIN.read(raw.min_gain)?,
+            separate_below: SEPARATE_BELOW.read(raw.separate_below)?,
+            separate_look_ms: SEPARATE_LOOK_MS.read(raw.separate_look_ms)?,
+        })
+    }
+}
+
+impl ShareConfig {
+    /// `[share]`: an absolute directory, and a node name that can name this node's file in it.
+    fn read(raw: RawShare, node: &str) -> Result<ShareConfig, String> {
+        if let Some(dir) = &raw.dir {
             if !dir.is_absolute() {
                 return Err(format!(
                     "share.dir = {:?}: must be an absolute path",
@@ -283,70 +290,25 @@ impl Config {
                 ));
             }
         }
-        if share.every_s == 0 {
-            return Err("share.every_s = 0: must be at least 1 second".into());
+        Ok(ShareConfig {
+            dir: raw.dir,
+            every_s: SHARE_EVERY_S.read(raw.every_s)?,
+        })
+    }
+}
+
+impl ClaimConfig {
+    fn read(raw: RawClaim) -> Result<ClaimConfig, String> {
+        let partition = raw.partition.unwrap_or_else(|| DEFAULT_CLAIM_PARTITION.into());
+        if partition.is_empty() || partition.contains([',', ' ']) {
+            return Err(format!("claim.partition = {partition:?}: must name one partition"));
         }
-        let metrics_listen = match raw.metrics.listen.as_deref() {
-            None | Some("") => None,
-            Some(a) => Some(a.parse::<std::net::SocketAddr>().map_err(|_| {
-                format!("metrics.listen = {a:?}: must be an address and port, such as \"127.0.0.1:9822\"")
-            })?),
-        };
-        let dc = ClaimConfig::default();
-        let claim = ClaimConfig {
-            enabled: raw.claim.enabled.unwrap_or(dc.enabled),
-            partition: raw.claim.partition.unwrap_or(dc.partition),
-            lookahead: raw.claim.lookahead.unwrap_or(dc.lookahead),
-            look_ms: raw.claim.look_ms.unwrap_or(dc.look_ms),
-            lease_s: raw.claim.lease_s.unwrap_or(dc.lease_s),
-        };
-        if claim.partition.is_empty() || claim.partition.contains([',', ' ']) {
-            return Err(format!(
-                "claim.partition = {:?}: must name one partition",
-                claim.partition
-            ));
-        }
-        if !(1..=MAX_LOOKAHEAD).contains(&claim.lookahead) {
-            return Err(format!(
-                "claim.lookahead = {}: must be between 1 and {MAX_LOOKAHEAD}",
-                claim.lookahead
-            ));
-        }
-        if !(MIN_LOOK_MS..=MAX_LOOK_MS).contains(&claim.look_ms) {
-            return Err(format!(
-                "claim.look_ms = {}: must be between {MIN_LOOK_MS} and {MAX_LOOK_MS} (milliseconds between looks at the queue)",
-                claim.look_ms
-            ));
-        }
-        if !(MIN_LEASE_S..=MAX_LEASE_S).contains(&claim.lease_s) {
-            return Err(format!(
-                "claim.lease_s = {}: must be between {MIN_LEASE_S} and {MAX_LEASE_S} seconds",
-                claim.lease_s
-            ));
-        }
-        Ok(Config {
-            claim,
-            reconcile,
-            share,
-            metrics_listen,
-            socket: raw
-                .socket
-                .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
-            database: raw.database.unwrap_or_else(|| PathBuf::from(DEFAULT_DATABASE)),
-            node,
-            jobs_per_gpu,
-            telemetry_interval_s: raw.telemetry_interval_s.unwrap_or(DEFAULT_TELEMETRY_INTERVAL_S),
-            busy_record_s: raw.busy_record_s.unwrap_or(DEFAULT_BUSY_RECORD_S),
-            slurm_user: raw.slurm_user.unwrap_or_else(|| DEFAULT_SLURM_USER.into()),
-            slurm_bin: raw.slurm_bin.unwrap_or_default(),
-            mps: raw.mps.unwrap_or(false),
-            gpus,
-            policy: PolicyConfig {
-                unknown_pair_speed,
-                min_gain,
-                separate_below,
-                separate_look_ms,
-            },
+        Ok(ClaimConfig {
+            enabled: raw.enabled.unwrap_or(false),
+            partition,
+            lookahead: LOOKAHEAD.read(raw.lookahead)?,
+            look_ms: LOOK_MS.read(raw.look_ms)?,
+            lease_s: LEASE_S.read(raw.lease_s)?,
         })
     }
 }
@@ -465,17 +427,6 @@ impl Config {
     }
 }
 
-/// Whether `min_gain` is a threshold placement can use: a share of a GPU's throughput, from 0
-/// (never wait for a better partner) to below 1 (a whole GPU). It applies to pairs seen before;
-/// a pair never tried is taken for any predicted gain (see `placement`), so no threshold keeps
-/// new pairs from being tried.
-pub fn check_min_gain(min_gain: f64) -> Result<(), String> {
-    if !(0.0..1.0).contains(&min_gain) {
-        return Err("must be at least 0 (never wait for a better partner) and below 1".to_string());
-    }
-    Ok(())
-}
-
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().split('.').next().unwrap_or("").to_string())
@@ -494,8 +445,8 @@ pub struct ReconcileConfig {
 impl Default for ReconcileConfig {
     fn default() -> Self {
         ReconcileConfig {
-            interval_s: DEFAULT_RECONCILE_INTERVAL_S,
-            grace_s: DEFAULT_RECONCILE_GRACE_S,
+            interval_s: RECONCILE_INTERVAL_S.default,
+            grace_s: RECONCILE_GRACE_S.default,
         }
     }
 }
@@ -522,9 +473,9 @@ impl Default for ClaimConfig {
         ClaimConfig {
             enabled: false,
             partition: DEFAULT_CLAIM_PARTITION.into(),
-            lookahead: DEFAULT_LOOKAHEAD,
-            look_ms: DEFAULT_LOOK_MS,
-            lease_s: DEFAULT_LEASE_S,
+            lookahead: LOOKAHEAD.default,
+            look_ms: LOOK_MS.default,
+            lease_s: LEASE_S.default,
         }
     }
 }
@@ -542,7 +493,7 @@ impl Default for ShareConfig {
     fn default() -> Self {
         ShareConfig {
             dir: None,
-            every_s: DEFAULT_SHARE_EVERY_S,
+            every_s: SHARE_EVERY_S.default,
         }
     }
 }
@@ -571,12 +522,12 @@ mod tests {
             }
         );
         for (bad, says) in [
-            ("lookahead = 0", "claim.lookahead = 0: must be between 1 and 64"),
+            ("lookahead = 0", "claim.lookahead = 0: must be 1 to 64"),
             ("lookahead = 65", "claim.lookahead = 65"),
             ("partition = \"a,b\"", "one partition"),
             ("partition = \"\"", "one partition"),
-            ("look_ms = 99", "claim.look_ms = 99: must be between 100 and 60000"),
-            ("lease_s = 59", "claim.lease_s = 59: must be between 60 and 3600"),
+            ("look_ms = 99", "claim.look_ms = 99: must be 100 to 60000"),
+            ("lease_s = 59", "claim.lease_s = 59: must be 60 to 3600"),
             ("lease_s = 3601", "claim.lease_s = 3601"),
             ("jobs = 3", "unknown field"),
         ] {
@@ -628,8 +579,8 @@ mod tests {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../etc/multiplexd.toml")).unwrap();
         let c = Config::parse(&text).unwrap();
         assert_eq!(c.jobs_per_gpu, 2);
-        assert_eq!(c.busy_record_s, DEFAULT_BUSY_RECORD_S, "the example shows the default");
-        assert_eq!(c.policy.min_gain, DEFAULT_MIN_GAIN, "the example shows the default");
+        assert_eq!(c.busy_record_s, BUSY_RECORD_S.default, "the example shows the default");
+        assert_eq!(c.policy.min_gain, MIN_GAIN.default, "the example shows the default");
         assert_eq!(c.slurm_bin, PathBuf::new());
         // The same node as etc/slurm.conf.example's gpu01 and etc/gres.conf.example.
         let GpuSource::Listed(gpus) = &c.gpus else {
@@ -725,10 +676,10 @@ mod tests {
         assert_eq!(c.jobs_per_gpu, 2);
         assert_eq!(c.gpus, GpuSource::Nvml);
         assert_eq!(c.socket, PathBuf::from("/run/multiplexd/n1.sock"));
-        assert_eq!(c.policy.min_gain, DEFAULT_MIN_GAIN);
+        assert_eq!(c.policy.min_gain, MIN_GAIN.default);
         assert_eq!(
             (c.policy.separate_below, c.policy.separate_look_ms),
-            (DEFAULT_SEPARATE_BELOW, DEFAULT_SEPARATE_LOOK_MS)
+            (SEPARATE_BELOW.default, SEPARATE_LOOK_MS.default)
         );
         assert_eq!(c.slurm_bin, PathBuf::new());
     }
@@ -763,7 +714,7 @@ mod tests {
             ),
             ("[share]\ndir = \"/shared\"\nevery_s = 0", "share.every_s = 0"),
             ("[share]\nfolder = \"/shared\"", "unknown field `folder`"),
-            ("[policy]\nmin_gain = 1.0", "policy.min_gain = 1: must be at least 0"),
+            ("[policy]\nmin_gain = 1.0", "policy.min_gain = 1: must be 0 to below 1"),
             // Removed with the claims: Slurm allocates the GPU the claimer chose.
             ("[policy]\nmode = \"observe\"", "unknown field `mode`"),
             ("[policy]\ndecline_retry_s = 60", "unknown field `decline_retry_s`"),
@@ -774,16 +725,16 @@ mod tests {
             ("[reconcile]\ngrace_s = 0.5", "reconcile.grace_s = 0.5"),
             (
                 "[reconcile]\ngrace_s = inf",
-                "reconcile.grace_s = inf: must be between 1 and 86400",
+                "reconcile.grace_s = inf: must be 1 to 86400",
             ),
             ("[reconcile]\ngrace_s = nan", "reconcile.grace_s = NaN"),
             (
                 "[policy]\nseparate_below = 3",
-                "policy.separate_below = 3: must be between 0 (never separate) and 2",
+                "policy.separate_below = 3: must be 0 (never) to 2",
             ),
             (
                 "[policy]\nseparate_look_ms = 50",
-                "policy.separate_look_ms = 50: must be between 100 and 60000",
+                "policy.separate_look_ms = 50: must be 100 to 60000",
             ),
             (
                 "[metrics]\nlisten = \"9822\"",

@@ -11,7 +11,7 @@ impl Node {
     /// the memory and SM utilisation of their processes that run as their user added up.
     /// Processes of other jobs (or none), and processes of another user claiming a job, are
     /// ignored. Where MPS is off, each job's busy GPU time is counted too
-    /// ([`crate::config::DEFAULT_BUSY_RECORD_S`]).
+    /// ([`crate::config::keys::BUSY_RECORD_S`]).
     pub fn record_telemetry(
         &mut self,
         samples: &[crate::gpus::GpuSample],
