@@ -6,6 +6,7 @@
 //! comparisons here.
 
 use crate::config::{Config, GpuSource};
+use crate::slurm::NodeRecord;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -143,32 +144,6 @@ pub fn parse_gres_conf(text: &str, node_in: &dyn Fn(&str) -> bool) -> Result<Gre
         }
     }
     Ok(g)
-}
-
-/// slurmctld's record of the node (`scontrol show node -o`): its gres and partitions.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct NodeRecord {
-    /// gres name -> count (`gpu:v100:4(S:0)` counts 4 for gpu).
-    pub gres: BTreeMap<String, u64>,
-    pub partitions: Vec<String>,
-}
-
-pub fn parse_node_record(text: &str) -> NodeRecord {
-    let mut r = NodeRecord::default();
-    for word in text.split_whitespace() {
-        if let Some(v) = word.strip_prefix("Gres=") {
-            for entry in v.split(',').filter(|e| !e.is_empty() && *e != "(null)") {
-                let entry = entry.split('(').next().unwrap_or(entry);
-                let mut parts = entry.split(':');
-                let name = parts.next().unwrap_or("").to_string();
-                let count = parts.next_back().and_then(|c| c.parse::<u64>().ok()).unwrap_or(1);
-                *r.gres.entry(name).or_default() += count;
-            }
-        } else if let Some(v) = word.strip_prefix("Partitions=") {
-            r.partitions = v.split(',').filter(|p| !p.is_empty()).map(String::from).collect();
-        }
-    }
-    r
 }
 
 /// The socket plugstack.conf gives the multiplex plugin on `node` (`%n` replaced), from its
@@ -461,6 +436,7 @@ fn join(v: &[u32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::slurm::parse_node_record;
 
     const GRES: &str = "# two GPUs\nNodeName=n[1-2] Name=gpu Type=v100_0 File=/dev/nvidia0\n\
         NodeName=n[1-2] Name=gpu Type=v100_1 File=/dev/nvidia1\n\

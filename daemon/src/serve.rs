@@ -262,9 +262,7 @@ fn follow_private_data(slurm: Arc<dyn Slurm>, private: Arc<AtomicBool>, shutdown
         if known {
             return;
         }
-        let answer = slurm.config().map_err(|e| e.to_string()).and_then(|out| {
-            crate::server::private_jobs(&out).ok_or_else(|| "no PrivateData in its output".to_string())
-        });
+        let answer = slurm.private_jobs().map_err(|e| e.to_string());
         match answer {
             Ok(p) => {
                 tracing::info!(private_jobs = p, "Slurm's PrivateData read");

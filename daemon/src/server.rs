@@ -34,16 +34,6 @@ impl Access {
     }
 }
 
-/// Whether Slurm keeps jobs private, from `scontrol show config`: `PrivateData` naming `jobs`
-/// (or `usage`, which implies it); `None` when the text has no `PrivateData` line.
-pub fn private_jobs(show_config: &str) -> Option<bool> {
-    let value = show_config.lines().find_map(|l| {
-        let (key, value) = l.split_once('=')?;
-        (key.trim() == "PrivateData").then(|| value.trim().to_ascii_lowercase())
-    })?;
-    Some(value.split(',').any(|v| matches!(v.trim(), "jobs" | "usage")))
-}
-
 /// Credentials of a connected peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerCred {
@@ -454,16 +444,6 @@ mod tests {
             matches!(handle(start(), root, &node, &access).unwrap(), Response::Started(_)),
             "telling twice is idempotent"
         );
-    }
-
-    #[test]
-    fn slurms_private_data_says_whether_jobs_are_private() {
-        let config = |v: &str| format!("Prolog = (null)\nPrivateData             = {v}\nProctrackType = x\n");
-        assert_eq!(private_jobs(&config("none")), Some(false));
-        assert_eq!(private_jobs(&config("accounts,reservations")), Some(false));
-        assert_eq!(private_jobs(&config("jobs")), Some(true));
-        assert_eq!(private_jobs(&config("accounts,usage")), Some(true));
-        assert_eq!(private_jobs("SlurmUser = slurm\n"), None);
     }
 
     #[test]

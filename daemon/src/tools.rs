@@ -288,10 +288,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
     });
     let gres_path = etc.join("gres.conf");
     let gres = read(&gres_path).and_then(|text| check::parse_gres_conf(&text, &|list| names_node(list)));
-    let record = slurm
-        .node_record(&config.node)
-        .map(|out| check::parse_node_record(&out))
-        .map_err(|e| e.to_string());
+    let record = slurm.node_record(&config.node).map_err(|e| e.to_string());
     let policy_path = std::env::var_os("MULTIPLEX_JOB_SUBMIT_CONF")
         .map_or_else(|| etc.join("job_submit_multiplex.toml"), PathBuf::from);
     let mut notes: Vec<Finding> = Vec::new();

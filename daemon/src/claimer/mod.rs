@@ -776,10 +776,10 @@ mod tests {
             fn running_here(&self, n: &str) -> Result<std::collections::HashSet<u32>, SlurmError> {
                 self.0.running_here(n)
             }
-            fn config(&self) -> Result<String, SlurmError> {
-                self.0.config()
+            fn private_jobs(&self) -> Result<bool, SlurmError> {
+                self.0.private_jobs()
             }
-            fn node_record(&self, n: &str) -> Result<String, SlurmError> {
+            fn node_record(&self, n: &str) -> Result<crate::slurm::NodeRecord, SlurmError> {
                 self.0.node_record(n)
             }
             fn hostnames(&self, l: &str) -> Result<Vec<String>, SlurmError> {

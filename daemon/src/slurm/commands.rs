@@ -235,12 +235,13 @@ impl Slurm for Commands {
         }
     }
 
-    fn config(&self) -> Result<String, SlurmError> {
-        self.run("scontrol", &["show".to_string(), "config".to_string()])
+    fn private_jobs(&self) -> Result<bool, SlurmError> {
+        let out = self.run("scontrol", &["show".to_string(), "config".to_string()])?;
+        private_jobs(&out).ok_or_else(|| SlurmError::Failed("scontrol show config names no PrivateData".into()))
     }
 
-    fn node_record(&self, node: &str) -> Result<String, SlurmError> {
-        self.run(
+    fn node_record(&self, node: &str) -> Result<NodeRecord, SlurmError> {
+        let out = self.run(
             "scontrol",
             &[
                 "show".to_string(),
@@ -248,7 +249,8 @@ impl Slurm for Commands {
                 "-o".to_string(),
                 node.to_string(),
             ],
-        )
+        )?;
+        Ok(parse_node_record(&out))
     }
 
     fn hostnames(&self, list: &str) -> Result<Vec<String>, SlurmError> {
@@ -326,4 +328,48 @@ pub fn node_list(scontrol: &str) -> Option<String> {
         .split_whitespace()
         .find_map(|field| field.strip_prefix("NodeList="))?;
     (!list.is_empty() && list != "(null)").then(|| list.to_string())
+}
+
+/// Whether Slurm keeps jobs private, from `scontrol show config`: `PrivateData` naming `jobs`
+/// (or `usage`, which implies it); `None` when the text has no `PrivateData` line.
+pub fn private_jobs(show_config: &str) -> Option<bool> {
+    let value = show_config.lines().find_map(|l| {
+        let (key, value) = l.split_once('=')?;
+        (key.trim() == "PrivateData").then(|| value.trim().to_ascii_lowercase())
+    })?;
+    Some(value.split(',').any(|v| matches!(v.trim(), "jobs" | "usage")))
+}
+
+/// A node's record from `scontrol show node -o`.
+pub fn parse_node_record(text: &str) -> NodeRecord {
+    let mut r = NodeRecord::default();
+    for word in text.split_whitespace() {
+        if let Some(v) = word.strip_prefix("Gres=") {
+            for entry in v.split(',').filter(|e| !e.is_empty() && *e != "(null)") {
+                let entry = entry.split('(').next().unwrap_or(entry);
+                let mut parts = entry.split(':');
+                let name = parts.next().unwrap_or("").to_string();
+                let count = parts.next_back().and_then(|c| c.parse::<u64>().ok()).unwrap_or(1);
+                *r.gres.entry(name).or_default() += count;
+            }
+        } else if let Some(v) = word.strip_prefix("Partitions=") {
+            r.partitions = v.split(',').filter(|p| !p.is_empty()).map(String::from).collect();
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurms_private_data_says_whether_jobs_are_private() {
+        let config = |v: &str| format!("Prolog = (null)\nPrivateData             = {v}\nProctrackType = x\n");
+        assert_eq!(private_jobs(&config("none")), Some(false));
+        assert_eq!(private_jobs(&config("accounts,reservations")), Some(false));
+        assert_eq!(private_jobs(&config("jobs")), Some(true));
+        assert_eq!(private_jobs(&config("accounts,usage")), Some(true));
+        assert_eq!(private_jobs("SlurmUser = slurm\n"), None);
+    }
 }

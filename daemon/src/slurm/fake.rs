@@ -20,7 +20,8 @@ pub struct FakeState {
     pub now: u64,
     /// Jobs each slurmd runs.
     pub running: Vec<(String, u32)>,
-    pub config: String,
+    /// What `PrivateData` says of jobs; `None`: slurmctld does not say.
+    pub private_jobs: Option<bool>,
     /// Reads (squeue, sinfo) and updates (claims, gate holds, releases, requeues) made.
     pub reads: u64,
     pub updates: u64,
@@ -131,23 +132,19 @@ impl Slurm for Fake {
         self.with(|s| Ok(s.running.iter().filter(|(n, _)| n == node).map(|(_, j)| *j).collect()))
     }
 
-    fn config(&self) -> Result<String, SlurmError> {
+    fn private_jobs(&self) -> Result<bool, SlurmError> {
         self.with(|s| {
             s.reads += 1;
-            Ok(s.config.clone())
+            s.private_jobs
+                .ok_or_else(|| SlurmError::Failed("scontrol show config names no PrivateData".into()))
         })
     }
 
-    fn node_record(&self, node: &str) -> Result<String, SlurmError> {
+    fn node_record(&self, node: &str) -> Result<NodeRecord, SlurmError> {
         self.with(|s| {
             s.reads += 1;
             match s.nodes.iter().find(|n| n.name == node) {
-                Some(n) => Ok(format!(
-                    "NodeName={} Gres={} State={}",
-                    n.name,
-                    n.gres,
-                    n.state.to_uppercase()
-                )),
+                Some(n) => Ok(super::parse_node_record(&format!("Gres={}", n.gres))),
                 None => Err(SlurmError::Failed(format!("Node {node} not found"))),
             }
         })

@@ -1,6 +1,8 @@
 //! Every conversation the daemon has with Slurm goes through [`Slurm`]: one typed interface,
 //! one timeout policy ([`CALL_TIMEOUT`]), Slurm's own commands as the real implementation
-//! ([`Commands`]), and an in-memory [`Fake`] that the unit tests and the simulator share.
+//! ([`Commands`]), and an in-memory [`Fake`] for the unit tests (the simulator does not drive
+//! it yet: its claimer makes the claimer's choice over the simulated cluster directly). Each
+//! call answers in typed values; the text of Slurm's commands is read here and nowhere else.
 //!
 //! What each call costs slurmctld is part of the contract: [`Slurm::jobs`] and
 //! [`Slurm::nodes`] are one RPC each (squeue reads the queue under slurmctld's job lock), every
@@ -197,10 +199,11 @@ pub trait Slurm: Send + Sync {
     fn requeue(&self, job: u32) -> Result<(), SlurmError>;
     /// The jobs that the slurmd of `node` runs (asks that slurmd, not slurmctld).
     fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError>;
-    /// `scontrol show config`, whole.
-    fn config(&self) -> Result<String, SlurmError>;
-    /// `scontrol show node -o NODE`, whole.
-    fn node_record(&self, node: &str) -> Result<String, SlurmError>;
+    /// Whether Slurm keeps jobs private (`PrivateData` of `scontrol show config` names `jobs`,
+    /// or `usage`, which implies it); an error where it does not say.
+    fn private_jobs(&self) -> Result<bool, SlurmError>;
+    /// slurmctld's record of `node` (`scontrol show node -o`): its gres and partitions.
+    fn node_record(&self, node: &str) -> Result<NodeRecord, SlurmError>;
     /// The host names a host list names (`scontrol show hostnames`).
     fn hostnames(&self, list: &str) -> Result<Vec<String>, SlurmError>;
     /// The node list job `id` ran or runs on (`None`: not placed yet). `Err(NotPending)`:
@@ -216,6 +219,14 @@ pub trait Slurm: Send + Sync {
 
 mod commands;
 mod fake;
+
+/// slurmctld's record of a node: its gres and partitions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeRecord {
+    /// gres name -> count (`gpu:v100:4(S:0)` counts 4 for gpu).
+    pub gres: std::collections::BTreeMap<String, u64>,
+    pub partitions: Vec<String>,
+}
 
 pub use commands::*;
 pub use fake::{Fake, FakeState};
