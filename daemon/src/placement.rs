@@ -212,78 +212,6 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
     }
 }
 
-/// How much more a pending job behind the first must gain (jobs' worth of throughput) for
-/// the claimer to claim it first ([`crate::claim`]): Slurm's own order stands between near
-/// equals.
-pub const STEER_MARGIN: f64 = 0.05;
-
-/// The starvation bound of queue-level choice: how often each pending job was passed over.
-/// A job passed over [`Bypasses::MAX`] times is never passed again: the choice looks no
-/// further down Slurm's order than it.
-#[derive(Debug, Default)]
-pub struct Bypasses {
-    passed: std::collections::HashMap<u32, u32>,
-}
-
-impl Bypasses {
-    /// How often one job may be passed over (by one node's choices).
-    pub const MAX: u32 = 4;
-    /// Jobs remembered at most; past it the counts start again (a bound on memory, not on
-    /// any job's wait: it takes thousands of choices).
-    const KEPT: usize = 10_000;
-
-    /// Lets `choose` pick among as many of `pending` (job ids in Slurm's order) as the bound
-    /// allows (it is given how many), and counts the jobs its choice passes over. Nothing to
-    /// choose from (fewer than two): `None`, without asking.
-    pub fn choose<E>(
-        &mut self,
-        pending: &[u32],
-        choose: impl FnOnce(usize) -> Result<Option<usize>, E>,
-    ) -> Result<Option<usize>, E> {
-        let reach = self.reach(pending);
-        if reach < 2 {
-            return Ok(None);
-        }
-        let chosen = choose(reach)?.filter(|&i| i < reach);
-        if let Some(i) = chosen {
-            self.record(pending, i);
-        }
-        Ok(chosen)
-    }
-
-    /// How many of `pending` (job ids in Slurm's order) the choice may look at: all, or up
-    /// to the first that was passed over too often, which may still be chosen.
-    fn reach(&self, pending: &[u32]) -> usize {
-        pending
-            .iter()
-            .position(|id| self.passed.get(id).is_some_and(|&n| n >= Self::MAX))
-            .map_or(pending.len(), |i| i + 1)
-    }
-
-    /// How often job `id` was passed over so far.
-    pub fn passed(&self, id: u32) -> u32 {
-        self.passed.get(&id).copied().unwrap_or(0)
-    }
-
-    /// `pending[chosen]` goes first: each job before it was passed over once more.
-    pub fn passed_over(&mut self, pending: &[u32], chosen: usize) {
-        self.record(pending, chosen);
-    }
-
-    /// `pending[chosen]` goes first: each job before it was passed over once more.
-    fn record(&mut self, pending: &[u32], chosen: usize) {
-        if self.passed.len() >= Self::KEPT {
-            self.passed.clear();
-        }
-        for id in &pending[..chosen.min(pending.len())] {
-            *self.passed.entry(*id).or_default() += 1;
-        }
-        if let Some(id) = pending.get(chosen) {
-            self.passed.remove(id);
-        }
-    }
-}
-
 /// Whether a newcomer needing `job_mem_mb` and every resident of `gpu` have their memory known
 /// (a hint, or measured through NVML): placement checks that it fits, and a pair never tried
 /// there carries no risk from how often its applications ran out of memory with others (those
@@ -1215,34 +1143,5 @@ mod tests {
         assert_eq!(mps_share(0.95, &[0.1]), 25);
         assert_eq!(mps_share(0.1, &[0.95]), 80);
         assert_eq!(mps_share(0.5, &[0.5, 0.5]), 33);
-    }
-
-    #[test]
-    fn a_job_passed_over_too_often_is_never_passed_again() {
-        let mut b = Bypasses::default();
-        let pending = [10, 11, 12, 13];
-        let offered = |b: &mut Bypasses, pending: &[u32], pick: Option<usize>| {
-            let mut seen = 0;
-            let chosen = b.choose(pending, |reach| {
-                seen = reach;
-                Ok::<_, ()>(pick)
-            });
-            assert_eq!(chosen, Ok(pick.filter(|&i| i < seen)));
-            seen
-        };
-        assert_eq!(offered(&mut b, &pending, None), 4);
-        for _ in 0..Bypasses::MAX {
-            offered(&mut b, &pending, Some(2));
-        }
-        // 10 and 11 were passed over MAX times: the choice stops at 10, which it may take.
-        assert_eq!(b.reach(&pending), 1);
-        assert_eq!(
-            b.choose(&pending, |_| -> Result<_, ()> { panic!("nothing to choose from") }),
-            Ok(None)
-        );
-        assert_eq!(offered(&mut b, &[12, 11, 13], None), 2);
-        // Chosen at last: its count is forgotten.
-        assert_eq!(offered(&mut b, &[13, 11], Some(1)), 2);
-        assert_eq!(b.reach(&[11, 13]), 2);
     }
 }

@@ -261,7 +261,7 @@ fn a_job_passed_over_too_often_still_never_takes_a_losing_share_and_starts_when_
     for k in 0..8 {
         trace.push(job(&t, &format!("{}", 3 + k), 11.0 + 300.0 * k as f64, "y", 200.0));
     }
-    const { assert!(8 > multiplexd::placement::Bypasses::MAX) };
+    const { assert!(8 > multiplexd::claim::Bypasses::MAX) };
     let r = simulate(&t, &trace, ONE_GPU, "oracle");
     // x (arrived at 10 s, 100 s of work alone) ends 100 s after r's end and a look and a pass.
     let x_end = r.jct[1] + 10.0;
