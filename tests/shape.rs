@@ -347,7 +347,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("slurm/build.rs", "main", 80),
     ("jobsubmit/src/lib.rs", "submit", 64),
     ("jobsubmit/src/policy.rs", "parse", 80),
-    ("jobsubmit/src/rewrite.rs", "decide", 233),
     ("jobsubmit/src/modify.rs", "check_modify", 94),
     ("spank/src/srun.rs", "post_opt", 70),
     ("spank/src/step.rs", "post_opt", 61),

@@ -118,14 +118,7 @@ pub enum Outcome {
 pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     let prefix = format!("{SPANK_ENV_VAR}=");
     let Some(value) = job.spank_env.iter().find_map(|e| e.strip_prefix(&prefix)) else {
-        if let Some(message) = unflagged_on_shared(job.partition.as_deref(), policy) {
-            return reject(RejectKind::SharedPartition, message);
-        }
-        return match keep_off_shared_nodes(job, policy) {
-            Ok(None) => Outcome::Untouched,
-            Ok(Some(exc_nodes)) => Outcome::KeepOff { exc_nodes },
-            Err((kind, message)) => Outcome::Reject { kind, message },
-        };
+        return plain(job, policy);
     };
     let spec = match Spec::parse(Some(value)) {
         Ok(s) => s,
@@ -140,14 +133,90 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         }
         Err(e) => return reject(RejectKind::BadOption, e),
     };
+    match multiplexed(job, &spec, srun_made, policy) {
+        Ok(rewrite) => Outcome::Rewrite(Box::new(rewrite)),
+        Err((kind, message)) => Outcome::Reject { kind, message },
+    }
+}
+
+/// A job without --multiplex: kept out of the shared partitions, and off shared nodes where
+/// the site shares nodes with other partitions.
+fn plain(job: &JobView, policy: &Policy) -> Outcome {
+    if let Some(message) = unflagged_on_shared(job.partition.as_deref(), policy) {
+        return reject(RejectKind::SharedPartition, message);
+    }
+    match keep_off_shared_nodes(job, policy) {
+        Ok(None) => Outcome::Untouched,
+        Ok(Some(exc_nodes)) => Outcome::KeepOff { exc_nodes },
+        Err((kind, message)) => Outcome::Reject { kind, message },
+    }
+}
+
+/// A multiplexed job (`spec` its flag's value) rewritten to a slot of a shared GPU, or why
+/// it cannot share.
+fn multiplexed(job: &JobView, spec: &Spec, srun_made: bool, policy: &Policy) -> Result<Rewrite, (RejectKind, String)> {
+    may_share(job, policy)?;
+    let parsed: Vec<Vec<TresEntry>> = [
+        &job.tres_per_node,
+        &job.tres_per_job,
+        &job.tres_per_task,
+        &job.tres_per_socket,
+    ]
+    .iter()
+    .map(|f| f.as_deref().map(parse_tres).unwrap_or_default())
+    .collect();
+    let gpus = gpu_count(job, &parsed, policy)?;
+    let model = asked_model(&parsed, policy)?;
+    let (cpus_per_tres, min_cpus) = per_gpu(&job.cpus_per_tres, "--cpus-per-gpu", gpus)?;
+    let (mem_per_tres, mem_mb) = per_gpu(&job.mem_per_tres, "--mem-per-gpu", gpus)?;
+    let min_cpus = min_cpus.map(u32::try_from).transpose().map_err(|_| {
+        refuse(
+            RejectKind::BadOption,
+            "--cpus-per-gpu asks for more CPUs than can be counted".into(),
+        )
+    })?;
+    let app = spec
+        .app
+        .clone()
+        .unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
+    let keep = |i: usize| -> Vec<String> {
+        parsed[i]
+            .iter()
+            .filter(|e| !is_gpu(e))
+            .map(|e| e.text.clone())
+            .collect()
+    };
+    Ok(Rewrite {
+        partition: shared_partition(job.partition.as_deref(), policy),
+        admin_comment: tag(job, spec, model, srun_made, &app),
+        tres_per_node: join(
+            keep(0)
+                .into_iter()
+                .chain(std::iter::once(shared_request(&parsed, gpus, policy))),
+        ),
+        tres_per_job: join(keep(1).into_iter()),
+        tres_per_task: join(keep(2).into_iter()),
+        tres_per_socket: join(keep(3).into_iter()),
+        cpus_per_tres,
+        mem_per_tres,
+        min_cpus,
+        mem_per_node_mb: mem_mb,
+        licenses: with_gate(job.licenses.as_deref()),
+        app,
+    })
+}
+
+/// Whether the policy lets this job's user share, and the job is one that can: not
+/// `--exclusive`, on one node.
+fn may_share(job: &JobView, policy: &Policy) -> Result<(), (RejectKind, String)> {
     if let Some(message) = not_allowed(job, policy) {
-        return reject(RejectKind::NotAllowed, message);
+        return Err(refuse(RejectKind::NotAllowed, message));
     }
     if job.exclusive {
-        return reject(
+        return Err(refuse(
             RejectKind::Exclusive,
             "--exclusive cannot be combined with --multiplex: a multiplexed job shares its GPU by design".into(),
-        );
+        ));
     }
     let nodes = job
         .max_nodes
@@ -155,36 +224,34 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .unwrap_or(1)
         .max(job.min_nodes.unwrap_or(1));
     if nodes > 1 {
-        return reject(
+        return Err(refuse(
             RejectKind::TooManyNodes,
             format!("a multiplexed job runs on one node, this one asks for {nodes}: drop --multiplex or ask for -N 1"),
-        );
+        ));
     }
+    Ok(())
+}
 
-    let fields = [
-        &job.tres_per_node,
-        &job.tres_per_job,
-        &job.tres_per_task,
-        &job.tres_per_socket,
-    ];
-    let parsed: Vec<Vec<TresEntry>> = fields
-        .iter()
-        .map(|f| f.as_deref().map(parse_tres).unwrap_or_default())
-        .collect();
+/// How many GPUs the job asks for in all (`parsed`: its four TRES fields), which must be 1
+/// to the policy's most; a request for the shared gres itself is refused.
+fn gpu_count(job: &JobView, parsed: &[Vec<TresEntry>], policy: &Policy) -> Result<u64, (RejectKind, String)> {
     let any_shared = parsed
         .iter()
         .flatten()
         .any(|e| e.sep.is_some() && e.name == policy.gres);
-    let any_gpu = parsed.iter().flatten().any(is_gpu);
     if any_shared {
-        let what = if any_gpu { "both gpu and " } else { "" };
-        return reject(
+        let what = if parsed.iter().flatten().any(is_gpu) {
+            "both gpu and "
+        } else {
+            ""
+        };
+        return Err(refuse(
             RejectKind::MixedGres,
             format!(
                 "this job asks for {what}{g} directly: with --multiplex ask for GPUs (--gres=gpu:1) and the plugin chooses the {g}",
                 g = policy.gres
             ),
-        );
+        ));
     }
     // Counts are the user's numbers: summed without wrapping round (a sum past u64 is refused
     // as too many, never taken modulo 2^64).
@@ -198,33 +265,33 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
     ]
     .into_iter()
     .try_fold(0u64, |total, g| total.checked_add(g?));
-    let Some(gpus) = gpus else {
-        return reject(
+    match gpus {
+        None => Err(refuse(
             RejectKind::TooManyGpus,
             format!(
                 "this job asks for more GPUs than can be counted; multiplexed jobs may use at most {} here",
                 policy.max_gpus
             ),
-        );
-    };
-    if gpus == 0 {
-        return reject(
+        )),
+        Some(0) => Err(refuse(
             RejectKind::NoGpu,
             "--multiplex needs a GPU request to share (e.g. --gres=gpu:1 or --gpus=1)".into(),
-        );
-    }
-    if gpus > u64::from(policy.max_gpus) {
-        return reject(
+        )),
+        Some(n) if n > u64::from(policy.max_gpus) => Err(refuse(
             RejectKind::TooManyGpus,
             format!(
-                "this job asks for {gpus} GPUs; multiplexed jobs may use at most {} here: ask for fewer or drop --multiplex",
+                "this job asks for {n} GPUs; multiplexed jobs may use at most {} here: ask for fewer or drop --multiplex",
                 policy.max_gpus
             ),
-        );
+        )),
+        Some(n) => Ok(n),
     }
+}
 
-    // The GPU model asked for (`--gres=gpu:v100:1`): the claimer pins the job to a GPU of that
-    // model. The job waits on an untyped shard, which a claim turns into the GPU's type.
+/// The GPU model asked for (`--gres=gpu:v100:1`), one the site shares: the claimer pins the
+/// job to a GPU of that model. The job waits on an untyped shard, which a claim turns into the
+/// GPU's type.
+fn asked_model(parsed: &[Vec<TresEntry>], policy: &Policy) -> Result<Option<String>, (RejectKind, String)> {
     let mut models: Vec<&str> = parsed
         .iter()
         .flatten()
@@ -233,30 +300,32 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .collect();
     models.dedup();
     let model = match models[..] {
-        [] => None,
-        [m] => Some(m.to_string()),
+        [] => return Ok(None),
+        [m] => m,
         _ => {
-            return reject(
+            return Err(refuse(
                 RejectKind::UnknownModel,
                 format!(
                     "this job asks for GPUs of {} models; a multiplexed job runs on one GPU of one model",
                     models.len()
                 ),
-            )
+            ))
         }
     };
-    if let Some(m) = model.as_deref() {
-        if !policy.models.is_empty() && !policy.models.iter().any(|p| p == m) {
-            return reject(
-                RejectKind::UnknownModel,
-                format!(
-                    "no shared GPU here is a {m}; shared GPU models: {}",
-                    policy.models.join(", ")
-                ),
-            );
-        }
+    if !policy.models.is_empty() && !policy.models.iter().any(|p| p == model) {
+        return Err(refuse(
+            RejectKind::UnknownModel,
+            format!(
+                "no shared GPU here is a {model}; shared GPU models: {}",
+                policy.models.join(", ")
+            ),
+        ));
     }
-    // The job's own spelling (gres: or gres/) is kept for the shared-GPU request.
+    Ok(Some(model.to_string()))
+}
+
+/// The shared gres for `gpus` GPUs, in the job's own spelling (`gres:` or `gres/`).
+fn shared_request(parsed: &[Vec<TresEntry>], gpus: u64, policy: &Policy) -> String {
     let sep = parsed
         .iter()
         .flatten()
@@ -264,60 +333,41 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
         .and_then(|e| e.sep)
         .unwrap_or(':');
     let units = gpus * u64::from(policy.gres_per_gpu);
-    let shared = format!("gres{sep}{}:{units}", policy.gres);
-    let keep = |i: usize| {
-        parsed[i]
-            .iter()
-            .filter(|e| !is_gpu(e))
-            .map(|e| e.text.clone())
-            .collect::<Vec<_>>()
-    };
-    let tres_per_node = join(keep(0).into_iter().chain(std::iter::once(shared)));
-    // Slurm takes --cpus-per-gpu / --mem-per-gpu (cpus_per_tres, mem_per_tres) only beside a
-    // request for gres "gpu" ("Requested cpus_per_tres=gres/shard:1 but did not request any
-    // GPU", 22.05 for memory, 24.11 for both), so they become the job's own CPU count and
-    // memory for the GPUs it asked for.
-    let per_gpu = |f: &Option<String>, option: &str| -> Result<(Option<String>, Option<u64>), String> {
-        let Some(s) = f.as_deref() else { return Ok((None, None)) };
-        let (mut kept, mut total) = (Vec::new(), None::<u64>);
-        for e in parse_tres(s) {
-            if !is_gpu(&e) {
-                kept.push(e.text);
-                continue;
-            }
-            let value = e.text.rsplit(':').next().unwrap_or("");
-            let n = value
-                .parse::<u64>()
-                .map_err(|_| format!("{option}={value} is not a number"))?;
-            let all = n
-                .checked_mul(gpus)
-                .and_then(|t| t.checked_add(total.unwrap_or(0)))
-                .ok_or_else(|| format!("{option}={n} for {gpus} GPUs is more than can be counted"))?;
-            total = Some(all);
+    format!("gres{sep}{}:{units}", policy.gres)
+}
+
+/// A per-GPU amount (`--cpus-per-gpu`, `--mem-per-gpu`: `cpus_per_tres`, `mem_per_tres`)
+/// turned into the job's own total for its `gpus`: Slurm takes them only beside a request for
+/// gres "gpu" ("Requested cpus_per_tres=gres/shard:1 but did not request any GPU", 22.05 for
+/// memory, 24.11 for both). The field's other entries are kept.
+fn per_gpu(f: &Option<String>, option: &str, gpus: u64) -> Result<(Option<String>, Option<u64>), (RejectKind, String)> {
+    let Some(s) = f.as_deref() else { return Ok((None, None)) };
+    let bad = |message: String| refuse(RejectKind::BadOption, message);
+    let (mut kept, mut total) = (Vec::new(), None::<u64>);
+    for e in parse_tres(s) {
+        if !is_gpu(&e) {
+            kept.push(e.text);
+            continue;
         }
-        Ok((join(kept.into_iter()), total))
-    };
-    let ((cpus_per_tres, cpus), (mem_per_tres, mem_mb)) = match (
-        per_gpu(&job.cpus_per_tres, "--cpus-per-gpu"),
-        per_gpu(&job.mem_per_tres, "--mem-per-gpu"),
-    ) {
-        (Ok(c), Ok(m)) => (c, m),
-        (Err(e), _) | (_, Err(e)) => return reject(RejectKind::BadOption, e),
-    };
-    let Ok(min_cpus) = cpus.map(u32::try_from).transpose() else {
-        return reject(
-            RejectKind::BadOption,
-            "--cpus-per-gpu asks for more CPUs than can be counted".into(),
-        );
-    };
-    let app = spec
-        .app
-        .clone()
-        .unwrap_or_else(|| default_app(job.user_id, job.name.as_deref()));
-    // srun asks for the step of a job it made with the job's allocated gres: a typed shard,
-    // which Slurm refuses for a step, so that job is claimed for a node only.
+        let value = e.text.rsplit(':').next().unwrap_or("");
+        let n = value
+            .parse::<u64>()
+            .map_err(|_| bad(format!("{option}={value} is not a number")))?;
+        let all = n
+            .checked_mul(gpus)
+            .and_then(|t| t.checked_add(total.unwrap_or(0)))
+            .ok_or_else(|| bad(format!("{option}={n} for {gpus} GPUs is more than can be counted")))?;
+        total = Some(all);
+    }
+    Ok((join(kept.into_iter()), total))
+}
+
+/// The job's admin comment with its tag first: its application resolved, what it asked for,
+/// and whether srun made it (then it is claimed for a node only: srun asks for the step with
+/// the job's allocated gres, a typed shard Slurm refuses for a step).
+fn tag(job: &JobView, spec: &Spec, model: Option<String>, srun_made: bool, app: &str) -> String {
     let tag = Spec {
-        app: Some(app.clone()),
+        app: Some(app.to_string()),
         mem_mb: spec.mem_mb,
         model,
         node_only: srun_made,
@@ -328,25 +378,11 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
             .filter(|l| multiplex_protocol::spec::recordable_nodes(l)),
     }
     .tag();
-    let admin_comment = match job.admin_comment.as_deref().filter(|c| !c.is_empty()) {
+    match job.admin_comment.as_deref().filter(|c| !c.is_empty()) {
         Some(existing) if existing.starts_with(TAG_PREFIX) => tag,
         Some(existing) => format!("{tag} {existing}"),
         None => tag,
-    };
-    Outcome::Rewrite(Box::new(Rewrite {
-        partition: shared_partition(job.partition.as_deref(), policy),
-        admin_comment,
-        tres_per_node,
-        tres_per_job: join(keep(1).into_iter()),
-        tres_per_task: join(keep(2).into_iter()),
-        tres_per_socket: join(keep(3).into_iter()),
-        cpus_per_tres,
-        mem_per_tres,
-        min_cpus,
-        mem_per_node_mb: mem_mb,
-        licenses: with_gate(job.licenses.as_deref()),
-        app,
-    }))
+    }
 }
 
 /// The job with the GPU asks srun took off its own options added to their fields
