@@ -185,12 +185,24 @@ pub struct Inputs<'a> {
 }
 
 pub fn check(i: &Inputs) -> Vec<Finding> {
-    let c = i.config;
-    let mut out = Vec::new();
-    let listed: Option<Vec<u32>> = match &c.gpus {
+    let listed: Option<Vec<u32>> = match &i.config.gpus {
         GpuSource::Listed(g) => Some(g.iter().map(|g| g.index).collect()),
         GpuSource::Nvml => None,
     };
+    let mut out = Vec::new();
+    gres_gpus(i, listed.as_deref(), &mut out);
+    gres_types(i, &mut out);
+    devices(i, &mut out);
+    gate(i, &mut out);
+    shards(i, &mut out);
+    record(i, listed.as_deref(), &mut out);
+    plugstack(i, &mut out);
+    out
+}
+
+/// gres.conf's GPUs against those multiplexd.toml lists.
+fn gres_gpus(i: &Inputs, listed: Option<&[u32]>, out: &mut Vec<Finding>) {
+    let c = i.config;
     match &i.gres {
         Err(e) => out.push(finding(Level::Warning, format!("gres.conf not checked: {e}"))),
         Ok(g) if g.gpus.is_empty() && g.autodetect.is_some() => out.push(finding(
@@ -245,6 +257,11 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
             }
         }
     }
+}
+
+/// Each listed GPU's gres Type in gres.conf, as a claim names it.
+fn gres_types(i: &Inputs, out: &mut Vec<Finding>) {
+    let c = i.config;
     // Each listed GPU must carry the gres Type a claim names it by, on its gpu and its shard
     // line: a claim for a Type gres.conf lacks is refused by slurmctld, and a Type shared by
     // two GPUs lets Slurm allocate either.
@@ -276,6 +293,10 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
             }
         }
     }
+}
+
+/// Device fencing (cgroup.conf).
+fn devices(i: &Inputs, out: &mut Vec<Finding>) {
     match &i.constrain_devices {
         Err(e) => out.push(finding(Level::Warning, format!("device fencing not checked: {e}"))),
         Ok(Some(v)) if v.eq_ignore_ascii_case("yes") => out.push(finding(
@@ -290,6 +311,10 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
             ),
         )),
     }
+}
+
+/// The gate's license in slurmctld.
+fn gate(i: &Inputs, out: &mut Vec<Finding>) {
     match &i.gate_licenses {
         Ok(n) if *n > 0 => out.push(finding(
             Level::Ok,
@@ -304,6 +329,11 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
         )),
         Err(e) => out.push(finding(Level::Error, format!("the gate's license: {e}"))),
     }
+}
+
+/// gres.conf's shards per GPU against jobs_per_gpu.
+fn shards(i: &Inputs, out: &mut Vec<Finding>) {
+    let c = i.config;
     if let Ok(g) = &i.gres {
         let wrong: Vec<String> = g
             .shards
@@ -339,6 +369,11 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
             ));
         }
     }
+}
+
+/// slurmctld's record of the node: its gres against jobs_per_gpu and the listed GPUs.
+fn record(i: &Inputs, listed: Option<&[u32]>, out: &mut Vec<Finding>) {
+    let c = i.config;
     match &i.record {
         Err(e) => out.push(finding(
             Level::Warning,
@@ -374,37 +409,48 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
                     ));
                 }
             }
-            if let Some(p) = &i.policy {
-                let others: Vec<&String> = r.partitions.iter().filter(|x| !p.partitions.contains(x)).collect();
-                let shared_in = r.partitions.iter().any(|x| p.partitions.contains(x));
-                if !shared_in {
-                    out.push(finding(
-                        Level::Error,
-                        format!(
-                            "{} is in no shared partition of job_submit's policy ({}); it is in {}",
-                            c.node,
-                            p.partitions.join(", "),
-                            r.partitions.join(", ")
-                        ),
-                    ));
-                } else if !others.is_empty() && !p.names_node {
-                    out.push(finding(
-                        Level::Warning,
-                        format!(
-                            "{} is also in partition {}, whose jobs can be given its GPUs whole while multiplexed jobs share them: name it in job_submit's shared_nodes, or keep it in shared partitions only",
-                            c.node,
-                            others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
-                        ),
-                    ));
-                } else {
-                    out.push(finding(
-                        Level::Ok,
-                        format!("partitions of {}: {}", c.node, r.partitions.join(", ")),
-                    ));
-                }
-            }
+            partitions(i, r, out);
         }
     }
+}
+
+/// The node's partitions against job_submit's shared ones.
+fn partitions(i: &Inputs, r: &NodeRecord, out: &mut Vec<Finding>) {
+    let c = i.config;
+    if let Some(p) = &i.policy {
+        let others: Vec<&String> = r.partitions.iter().filter(|x| !p.partitions.contains(x)).collect();
+        let shared_in = r.partitions.iter().any(|x| p.partitions.contains(x));
+        if !shared_in {
+            out.push(finding(
+                Level::Error,
+                format!(
+                    "{} is in no shared partition of job_submit's policy ({}); it is in {}",
+                    c.node,
+                    p.partitions.join(", "),
+                    r.partitions.join(", ")
+                ),
+            ));
+        } else if !others.is_empty() && !p.names_node {
+            out.push(finding(
+                Level::Warning,
+                format!(
+                    "{} is also in partition {}, whose jobs can be given its GPUs whole while multiplexed jobs share them: name it in job_submit's shared_nodes, or keep it in shared partitions only",
+                    c.node,
+                    others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        } else {
+            out.push(finding(
+                Level::Ok,
+                format!("partitions of {}: {}", c.node, r.partitions.join(", ")),
+            ));
+        }
+    }
+}
+
+/// plugstack.conf's multiplex.so line and its socket.
+fn plugstack(i: &Inputs, out: &mut Vec<Finding>) {
+    let c = i.config;
     match &i.plugstack {
         Err(e) => out.push(finding(Level::Warning, format!("plugstack.conf not checked: {e}"))),
         Ok(None) => out.push(finding(
@@ -426,7 +472,6 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
             ),
         )),
     }
-    out
 }
 
 fn join(v: &[u32]) -> String {
