@@ -63,7 +63,7 @@ const CRATES: &[Crate] = &[
         &["simulate/src"],
         &[
             &["input", "events"],
-            &["model", "watchdog"],
+            &["model", "watchdog", "state"],
             &["world", "grade", "plot"],
             // The daemon's own code as policies, then every policy by name.
             &["learned"],
@@ -375,7 +375,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("simulate/src/plot.rs", "cdf_panel", 73),
     ("simulate/src/plot.rs", "gap_panel", 67),
     ("simulate/src/learned.rs", "new", 63),
-    ("simulate/src/world.rs", "run", 189),
     ("tests/emulate/replay.rs", "replay", 235),
     ("tests/emulate/replay.rs", "compare", 121),
     ("tests/emulate/standin.rs", "run", 134),

@@ -10,6 +10,7 @@ pub mod model;
 mod oracle;
 pub mod plot;
 pub mod policy;
+mod state;
 mod watchdog;
 pub mod world;
 

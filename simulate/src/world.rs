@@ -12,6 +12,7 @@
 
 use super::input::{Rng, Table, TraceJob};
 use crate::events::{Event, Kind};
+use crate::state::{Gpu, Job};
 use crate::watchdog::Watchdog;
 use std::collections::{BTreeSet, BinaryHeap};
 
@@ -30,40 +31,6 @@ pub const OOM_AFTER_S: f64 = 60.0;
 pub const OOM_REQUEUE_S: f64 = 120.0;
 
 pub use crate::model::{JobRef, Outcome, Policy, Progress, Shape};
-
-#[derive(Debug, Clone)]
-struct Job {
-    app: usize,
-    work: f64,
-    submit: f64,
-    eligible: f64,
-    /// The application's iterations per second alone (the unit of its progress reports).
-    rate: f64,
-    /// Current run: where, since when, work done by `last`, speed since `last`.
-    at: Option<(usize, usize)>,
-    start: f64,
-    done: f64,
-    last: f64,
-    speed: f64,
-    /// Work done at the latest round of GPU telemetry of this run, and when that was (its start
-    /// before the first).
-    counted: f64,
-    counted_at: f64,
-    /// Bumped whenever the completion time changes, and per run (stale events are skipped).
-    epoch: u32,
-    run: u32,
-    doomed: bool,
-    finished: Option<f64>,
-    /// Claimed: the node and GPU it was pinned to, until Slurm starts it there.
-    pinned: Option<(usize, usize)>,
-}
-
-#[derive(Debug, Clone, Default)]
-struct Gpu {
-    jobs: Vec<usize>,
-    since: f64,
-    speed_sum: f64,
-}
 
 struct World<'a> {
     table: &'a Table,
@@ -108,65 +75,7 @@ pub fn run(
     seed: u64,
     policy: &mut dyn Policy,
 ) -> Result<Outcome, String> {
-    let slots = policy.slots(&shape);
-    let mut rates = Rng::new(seed ^ 0x005e_ed0f_a995);
-    // Each application's own iterations per second alone, between 0.5 and 20: the unit of its
-    // reports, which the learned policy must find out for itself.
-    let app_rate: Vec<f64> = (0..table.apps.len())
-        .map(|_| 0.5 * 40f64.powf(rates.uniform()))
-        .collect();
-    let mut utils = Rng::new(seed ^ 0x0005_1111);
-    let app_util: Vec<f64> = (0..table.apps.len()).map(|_| 0.5 + 0.5 * utils.uniform()).collect();
-    let app_bias: Vec<f64> = (0..table.apps.len())
-        .map(|_| progress.busy_bias * utils.uniform())
-        .collect();
-    let mut w = World {
-        table,
-        shape,
-        slots,
-        progress,
-        noise: Rng::new(seed ^ 0x0bad_5eed),
-        app_util,
-        app_bias,
-        busy_noise: Rng::new(seed ^ 0x00b5_ed00),
-        jobs: trace
-            .iter()
-            .map(|t| Job {
-                app: t.app,
-                work: t.solo_runtime_s,
-                submit: t.submit_s,
-                eligible: t.submit_s,
-                rate: app_rate[t.app],
-                at: None,
-                start: 0.0,
-                done: 0.0,
-                last: 0.0,
-                speed: 0.0,
-                counted: 0.0,
-                counted_at: 0.0,
-                epoch: 0,
-                run: 0,
-                doomed: false,
-                finished: None,
-                pinned: None,
-            })
-            .collect(),
-        gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
-        used: vec![0; shape.nodes],
-        free: (0..shape.nodes).map(|n| (0, n)).collect(),
-        queue: BTreeSet::new(),
-        separations: 0,
-        claims: policy.claims(),
-        claim_lookahead: policy.claim_lookahead().max(1),
-        look_due: false,
-        timed_look: None,
-        claimed: 0,
-        events: BinaryHeap::new(),
-        seq: 0,
-        oom_failures: 0,
-        speed_seconds: 0.0,
-        busy_seconds: 0.0,
-    };
+    let mut w = World::new(table, trace, shape, progress, seed, &*policy);
     for (j, t) in trace.iter().enumerate() {
         w.push(t.submit_s, j, Kind::Arrive);
     }
@@ -178,95 +87,20 @@ pub fn run(
     }
     let mut watchdog = Watchdog::new(trace.len());
     while let Some(e) = w.events.pop() {
-        let now = e.at;
-        if let Some(stuck) = watchdog.tick(now, e.job) {
+        if let Some(stuck) = watchdog.tick(e.at, e.job) {
             return Err(stuck.describe(trace));
         }
-        match e.kind {
-            Kind::Arrive => {
-                w.queue.insert(e.job);
-            }
-            // A job comes back from a wait after a failure or a separation.
-            Kind::Eligible => {}
-            Kind::Complete(epoch) => {
-                let job = &w.jobs[e.job];
-                if job.epoch != epoch || job.at.is_none() {
-                    continue;
-                }
-                let (node, _) = w.leave(now, e.job);
-                w.jobs[e.job].finished = Some(now);
-                policy.finished(now, node, w.job_ref(e.job), true)?;
-            }
-            Kind::OutOfMemory(run) => {
-                let job = &w.jobs[e.job];
-                // Stale: a later run, or the partners it could not share with left in time.
-                if job.run != run || job.at.is_none() || !job.doomed {
-                    continue;
-                }
-                let (node, _) = w.leave(now, e.job);
-                w.oom_failures += 1;
-                policy.out_of_memory(now, node, w.job_ref(e.job))?;
-                policy.finished(now, node, w.job_ref(e.job), false)?;
-                w.requeue_for(now, e.job, OOM_REQUEUE_S);
-            }
-            Kind::Report(run) => {
-                let job = &w.jobs[e.job];
-                let Some((node, _)) = job.at.filter(|_| job.run == run) else {
-                    continue;
-                };
-                let (done, rate) = (job.done + job.speed * (now - job.last), job.rate);
-                let noise = w.progress.noise * w.progress.every_s * w.noise.normal();
-                let reported = (done + noise).max(0.0) * rate;
-                policy.progress(now, node, w.job_ref(e.job), reported)?;
-                w.push(now + w.progress.every_s, e.job, Kind::Report(run));
-                if !w.give_back(now, node, policy)? {
-                    continue; // nothing changed for Slurm
-                }
-            }
-            Kind::Telemetry => {
-                let mut changed = false;
-                for node in 0..w.shape.nodes {
-                    let round = w.telemetry_round(now, node);
-                    if !round.is_empty() {
-                        policy.telemetry(now, node, &round)?;
-                        changed |= w.give_back(now, node, policy)?;
-                    }
-                }
-                if w.jobs.iter().any(|j| j.finished.is_none()) {
-                    w.push(now + w.progress.busy_every_s, 0, Kind::Telemetry);
-                }
-                if !changed {
-                    continue; // nothing changed for Slurm
-                }
-            }
-            Kind::Look => {
-                w.look_due = false;
-                w.look(now, policy)?;
-                if let Some(t) = policy.look_again().filter(|&t| t > now && !w.queue.is_empty()) {
-                    if w.timed_look.is_none_or(|at| at <= now || t < at) {
-                        w.timed_look = Some(t);
-                        w.push(t, 0, Kind::Look);
-                    }
-                }
-                continue;
-            }
-            Kind::Pass => {
-                let Some((node, g)) = w.jobs[e.job].pinned.take() else {
-                    continue;
-                };
-                w.start(now, e.job, node, g);
-                policy.started(now, node, w.job_ref(e.job), g)?;
-                continue;
-            }
+        if !w.event(e, policy)? {
+            continue; // nothing changed for Slurm
         }
         if w.claims {
             // Something changed: the claimer sees it at its next read of the queue.
             if !w.look_due {
                 w.look_due = true;
-                w.push(now + LOOK_S, 0, Kind::Look);
+                w.push(e.at + LOOK_S, 0, Kind::Look);
             }
         } else {
-            w.schedule(now, policy)?;
+            w.schedule(e.at, policy)?;
         }
     }
     if let Some(j) = w.jobs.iter().position(|j| j.finished.is_none()) {
@@ -288,6 +122,145 @@ pub fn run(
         speed_seconds: w.speed_seconds,
         busy_seconds: w.busy_seconds,
     })
+}
+
+impl<'a> World<'a> {
+    fn new(
+        table: &'a Table,
+        trace: &[TraceJob],
+        shape: Shape,
+        progress: Progress,
+        seed: u64,
+        policy: &dyn Policy,
+    ) -> Self {
+        let mut rates = Rng::new(seed ^ 0x005e_ed0f_a995);
+        // Each application's own iterations per second alone, between 0.5 and 20: the unit of
+        // its reports, which the learned policy must find out for itself.
+        let app_rate: Vec<f64> = (0..table.apps.len())
+            .map(|_| 0.5 * 40f64.powf(rates.uniform()))
+            .collect();
+        let mut utils = Rng::new(seed ^ 0x0005_1111);
+        let app_util: Vec<f64> = (0..table.apps.len()).map(|_| 0.5 + 0.5 * utils.uniform()).collect();
+        let app_bias: Vec<f64> = (0..table.apps.len())
+            .map(|_| progress.busy_bias * utils.uniform())
+            .collect();
+        World {
+            table,
+            shape,
+            slots: policy.slots(&shape),
+            progress,
+            noise: Rng::new(seed ^ 0x0bad_5eed),
+            app_util,
+            app_bias,
+            busy_noise: Rng::new(seed ^ 0x00b5_ed00),
+            jobs: trace.iter().map(|t| Job::new(t, app_rate[t.app])).collect(),
+            gpus: vec![Gpu::default(); shape.nodes * shape.gpus_per_node],
+            used: vec![0; shape.nodes],
+            free: (0..shape.nodes).map(|n| (0, n)).collect(),
+            queue: BTreeSet::new(),
+            separations: 0,
+            claims: policy.claims(),
+            claim_lookahead: policy.claim_lookahead().max(1),
+            look_due: false,
+            timed_look: None,
+            claimed: 0,
+            events: BinaryHeap::new(),
+            seq: 0,
+            oom_failures: 0,
+            speed_seconds: 0.0,
+            busy_seconds: 0.0,
+        }
+    }
+
+    /// What one event does; whether it changed anything Slurm acts on (a look or a pass
+    /// follows).
+    fn event(&mut self, e: Event, policy: &mut dyn Policy) -> Result<bool, String> {
+        let now = e.at;
+        match e.kind {
+            Kind::Arrive => {
+                self.queue.insert(e.job);
+                Ok(true)
+            }
+            // A job comes back from a wait after a failure or a separation.
+            Kind::Eligible => Ok(true),
+            Kind::Complete(epoch) => {
+                let job = &self.jobs[e.job];
+                if job.epoch != epoch || job.at.is_none() {
+                    return Ok(false);
+                }
+                let (node, _) = self.leave(now, e.job);
+                self.jobs[e.job].finished = Some(now);
+                policy.finished(now, node, self.job_ref(e.job), true)?;
+                Ok(true)
+            }
+            Kind::OutOfMemory(run) => self.out_of_memory(now, e.job, run, policy),
+            Kind::Report(run) => self.report(now, e.job, run, policy),
+            Kind::Telemetry => self.telemetry(now, policy),
+            Kind::Look => {
+                self.look_due = false;
+                self.look(now, policy)?;
+                if let Some(t) = policy.look_again().filter(|&t| t > now && !self.queue.is_empty()) {
+                    if self.timed_look.is_none_or(|at| at <= now || t < at) {
+                        self.timed_look = Some(t);
+                        self.push(t, 0, Kind::Look);
+                    }
+                }
+                Ok(false)
+            }
+            Kind::Pass => {
+                if let Some((node, g)) = self.jobs[e.job].pinned.take() {
+                    self.start(now, e.job, node, g);
+                    policy.started(now, node, self.job_ref(e.job), g)?;
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// A run that could not share ends out of memory, unless it is stale (a later run, or the
+    /// partners it could not share with left in time).
+    fn out_of_memory(&mut self, now: f64, j: usize, run: u32, policy: &mut dyn Policy) -> Result<bool, String> {
+        let job = &self.jobs[j];
+        if job.run != run || job.at.is_none() || !job.doomed {
+            return Ok(false);
+        }
+        let (node, _) = self.leave(now, j);
+        self.oom_failures += 1;
+        policy.out_of_memory(now, node, self.job_ref(j))?;
+        policy.finished(now, node, self.job_ref(j), false)?;
+        self.requeue_for(now, j, OOM_REQUEUE_S);
+        Ok(true)
+    }
+
+    /// A running job reports its progress, noisily; its node may give a job back after.
+    fn report(&mut self, now: f64, j: usize, run: u32, policy: &mut dyn Policy) -> Result<bool, String> {
+        let job = &self.jobs[j];
+        let Some((node, _)) = job.at.filter(|_| job.run == run) else {
+            return Ok(false);
+        };
+        let (done, rate) = (job.done + job.speed * (now - job.last), job.rate);
+        let noise = self.progress.noise * self.progress.every_s * self.noise.normal();
+        let reported = (done + noise).max(0.0) * rate;
+        policy.progress(now, node, self.job_ref(j), reported)?;
+        self.push(now + self.progress.every_s, j, Kind::Report(run));
+        self.give_back(now, node, policy)
+    }
+
+    /// A round of GPU telemetry on every node; each node may give a job back after.
+    fn telemetry(&mut self, now: f64, policy: &mut dyn Policy) -> Result<bool, String> {
+        let mut changed = false;
+        for node in 0..self.shape.nodes {
+            let round = self.telemetry_round(now, node);
+            if !round.is_empty() {
+                policy.telemetry(now, node, &round)?;
+                changed |= self.give_back(now, node, policy)?;
+            }
+        }
+        if self.jobs.iter().any(|j| j.finished.is_none()) {
+            self.push(now + self.progress.busy_every_s, 0, Kind::Telemetry);
+        }
+        Ok(changed)
+    }
 }
 
 impl World<'_> {
