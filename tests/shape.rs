@@ -371,7 +371,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/tools.rs", "check_config", 112),
     ("simulate/src/grade.rs", "grade", 72),
     ("simulate/src/input.rs", "parse", 82),
-    ("simulate/src/main.rs", "simulate", 172),
     ("simulate/src/plot.rs", "cdf_panel", 73),
     ("simulate/src/plot.rs", "gap_panel", 67),
     ("simulate/src/learned.rs", "new", 63),

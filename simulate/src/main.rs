@@ -151,24 +151,7 @@ fn main() -> ExitCode {
 }
 
 fn simulate(a: Args) -> Result<(), String> {
-    let (table, table_name) = match &a.table {
-        Some(path) => {
-            let text = read(path)?;
-            let name = path.display().to_string();
-            (input::Table::parse(&text, &name)?, name)
-        }
-        None => (
-            input::Table::parse(input::GAVEL_V100, "gavel-v100")?,
-            "gavel-v100 (embedded)".to_string(),
-        ),
-    };
-    let (table, table_name) = match &a.app_memory {
-        Some(path) => (
-            table.with_memory(&read(path)?, &path.display().to_string(), a.gpu_memory_mb)?,
-            format!("{table_name} with the memory of {}", path.display()),
-        ),
-        None => (table, table_name),
-    };
+    let (table, table_name) = load_table(&a)?;
     if let Some(path) = &a.grade {
         let export = serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
             .map_err(|e| format!("{}: not a multiplexd history export: {e}", path.display()))?;
@@ -186,9 +169,73 @@ fn simulate(a: Args) -> Result<(), String> {
     let policies = if a.policies.is_empty() {
         multiplex_simulate::policy::ALL.iter().map(|p| p.to_string()).collect()
     } else {
-        a.policies
+        a.policies.clone()
     };
     multiplex_simulate::check(&shape, &policies)?;
+    check_flags(&a)?;
+    let (trace, source) = load_trace(&a, &table, &shape)?;
+    let heading = format!(
+        "{} nodes x {} GPUs x {} jobs per GPU, {} jobs ({source}); pair table {table_name}: {} apps on {}",
+        shape.nodes,
+        shape.gpus_per_node,
+        shape.jobs_per_gpu,
+        trace.len(),
+        table.apps.len(),
+        table.model
+    );
+    let history = load_history(&a, &policies)?;
+    let setup = multiplex_simulate::Setup {
+        table,
+        trace,
+        shape,
+        policies,
+        seed: a.seed,
+        progress: world::Progress {
+            every_s: a.progress_every,
+            noise: a.progress_noise,
+            busy_every_s: a.busy_every,
+            busy_noise: a.busy_noise,
+            busy_bias: a.busy_bias,
+        },
+        options: multiplex_simulate::policy::Options {
+            share_every_s: a.share_history_every,
+            min_gain: a.min_gain,
+            separate_below: a.separate_below,
+            lookahead: a.lookahead,
+            fixed_gpu: a.fixed_gpu,
+        },
+        history,
+    };
+    let started = std::time::Instant::now();
+    let runs = multiplex_simulate::run(&setup)?;
+    write_results(&a, &runs, &heading, started.elapsed().as_secs_f64())
+}
+
+/// The pair table (`--table`, else the embedded V100 one) with its memory (`--app-memory`),
+/// and its name for the heading.
+fn load_table(a: &Args) -> Result<(input::Table, String), String> {
+    let (table, table_name) = match &a.table {
+        Some(path) => {
+            let text = read(path)?;
+            let name = path.display().to_string();
+            (input::Table::parse(&text, &name)?, name)
+        }
+        None => (
+            input::Table::parse(input::GAVEL_V100, "gavel-v100")?,
+            "gavel-v100 (embedded)".to_string(),
+        ),
+    };
+    Ok(match &a.app_memory {
+        Some(path) => (
+            table.with_memory(&read(path)?, &path.display().to_string(), a.gpu_memory_mb)?,
+            format!("{table_name} with the memory of {}", path.display()),
+        ),
+        None => (table, table_name),
+    })
+}
+
+/// The world's flags, each refused with its name where it makes no sense.
+fn check_flags(a: &Args) -> Result<(), String> {
     // A report every instant would stop the simulated clock.
     if !(a.progress_every.is_finite() && (a.progress_every == 0.0 || a.progress_every >= 1.0)) {
         return Err(format!(
@@ -220,30 +267,32 @@ fn simulate(a: Args) -> Result<(), String> {
             a.share_history_every
         ));
     }
+    Ok(())
+}
+
+/// The trace (`--trace`, else generated), written out where `--write-trace` asks, and where
+/// it came from for the heading.
+fn load_trace(a: &Args, table: &input::Table, shape: &world::Shape) -> Result<(Vec<input::TraceJob>, String), String> {
     let (trace, source) = match &a.trace {
         Some(path) => {
             let text = read(path)?;
-            let trace = input::parse_trace(&text, &path.display().to_string(), &table)?;
+            let trace = input::parse_trace(&text, &path.display().to_string(), table)?;
             (trace, format!("trace {}", path.display()))
         }
         None => (
-            multiplex_simulate::generated_trace(&table, a.jobs, a.load, &shape, a.seed, a.same_app_runtime_sigma)?,
+            multiplex_simulate::generated_trace(table, a.jobs, a.load, shape, a.seed, a.same_app_runtime_sigma)?,
             format!("generated trace: load {}, seed {}", a.load, a.seed),
         ),
     };
     if let Some(path) = &a.write_trace {
-        std::fs::write(path, input::trace_csv(&trace, &table))
+        std::fs::write(path, input::trace_csv(&trace, table))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
-    let heading = format!(
-        "{} nodes x {} GPUs x {} jobs per GPU, {} jobs ({source}); pair table {table_name}: {} apps on {}",
-        shape.nodes,
-        shape.gpus_per_node,
-        shape.jobs_per_gpu,
-        trace.len(),
-        table.apps.len(),
-        table.model
-    );
+    Ok((trace, source))
+}
+
+/// The history the learned policy starts from (`--history`); the history flags need it.
+fn load_history(a: &Args, policies: &[String]) -> Result<Option<multiplexd::history::Export>, String> {
     if !policies.iter().any(|p| p == "learned") {
         if a.write_history.is_some() {
             return Err("--write-history: writes what the learned policy learned; add --policy learned".into());
@@ -265,41 +314,21 @@ fn simulate(a: Args) -> Result<(), String> {
             a.history_time_scale
         ));
     }
-    let setup = multiplex_simulate::Setup {
-        table,
-        trace,
-        shape,
-        policies,
-        seed: a.seed,
-        progress: world::Progress {
-            every_s: a.progress_every,
-            noise: a.progress_noise,
-            busy_every_s: a.busy_every,
-            busy_noise: a.busy_noise,
-            busy_bias: a.busy_bias,
-        },
-        options: multiplex_simulate::policy::Options {
-            share_every_s: a.share_history_every,
-            min_gain: a.min_gain,
-            separate_below: a.separate_below,
-            lookahead: a.lookahead,
-            fixed_gpu: a.fixed_gpu,
-        },
-        history,
-    };
-    let started = std::time::Instant::now();
-    let runs = multiplex_simulate::run(&setup)?;
-    let elapsed = started.elapsed().as_secs_f64();
+    Ok(history)
+}
+
+/// The results in the format asked for, and the files `--write-history` and `--plot` ask for.
+fn write_results(a: &Args, runs: &[multiplex_simulate::Run], heading: &str, elapsed: f64) -> Result<(), String> {
     match a.format {
         Format::Table => {
-            print!("{}", multiplex_simulate::table(&runs, &heading));
+            print!("{}", multiplex_simulate::table(runs, heading));
             println!("simulated in {elapsed:.1} s");
         }
         Format::Json => {
             let all: Vec<&multiplex_simulate::Summary> = runs.iter().map(|r| &r.summary).collect();
             println!("{}", serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?);
         }
-        Format::Csv => print!("{}", multiplex_simulate::csv(&runs)),
+        Format::Csv => print!("{}", multiplex_simulate::csv(runs)),
     }
     if let Some(path) = &a.write_history {
         let learned = runs.iter().find_map(|r| r.history.as_ref());
@@ -313,7 +342,7 @@ fn simulate(a: Args) -> Result<(), String> {
         std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.plot {
-        std::fs::write(path, multiplex_simulate::plot::svg(&runs, &heading))
+        std::fs::write(path, multiplex_simulate::plot::svg(runs, heading))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     Ok(())
