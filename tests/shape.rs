@@ -362,7 +362,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/inspect.rs", "fmt", 80),
     ("daemon/src/learn.rs", "fit", 115),
     ("daemon/src/metrics.rs", "new", 90),
-    ("daemon/src/node/steps.rs", "start", 120),
     ("daemon/src/node/steps.rs", "finish_deferred", 62),
     ("daemon/src/placement.rs", "place", 61),
     ("daemon/src/placement.rs", "score", 113),

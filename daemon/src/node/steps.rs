@@ -98,38 +98,7 @@ impl Node {
         let now = (self.clock)();
         let active = self.active()?;
         if let Some(job) = active.iter().find(|j| j.job_id == req.job_id) {
-            self.history.record_step(job.row, req.step_id, now)?;
-            let partners: Vec<&ActiveJob> = active
-                .iter()
-                .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
-                .collect();
-            let reason = if req.step_id == job.owner_step {
-                job.decision.clone()
-            } else {
-                format!(
-                    "step {} joins GPU {} held by its job: {}",
-                    req.step_id, job.gpu, job.decision
-                )
-            };
-            // Only the MPS limit reads the history here.
-            let estimates = if self.config.mps {
-                self.estimates_beside(gpu_model(&self.gpus, job.gpu), &job.app, &partners)?
-            } else {
-                Estimates::default()
-            };
-            let placement = self.placement(
-                job.gpu,
-                &job.app,
-                &partners,
-                &estimates,
-                job.predicted_speed,
-                reason,
-                job.mem_mb,
-            );
-            return Ok(Started::Placed {
-                placement,
-                bound: Bound::Joined,
-            });
+            return self.join(req, job, &active, now);
         }
         let largest = self.gpus.iter().map(|g| g.memory_mb).max().unwrap_or(0);
         if let Some(need) = req.mem_mb.filter(|&m| !self.gpus.is_empty() && m > largest) {
@@ -143,6 +112,54 @@ impl Node {
                 allocated: req.slurm_job_gpus.clone(),
             });
         };
+        self.place(req, &active, gpu, now)
+    }
+
+    /// Another step of a job that holds its GPU here: it joins the job there.
+    fn join(
+        &mut self,
+        req: &StartRequest,
+        job: &ActiveJob,
+        active: &[ActiveJob],
+        now: f64,
+    ) -> Result<Started, RequestError> {
+        self.history.record_step(job.row, req.step_id, now)?;
+        let partners: Vec<&ActiveJob> = active
+            .iter()
+            .filter(|o| o.gpu == job.gpu && o.job_id != job.job_id)
+            .collect();
+        let reason = if req.step_id == job.owner_step {
+            job.decision.clone()
+        } else {
+            format!(
+                "step {} joins GPU {} held by its job: {}",
+                req.step_id, job.gpu, job.decision
+            )
+        };
+        // Only the MPS limit reads the history here.
+        let estimates = if self.config.mps {
+            self.estimates_beside(gpu_model(&self.gpus, job.gpu), &job.app, &partners)?
+        } else {
+            Estimates::default()
+        };
+        let placement = self.placement(
+            job.gpu,
+            &job.app,
+            &partners,
+            &estimates,
+            job.predicted_speed,
+            reason,
+            job.mem_mb,
+        );
+        Ok(Started::Placed {
+            placement,
+            bound: Bound::Joined,
+        })
+    }
+
+    /// A new job on `gpu`, where Slurm bound it: recorded there, with how it came by the GPU
+    /// and how fast it is predicted to run beside the jobs there.
+    fn place(&mut self, req: &StartRequest, active: &[ActiveJob], gpu: u32, now: f64) -> Result<Started, RequestError> {
         let g = self.gpus.iter().find(|g| g.index == gpu).expect("a GPU of the pool");
         let kind = multiplex_protocol::gres::gpu_type(&g.model, gpu);
         let model = g.model.clone();
@@ -157,53 +174,21 @@ impl Node {
             predicted_speed *= speed;
             beside.push(format!("beside {} (job {}): {why}", p.app, p.job_id));
         }
-        // Slurm's books say whether the claim's GPU was allocated (the typed shard it names);
-        // the claim, written by the claimer under the tag, says what it was made for.
-        let claimed = req
-            .slurm_gres
-            .as_deref()
-            .is_some_and(|g| g.contains(&format!(":{kind}:")));
-        let claim = Claim::from_comment(req.admin_comment.as_deref())
-            .and_then(Result::ok)
-            .filter(|c| c.node == req.node);
-        // A job srun made is claimed for its node only (`pin=node`): Slurm picks the GPU there.
-        let node_only = Spec::from_tag(req.admin_comment.as_deref())
-            .and_then(Result::ok)
-            .is_some_and(|s| s.node_only);
-        let node_claimed = !claimed && node_only && claim.as_ref().is_some_and(|c| c.gpu.is_none());
-        // Beside the partners it was claimed beside, the job runs at the speed the claim was
-        // made on; where they changed since, at the speed this node's history predicts.
-        if let Some(c) = claim.as_ref().filter(|_| claimed || node_claimed) {
-            let mut now_beside: Vec<u32> = residents.iter().map(|p| p.job_id).collect();
-            let mut then_beside = c.partners.clone();
-            now_beside.sort_unstable();
-            then_beside.sort_unstable();
-            if now_beside == then_beside {
-                predicted_speed = c.predicted_speed;
+        let (bound, claimed_speed) = bound(req, &kind, &residents);
+        let mut reason = match bound {
+            Bound::Claimed => format!("GPU {gpu} ({kind}), claimed for it before Slurm allocated it"),
+            Bound::NodeClaimed => {
+                format!("GPU {gpu} ({kind}), Slurm's choice on a node claimed for it (srun made the job)")
             }
-        }
-        let (bound, mut reason) = if claimed {
-            (
-                Bound::Claimed,
-                format!("GPU {gpu} ({kind}), claimed for it before Slurm allocated it"),
-            )
-        } else if node_claimed {
-            (
-                Bound::NodeClaimed,
-                format!("GPU {gpu} ({kind}), Slurm's choice on a node claimed for it (srun made the job)"),
-            )
-        } else {
-            (
-                Bound::Unclaimed,
-                format!("GPU {gpu}, where Slurm bound it on its own choice (not claimed)"),
-            )
+            _ => format!("GPU {gpu}, where Slurm bound it on its own choice (not claimed)"),
         };
         if beside.is_empty() {
             reason.push_str(": alone");
         } else {
             reason.push_str(&format!(": {}", beside.join(", ")));
         }
-        let placement = self.commit(req, &active, gpu, &model, &estimates, predicted_speed, reason, now)?;
+        let predicted_speed = claimed_speed.unwrap_or(predicted_speed);
+        let placement = self.commit(req, active, gpu, &model, &estimates, predicted_speed, reason, now)?;
         Ok(Started::Placed { placement, bound })
     }
 
@@ -450,4 +435,36 @@ impl Node {
         };
         Ok(message)
     }
+}
+
+/// How a new job came by GPU `kind` here, and the speed its claim was made on where it runs
+/// beside the partners it was claimed beside (where they changed since, the node's own
+/// prediction stands). Slurm's books say whether the claim's GPU was allocated (the typed
+/// shard it names); the claim, written by the claimer under the tag, says what it was made for.
+fn bound(req: &StartRequest, kind: &str, residents: &[&ActiveJob]) -> (Bound, Option<f64>) {
+    let claimed = req
+        .slurm_gres
+        .as_deref()
+        .is_some_and(|g| g.contains(&format!(":{kind}:")));
+    let claim = Claim::from_comment(req.admin_comment.as_deref())
+        .and_then(Result::ok)
+        .filter(|c| c.node == req.node);
+    // A job srun made is claimed for its node only (`pin=node`): Slurm picks the GPU there.
+    let node_only = Spec::from_tag(req.admin_comment.as_deref())
+        .and_then(Result::ok)
+        .is_some_and(|s| s.node_only);
+    let node_claimed = !claimed && node_only && claim.as_ref().is_some_and(|c| c.gpu.is_none());
+    let bound = match (claimed, node_claimed) {
+        (true, _) => Bound::Claimed,
+        (false, true) => Bound::NodeClaimed,
+        (false, false) => return (Bound::Unclaimed, None),
+    };
+    let speed = claim.and_then(|c| {
+        let mut now_beside: Vec<u32> = residents.iter().map(|p| p.job_id).collect();
+        let mut then_beside = c.partners;
+        now_beside.sort_unstable();
+        then_beside.sort_unstable();
+        (now_beside == then_beside).then_some(c.predicted_speed)
+    });
+    (bound, speed)
 }
