@@ -367,7 +367,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/placement.rs", "score", 113),
     ("daemon/src/serve.rs", "serve", 114),
     ("daemon/src/server.rs", "handle", 73),
-    ("daemon/src/tools.rs", "check_config", 112),
     ("simulate/src/grade.rs", "grade", 72),
     ("simulate/src/input.rs", "parse", 82),
     ("simulate/src/plot.rs", "cdf_panel", 73),

@@ -248,7 +248,7 @@ fn conf_key(text: &str, key: &str) -> Option<String> {
 }
 
 pub fn check_config(config_path: &Path) -> Result<bool, String> {
-    use crate::check::{self, Finding, Inputs, Level, PolicyView};
+    use crate::check::{self, Inputs, Level};
     use crate::slurm::Slurm;
     let config = crate::config::load(config_path)?;
     let slurm = Commands::new(&config.slurm_bin);
@@ -262,71 +262,17 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
                 .unwrap_or(false)
         })
     };
-    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
     let slurm_conf = PathBuf::from(std::env::var_os("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into()));
     let etc = slurm_conf.parent().unwrap_or(Path::new("/etc/slurm")).to_path_buf();
     let conf_value = |key: &str| read(&slurm_conf).ok().and_then(|text| conf_key(&text, key));
     let plugstack_path = conf_value("PlugStackConfig").map_or_else(|| etc.join("plugstack.conf"), PathBuf::from);
-    let plugstack = read(&plugstack_path).map(|text| {
-        // Lines of the files it includes (`include /etc/slurm/plugstack.conf.d/*.conf`) too.
-        let mut all = text.clone();
-        for pattern in text.lines().filter_map(|l| l.trim().strip_prefix("include ")) {
-            let pattern = Path::new(pattern.trim());
-            let (dir, name) = (pattern.parent().unwrap_or(Path::new("/")), pattern.file_name());
-            let name = name.and_then(|n| n.to_str()).unwrap_or("");
-            let (head, tail) = name.split_once('*').unwrap_or((name, ""));
-            let Ok(entries) = std::fs::read_dir(dir) else { continue };
-            for e in entries.flatten() {
-                let n = e.file_name().to_string_lossy().into_owned();
-                if n.starts_with(head) && n.ends_with(tail) && (name.contains('*') || n == name) {
-                    all.push('\n');
-                    all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
-                }
-            }
-        }
-        check::plugstack_socket(&all, &config.node)
-    });
+    let plugstack = read(&plugstack_path).map(|text| check::plugstack_socket(&with_includes(&text), &config.node));
     let gres_path = etc.join("gres.conf");
     let gres = read(&gres_path).and_then(|text| check::parse_gres_conf(&text, &|list| names_node(list)));
     let record = slurm.node_record(&config.node).map_err(|e| e.to_string());
     let policy_path = std::env::var_os("MULTIPLEX_JOB_SUBMIT_CONF")
         .map_or_else(|| etc.join("job_submit_multiplex.toml"), PathBuf::from);
-    let mut notes: Vec<Finding> = Vec::new();
-    let policy = match read(&policy_path) {
-        Ok(text) => match text.parse::<toml::Table>() {
-            Ok(t) => Some(PolicyView {
-                partitions: t
-                    .get("partitions")
-                    .and_then(|v| v.as_array())
-                    .map(|a| a.iter().filter_map(|p| p.as_str().map(String::from)).collect())
-                    .unwrap_or_else(|| vec![DEFAULT_PARTITION.into()]),
-                names_node: t.get("shared_nodes").and_then(|v| v.as_str()).is_some_and(names_node),
-            }),
-            Err(e) => {
-                notes.push(Finding {
-                    level: Level::Warning,
-                    text: format!(
-                        "partitions not checked: {} is not valid TOML ({e})",
-                        policy_path.display()
-                    ),
-                });
-                None
-            }
-        },
-        Err(_) => {
-            notes.push(Finding {
-                level: Level::Ok,
-                text: format!(
-                    "no job_submit policy at {} here: its defaults (partition {DEFAULT_PARTITION}) assumed",
-                    policy_path.display()
-                ),
-            });
-            Some(PolicyView {
-                partitions: vec![DEFAULT_PARTITION.into()],
-                names_node: false,
-            })
-        }
-    };
+    let (policy, mut findings) = job_submit_policy(&policy_path, &names_node);
     // cgroup.conf's ConstrainDevices (a key=value file as slurm.conf is).
     let cgroup_path = etc.join("cgroup.conf");
     let constrain_devices = read(&cgroup_path).map(|text| conf_key(&text, "ConstrainDevices"));
@@ -339,20 +285,80 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         plugstack,
         policy,
     };
-    let mut findings = notes;
     findings.extend(check::check(&inputs));
-    let mut ok = true;
     println!("checking node {} ({})", config.node, config_path.display());
     for f in &findings {
         let label = match f.level {
             Level::Ok => "ok",
             Level::Warning => "warning",
-            Level::Error => {
-                ok = false;
-                "error"
-            }
+            Level::Error => "error",
         };
         println!("{label}: {}", f.text);
     }
-    Ok(ok)
+    Ok(!findings.iter().any(|f| f.level == Level::Error))
+}
+
+/// plugstack.conf's text with the lines of the files it includes
+/// (`include /etc/slurm/plugstack.conf.d/*.conf`).
+fn with_includes(text: &str) -> String {
+    let mut all = text.to_string();
+    for pattern in text.lines().filter_map(|l| l.trim().strip_prefix("include ")) {
+        let pattern = Path::new(pattern.trim());
+        let (dir, name) = (pattern.parent().unwrap_or(Path::new("/")), pattern.file_name());
+        let name = name.and_then(|n| n.to_str()).unwrap_or("");
+        let (head, tail) = name.split_once('*').unwrap_or((name, ""));
+        let Ok(entries) = std::fs::read_dir(dir) else { continue };
+        for e in entries.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with(head) && n.ends_with(tail) && (name.contains('*') || n == name) {
+                all.push('\n');
+                all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+    }
+    all
+}
+
+/// What job_submit's policy at `path` says of this node (`None`: not known), and a note on
+/// how it was read.
+fn job_submit_policy(
+    path: &Path,
+    names_node: &dyn Fn(&str) -> bool,
+) -> (Option<crate::check::PolicyView>, Vec<crate::check::Finding>) {
+    use crate::check::{Finding, Level, PolicyView};
+    match read(path) {
+        Ok(text) => match text.parse::<toml::Table>() {
+            Ok(t) => (
+                Some(PolicyView {
+                    partitions: t
+                        .get("partitions")
+                        .and_then(|v| v.as_array())
+                        .map(|a| a.iter().filter_map(|p| p.as_str().map(String::from)).collect())
+                        .unwrap_or_else(|| vec![DEFAULT_PARTITION.into()]),
+                    names_node: t.get("shared_nodes").and_then(|v| v.as_str()).is_some_and(names_node),
+                }),
+                Vec::new(),
+            ),
+            Err(e) => (
+                None,
+                vec![Finding {
+                    level: Level::Warning,
+                    text: format!("partitions not checked: {} is not valid TOML ({e})", path.display()),
+                }],
+            ),
+        },
+        Err(_) => (
+            Some(PolicyView {
+                partitions: vec![DEFAULT_PARTITION.into()],
+                names_node: false,
+            }),
+            vec![Finding {
+                level: Level::Ok,
+                text: format!(
+                    "no job_submit policy at {} here: its defaults (partition {DEFAULT_PARTITION}) assumed",
+                    path.display()
+                ),
+            }],
+        ),
+    }
 }
