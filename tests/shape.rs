@@ -365,7 +365,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/node/steps.rs", "finish_deferred", 62),
     ("daemon/src/placement.rs", "place", 61),
     ("daemon/src/placement.rs", "score", 113),
-    ("daemon/src/serve.rs", "serve", 114),
     ("daemon/src/server.rs", "handle", 73),
     ("simulate/src/grade.rs", "grade", 72),
     ("simulate/src/input.rs", "parse", 82),

@@ -16,13 +16,7 @@ use std::time::Duration;
 /// Runs the daemon for the node that the config at `config_path` describes, until SIGTERM or
 /// SIGINT.
 pub fn serve(config_path: &Path) -> Result<(), String> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MULTIPLEXD_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    init_logging();
     let config = crate::config::load(config_path)?;
     let gpus = crate::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
     let access = Access {
@@ -32,12 +26,8 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     };
     let slurm: Arc<dyn Slurm> = Arc::new(crate::slurm::Commands::new(&config.slurm_bin));
     let socket = config.socket.clone();
-    let node_name = config.node.clone();
-    let reconcile = config.reconcile.clone();
-    let share = config.share.clone();
-    let claim = config.claim.clone();
-    let telemetry_s = config.telemetry_interval_s;
-    let separate_look_ms = config.policy.separate_look_ms;
+    // What the background threads read; the node owns the config from here on.
+    let wiring = config.clone();
     // Bound before anything starts, so that a taken port stops the daemon with the reason.
     let metrics = match config.metrics_listen {
         Some(addr) => {
@@ -54,7 +44,7 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     let signals = daemon_signals();
     raise_file_limit();
     let listener = server::bind(&socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
-    tracing::info!(node = %node_name, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
+    tracing::info!(node = %wiring.node, socket = %socket.display(), gpus = gpus.len(), "multiplexd serving");
     let shutdown = Arc::new(AtomicBool::new(false));
     if let Err(e) = node.checkpoint_in_background(Arc::clone(&shutdown)) {
         tracing::warn!(error = %e, "checkpointing on commit instead of in the background");
@@ -63,61 +53,15 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         tracing::warn!(error = %e, "learning inside each finish request instead of on a thread of its own");
     }
     let node = Arc::new(Mutex::new(node));
-    {
-        let shutdown = Arc::clone(&shutdown);
-        let socket = socket.clone();
-        let node = Arc::clone(&node);
-        let config_path = config_path.to_path_buf();
-        std::thread::spawn(move || loop {
-            let sig = wait_for(&signals);
-            if sig == libc::SIGHUP {
-                reload(&config_path, &node);
-                continue;
-            }
-            tracing::info!(signal = sig, "stopping");
-            shutdown.store(true, Ordering::SeqCst);
-            let _ = std::os::unix::net::UnixStream::connect(&socket);
-            break;
-        });
-    }
-    crate::reconcile::spawn(Arc::clone(&node), Arc::clone(&slurm), reconcile, Arc::clone(&shutdown));
-    // Also with `policy.separate_below` 0, which a reload may change.
-    crate::separate::spawn(
-        Arc::clone(&node),
-        Arc::clone(&slurm),
-        Duration::from_millis(separate_look_ms),
-        Arc::clone(&shutdown),
-    );
-    let share_every_s = share.every_s;
-    crate::share::spawn(Arc::clone(&node), share, Arc::clone(&shutdown));
-    if claim.enabled {
-        crate::claimer::spawn(
-            Arc::clone(&node),
-            Arc::clone(&slurm),
-            claim,
-            share_every_s,
-            Arc::clone(&shutdown),
-        );
-    }
-    start_telemetry(&node, &gpus, telemetry_s, &shutdown);
+    follow_signals(signals, config_path, &node, &socket, &shutdown);
+    start_background(&node, &slurm, &wiring, &gpus, &shutdown);
     follow_private_data(
         Arc::clone(&slurm),
         Arc::clone(&access.private_jobs),
         Arc::clone(&shutdown),
     );
     if let Some(listener) = metrics {
-        let (node, private, shutdown) = (
-            Arc::clone(&node),
-            Arc::clone(&access.private_jobs),
-            Arc::clone(&shutdown),
-        );
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                let snapshot = move || node.lock().unwrap_or_else(|p| p.into_inner()).metrics_snapshot();
-                crate::metrics::serve(listener, Box::new(snapshot), private, shutdown)
-            })
-            .map_err(|e| format!("cannot start the metrics endpoint: {e}"))?;
+        start_metrics(listener, &node, &access, &shutdown)?;
     }
     // systemd (Type=notify): the socket answers from here on.
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
@@ -127,6 +71,94 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     // What ended jobs still have to teach is learned before the daemon exits.
     node.lock().unwrap_or_else(|p| p.into_inner()).stop_learning();
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// The log on stderr, at MULTIPLEXD_LOG's level (default info).
+fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MULTIPLEXD_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+/// A thread that waits for the stop and reload signals: SIGHUP rereads the config, the others
+/// stop the daemon (and wake the server with a connection to its own socket).
+fn follow_signals(
+    signals: libc::sigset_t,
+    config_path: &Path,
+    node: &Arc<Mutex<Node>>,
+    socket: &Path,
+    shutdown: &Arc<AtomicBool>,
+) {
+    let (shutdown, socket, node) = (Arc::clone(shutdown), socket.to_path_buf(), Arc::clone(node));
+    let config_path = config_path.to_path_buf();
+    std::thread::spawn(move || loop {
+        let sig = wait_for(&signals);
+        if sig == libc::SIGHUP {
+            reload(&config_path, &node);
+            continue;
+        }
+        tracing::info!(signal = sig, "stopping");
+        shutdown.store(true, Ordering::SeqCst);
+        let _ = std::os::unix::net::UnixStream::connect(&socket);
+        break;
+    });
+}
+
+/// The background threads: reconciling with Slurm, giving back poor shares, pooling the
+/// history, the claimer where this daemon is it, GPU telemetry.
+fn start_background(
+    node: &Arc<Mutex<Node>>,
+    slurm: &Arc<dyn Slurm>,
+    config: &crate::config::Config,
+    gpus: &[GpuSpec],
+    shutdown: &Arc<AtomicBool>,
+) {
+    crate::reconcile::spawn(
+        Arc::clone(node),
+        Arc::clone(slurm),
+        config.reconcile.clone(),
+        Arc::clone(shutdown),
+    );
+    // Also with `policy.separate_below` 0, which a reload may change.
+    crate::separate::spawn(
+        Arc::clone(node),
+        Arc::clone(slurm),
+        Duration::from_millis(config.policy.separate_look_ms),
+        Arc::clone(shutdown),
+    );
+    crate::share::spawn(Arc::clone(node), config.share.clone(), Arc::clone(shutdown));
+    if config.claim.enabled {
+        crate::claimer::spawn(
+            Arc::clone(node),
+            Arc::clone(slurm),
+            config.claim.clone(),
+            config.share.every_s,
+            Arc::clone(shutdown),
+        );
+    }
+    start_telemetry(node, gpus, config.telemetry_interval_s, shutdown);
+}
+
+/// The Prometheus endpoint's thread.
+fn start_metrics(
+    listener: std::net::TcpListener,
+    node: &Arc<Mutex<Node>>,
+    access: &Access,
+    shutdown: &Arc<AtomicBool>,
+) -> Result<(), String> {
+    let (node, private, shutdown) = (Arc::clone(node), Arc::clone(&access.private_jobs), Arc::clone(shutdown));
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let snapshot = move || node.lock().unwrap_or_else(|p| p.into_inner()).metrics_snapshot();
+            crate::metrics::serve(listener, Box::new(snapshot), private, shutdown)
+        })
+        .map_err(|e| format!("cannot start the metrics endpoint: {e}"))?;
     Ok(())
 }
 
