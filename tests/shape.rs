@@ -351,7 +351,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("spank/src/srun.rs", "post_opt", 70),
     ("spank/src/step.rs", "post_opt", 61),
     ("daemon/src/check.rs", "parse_gres_conf", 65),
-    ("daemon/src/claim.rs", "choose_with", 105),
     ("daemon/src/command.rs", "run", 66),
     ("daemon/src/config/mod.rs", "reload", 87),
     ("daemon/src/history/effects.rs", "stepped_effects", 108),

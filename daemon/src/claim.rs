@@ -326,93 +326,107 @@ fn choose_with(
     };
     while !left.is_empty() && free(&nodes) {
         let ids: Vec<u32> = left.iter().map(|&i| pending[i].job_id).collect();
+        // Passed over too often: it goes first wherever it has an offer, but on the same terms
+        // as any job (a free GPU or a share worth its risk; a lower bar was measured slower,
+        // docs/notebook/2026-11-results.md).
         let mut offers: Vec<(Offer, bool)> = left
             .iter()
             .map(|&i| {
-                // Passed over too often: it goes first wherever it has an offer, but on the
-                // same terms as any job (a free GPU or a share worth its risk). Measured on
-                // every table (5 seeds), lowering its bar to any share that does not lose helped no
-                // table by more than 0.4% and slowed the overloaded V100 mix by 8%.
                 let starved = bypasses.passed(pending[i].job_id) >= Bypasses::MAX;
                 (offer(&nodes, &pending[i], history, knobs), starved)
             })
             .collect();
-        if let Some(k) = offers.iter().position(|(o, _)| matches!(o, Offer::Never(_))) {
-            let Offer::Never(reason) = &offers[k].0 else {
-                unreachable!()
-            };
-            out.push(Choice::Refuse {
-                job: left[k],
-                reason: reason.clone(),
-            });
+        let never = offers.iter().enumerate().find_map(|(k, (o, _))| match o {
+            Offer::Never(reason) => Some((k, reason.clone())),
+            _ => None,
+        });
+        if let Some((k, reason)) = never {
+            out.push(Choice::Refuse { job: left[k], reason });
             left.remove(k);
             continue;
         }
-        let gain = |o: &Offer| match o {
-            Offer::Gain { gain, .. } => Some(*gain),
-            _ => None,
-        };
-        // A starved job with a slot goes first; else a later job only if it gains more than
-        // the first by the margin; else the first, if anything is worth taking for it.
-        let chosen = offers
-            .iter()
-            .position(|(o, starved)| *starved && gain(o).is_some())
-            .or_else(|| {
-                let first = gain(&offers[0].0);
-                let mut best: Option<(usize, f64)> = None;
-                for (k, (o, _)) in offers.iter().enumerate().skip(1) {
-                    if let Some(g) = gain(o) {
-                        if g > first.unwrap_or(0.0) + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
-                            best = Some((k, g));
-                        }
-                    }
-                }
-                best.map(|(k, _)| k).or(first.map(|_| 0))
-            });
-        let Some(k) = chosen else { break };
+        let Some(k) = pick(&offers) else { break };
         bypasses.passed_over(&ids, k);
         let (Offer::Gain { node, decision, .. }, _) = offers.swap_remove(k) else {
             unreachable!()
         };
-        let Decision::Place {
-            gpu,
-            corunners,
-            predicted_speed,
-            gain,
-            reason,
-        } = decision
-        else {
-            unreachable!()
-        };
-        let job = &pending[left[k]];
-        if let Some(g) = nodes[node].gpus.iter_mut().find(|g| g.index == gpu) {
-            // Each pair never tried that this claim gambles on (as placement weighed it) is
-            // being tried from now on.
-            if !placement::memory_known(job.mem_mb, g) {
-                for r in &g.residents {
-                    if placement::untried_pair(history.pair(&g.model, &job.app, &r.app)) {
-                        history.try_pair(&g.model, &job.app, &r.app, job.job_id);
-                    }
-                }
-            }
-            g.residents.push(placement::Resident {
-                job_id: job.job_id,
-                app: job.app.clone(),
-                mem_mb: job.mem_mb,
-            });
+        let choice = pin_choice(left[k], node, decision);
+        if let Choice::Pin { gpu, .. } = &choice {
+            seat(&mut nodes[node], *gpu, &pending[left[k]], history);
         }
-        out.push(Choice::Pin {
-            job: left[k],
-            node,
-            gpu,
-            partners: corunners,
-            predicted_speed,
-            gain,
-            reason,
-        });
+        out.push(choice);
         left.remove(k);
     }
     out
+}
+
+/// The claim of pending job `job` (its index) onto what placement decided for it on `node`.
+fn pin_choice(job: usize, node: usize, decision: Decision) -> Choice {
+    let Decision::Place {
+        gpu,
+        corunners,
+        predicted_speed,
+        gain,
+        reason,
+    } = decision
+    else {
+        unreachable!("an offer with a gain is a placement")
+    };
+    Choice::Pin {
+        job,
+        node,
+        gpu,
+        partners: corunners,
+        predicted_speed,
+        gain,
+        reason,
+    }
+}
+
+/// Which offer is taken: a starved job's with a slot first; else a later job's only if it
+/// gains more than the first's by [`STEER_MARGIN`]; else the first's, if anything is worth
+/// taking for it.
+fn pick(offers: &[(Offer, bool)]) -> Option<usize> {
+    let gain = |o: &Offer| match o {
+        Offer::Gain { gain, .. } => Some(*gain),
+        _ => None,
+    };
+    offers
+        .iter()
+        .position(|(o, starved)| *starved && gain(o).is_some())
+        .or_else(|| {
+            let first = gain(&offers[0].0);
+            let mut best: Option<(usize, f64)> = None;
+            for (k, (o, _)) in offers.iter().enumerate().skip(1) {
+                if let Some(g) = gain(o) {
+                    if g > first.unwrap_or(0.0) + STEER_MARGIN && best.is_none_or(|(_, b)| g > b + 1e-9) {
+                        best = Some((k, g));
+                    }
+                }
+            }
+            best.map(|(k, _)| k).or(first.map(|_| 0))
+        })
+}
+
+/// `job` claimed onto `gpu` of `node`: a resident there for the rest of the look, and each
+/// pair never tried that this claim gambles on (as placement weighed it) is being tried from
+/// now on.
+fn seat(node: &mut NodeGpus, gpu: u32, job: &Candidate, history: &mut Estimates) {
+    let Some(g) = node.gpus.iter_mut().find(|g| g.index == gpu) else {
+        return;
+    };
+    if !placement::memory_known(job.mem_mb, g) {
+        for r in &g.residents {
+            if placement::untried_pair(history.pair(&g.model, &job.app, &r.app)) {
+                history.try_pair(&g.model, &job.app, &r.app, job.job_id);
+            }
+        }
+    }
+    g.residents.push(placement::Resident {
+        job_id: job.job_id,
+        app: job.app.clone(),
+        mem_mb: job.mem_mb,
+    });
 }
 
 /// How much more a pending job behind the first must gain (jobs' worth of throughput) for
