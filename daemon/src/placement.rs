@@ -227,6 +227,41 @@ pub fn untried_pair(estimate: Option<PairEstimate>) -> bool {
 }
 
 fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<Scored, String> {
+    fits(gpu, job, knobs)?;
+    if gpu.residents.is_empty() {
+        return Ok(Scored {
+            gpu: gpu.index,
+            corunners: vec![],
+            speed: 1.0,
+            gain: 1.0,
+            residents: 0,
+            untried: false,
+            reason: format!("GPU {} is free: runs alone", gpu.index),
+        });
+    }
+    let b = beside(gpu, job, history, knobs.unknown_pair_speed)?;
+    given_back_at_once(gpu, job, history, knobs)?;
+    let mut gain = b.gain + b.speed;
+    // A pair never tried may fail: expected gain, less what a failure costs.
+    let risk = 1.0 - b.safe;
+    let mut reason = format!("GPU {} shared, {}", gpu.index, b.notes.join(", "));
+    if risk > 0.0 {
+        gain = b.safe * gain - risk * OOM_PENALTY;
+        reason.push_str(&format!("; {:.0}% risk of running out of memory", 100.0 * risk));
+    }
+    Ok(Scored {
+        gpu: gpu.index,
+        corunners: gpu.residents.iter().map(|r| r.job_id).collect(),
+        speed: b.speed,
+        gain,
+        residents: gpu.residents.len(),
+        untried: b.untried,
+        reason,
+    })
+}
+
+/// Whether the GPU has a slot for the job and, where its memory is known, room.
+fn fits(gpu: &GpuState, job: &Newcomer, knobs: Knobs) -> Result<(), String> {
     if gpu.residents.len() as u32 >= knobs.slots {
         return Err(format!("full ({} of {} jobs)", gpu.residents.len(), knobs.slots));
     }
@@ -239,24 +274,29 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             ));
         }
     }
-    if gpu.residents.is_empty() {
-        return Ok(Scored {
-            gpu: gpu.index,
-            corunners: vec![],
-            speed: 1.0,
-            gain: 1.0,
-            residents: 0,
-            untried: false,
-            reason: format!("GPU {} is free: runs alone", gpu.index),
-        });
-    }
+    Ok(())
+}
+
+/// What the job beside a GPU's residents comes to: its predicted speed, what the residents
+/// gain or lose (their speeds now against beside it), the chance that no untried pair runs
+/// out of memory, whether any pair is untried, and a note per resident.
+struct Beside {
+    speed: f64,
+    gain: f64,
+    safe: f64,
+    untried: bool,
+    notes: Vec<String>,
+}
+
+fn beside(gpu: &GpuState, job: &Newcomer, history: &Estimates, prior: f64) -> Result<Beside, String> {
     let memory_known = memory_known(job.mem_mb, gpu);
-    let prior = knobs.unknown_pair_speed;
-    let mut speed = 1.0;
-    let mut gain = 0.0;
-    let mut safe = 1.0;
-    let mut untried = false;
-    let mut notes = Vec::new();
+    let mut b = Beside {
+        speed: 1.0,
+        gain: 0.0,
+        safe: 1.0,
+        untried: false,
+        notes: Vec::new(),
+    };
     for r in &gpu.residents {
         let (mine, est, why) = estimate(history, &gpu.model, job.app, &r.app, prior);
         if est.is_some_and(|e| e.oom) {
@@ -277,15 +317,15 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
                         job.app, r.app, r.job_id
                     ));
                 }
-                safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
+                b.safe *= 1.0 - oom_risk(history, &gpu.model, job.app, &r.app);
             }
-            untried = true;
+            b.untried = true;
         }
         // The resident's side from its own row: the newcomer's row holds it as `other_speed`
         // only once it was learned (the prior until then), where the resident's row falls
         // back on what is known of each application instead.
         let theirs = estimate(history, &gpu.model, &r.app, job.app, prior).0;
-        speed *= mine;
+        b.speed *= mine;
         // The resident's speed now, from its pairs with the other residents.
         let now: f64 = gpu
             .residents
@@ -293,8 +333,8 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             .filter(|o| o.job_id != r.job_id)
             .map(|o| estimate(history, &gpu.model, &r.app, &o.app, prior).0)
             .product();
-        gain += now * theirs - now;
-        notes.push(match est.filter(|e| e.observations > 0) {
+        b.gain += now * theirs - now;
+        b.notes.push(match est.filter(|e| e.observations > 0) {
             Some(e) => format!(
                 "beside {} (job {}): {:.2}/{:.2} from {}",
                 r.app,
@@ -306,38 +346,28 @@ fn score(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> R
             None => format!("beside {} (job {}): {why}", r.app, r.job_id),
         });
     }
-    // A share whose every pair was measured and that the separation look would undo on its
-    // first look (the newcomer given back, its work lost) is no share to make; the estimates
-    // above may disagree with that look, which reads each side from its own measurements.
-    if knobs.separate_below > 0.0 {
-        let mut with = gpu.clone();
-        with.residents.push(Resident {
-            job_id: u32::MAX,
-            app: job.app.to_string(),
-            mem_mb: job.mem_mb,
-        });
-        // Its text names the partners only, never the newcomer's stand-in id.
-        if let Some(s) = separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
-            return Err(format!("{}: a share given back as soon as measured", s.why));
-        }
+    Ok(b)
+}
+
+/// A share whose every pair was measured and that the separation look would undo on its first
+/// look (the newcomer given back, its work lost) is no share to make; the estimates may
+/// disagree with that look, which reads each side from its own measurements.
+fn given_back_at_once(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Result<(), String> {
+    if knobs.separate_below <= 0.0 {
+        return Ok(());
     }
-    gain += speed;
-    // A pair never tried may fail: expected gain, less what a failure costs.
-    let risk = 1.0 - safe;
-    let mut reason = format!("GPU {} shared, {}", gpu.index, notes.join(", "));
-    if risk > 0.0 {
-        gain = safe * gain - risk * OOM_PENALTY;
-        reason.push_str(&format!("; {:.0}% risk of running out of memory", 100.0 * risk));
+    let mut with = gpu.clone();
+    with.residents.push(Resident {
+        job_id: u32::MAX,
+        app: job.app.to_string(),
+        mem_mb: job.mem_mb,
+    });
+    // Its text names the partners only, never the newcomer's stand-in id.
+    let prior = knobs.unknown_pair_speed;
+    match separations(&[with], history, knobs.separate_below, prior, |_| false).pop() {
+        Some(s) => Err(format!("{}: a share given back as soon as measured", s.why)),
+        None => Ok(()),
     }
-    Ok(Scored {
-        gpu: gpu.index,
-        corunners: gpu.residents.iter().map(|r| r.job_id).collect(),
-        speed,
-        gain,
-        residents: gpu.residents.len(),
-        untried,
-        reason,
-    })
 }
 
 // Separations: jobs measured to run worse together than one after the other, which
