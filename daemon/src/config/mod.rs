@@ -339,6 +339,31 @@ pub struct Reload {
 impl Config {
     /// Compares the running config with `new`, the file as it reads now.
     pub fn reload(&self, new: &Config) -> Result<Reload, String> {
+        let needs_restart = self.restarts(new);
+        let (old, now) = (&self.policy, &new.policy);
+        let mut applied = Vec::new();
+        for (key, was, is) in [
+            (MIN_GAIN.name, old.min_gain, now.min_gain),
+            (SEPARATE_BELOW.name, old.separate_below, now.separate_below),
+        ] {
+            if was != is {
+                applied.push(format!("{key}: {was} -> {is}"));
+            }
+        }
+        let policy = (!applied.is_empty()).then(|| PolicyConfig {
+            min_gain: now.min_gain,
+            separate_below: now.separate_below,
+            ..old.clone()
+        });
+        Ok(Reload {
+            policy,
+            applied,
+            needs_restart,
+        })
+    }
+
+    /// The keys (or tables) changed in `new` that keep their running value until a restart.
+    fn restarts(&self, new: &Config) -> Vec<&'static str> {
         // Destructured field by field, so that a key added later must be sorted here.
         let Config {
             node,
@@ -357,73 +382,41 @@ impl Config {
             metrics_listen,
             claim,
         } = new;
-        let mut needs_restart = Vec::new();
-        let mut restart_if = |changed: bool, key: &'static str| {
-            if changed {
-                needs_restart.push(key);
-            }
-        };
-        restart_if(*node != self.node, "node");
-        restart_if(*socket != self.socket, "socket");
-        restart_if(*database != self.database, "database");
-        restart_if(*jobs_per_gpu != self.jobs_per_gpu, "jobs_per_gpu");
-        restart_if(
-            *telemetry_interval_s != self.telemetry_interval_s,
-            "telemetry_interval_s",
-        );
-        restart_if(*busy_record_s != self.busy_record_s, "busy_record_s");
-        restart_if(*slurm_user != self.slurm_user, "slurm_user");
-        restart_if(*slurm_bin != self.slurm_bin, "slurm_bin");
-        restart_if(*mps != self.mps, "mps");
-        restart_if(*gpus != self.gpus, "gpu");
-        restart_if(*reconcile != self.reconcile, "reconcile");
-        restart_if(*share != self.share, "share");
-        restart_if(*metrics_listen != self.metrics_listen, "metrics");
-        restart_if(*claim != self.claim, "claim");
-        // The prior is what the learned model was fitted with.
+        // The prior is what the learned model was fitted with; min_gain and separate_below
+        // apply at once ([`Config::reload`]).
         let PolicyConfig {
             unknown_pair_speed,
-            min_gain,
-            separate_below,
+            min_gain: _,
+            separate_below: _,
             separate_look_ms,
         } = policy;
-        restart_if(
-            *separate_look_ms != self.policy.separate_look_ms,
-            "policy.separate_look_ms",
-        );
-        restart_if(
-            *unknown_pair_speed != self.policy.unknown_pair_speed,
-            "policy.unknown_pair_speed",
-        );
-        let old = &self.policy;
-        let mut applied = Vec::new();
-        let mut note = |changed: bool, key: &str, was: String, now: String| {
-            if changed {
-                applied.push(format!("policy.{key}: {was} -> {now}"));
-            }
-        };
-        note(
-            *min_gain != old.min_gain,
-            "min_gain",
-            old.min_gain.to_string(),
-            min_gain.to_string(),
-        );
-        note(
-            *separate_below != old.separate_below,
-            "separate_below",
-            old.separate_below.to_string(),
-            separate_below.to_string(),
-        );
-        let policy = (!applied.is_empty()).then(|| PolicyConfig {
-            min_gain: *min_gain,
-            separate_below: *separate_below,
-            ..old.clone()
-        });
-        Ok(Reload {
-            policy,
-            applied,
-            needs_restart,
-        })
+        [
+            (*node != self.node, "node"),
+            (*socket != self.socket, "socket"),
+            (*database != self.database, "database"),
+            (*jobs_per_gpu != self.jobs_per_gpu, JOBS_PER_GPU.name),
+            (
+                *telemetry_interval_s != self.telemetry_interval_s,
+                TELEMETRY_INTERVAL_S.name,
+            ),
+            (*busy_record_s != self.busy_record_s, BUSY_RECORD_S.name),
+            (*slurm_user != self.slurm_user, "slurm_user"),
+            (*slurm_bin != self.slurm_bin, "slurm_bin"),
+            (*mps != self.mps, "mps"),
+            (*gpus != self.gpus, "gpu"),
+            (*reconcile != self.reconcile, "reconcile"),
+            (*share != self.share, "share"),
+            (*metrics_listen != self.metrics_listen, "metrics"),
+            (*claim != self.claim, "claim"),
+            (*separate_look_ms != self.policy.separate_look_ms, SEPARATE_LOOK_MS.name),
+            (
+                *unknown_pair_speed != self.policy.unknown_pair_speed,
+                UNKNOWN_PAIR_SPEED.name,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(changed, key)| changed.then_some(key))
+        .collect()
     }
 }
 
