@@ -94,6 +94,18 @@ pub fn check_modify(
             ));
         }
     }
+    update_gres(update, policy, why)?;
+    // A user's change of licenses keeps the gate's: dropping it would let the job start where
+    // Slurm puts it, ahead of jobs waiting for a claim.
+    match update.licenses.as_deref() {
+        Some(l) if !privileged => Ok(ModifyOk::Licenses(with_gate(Some(l)))),
+        _ => Ok(ModifyOk::AsAsked),
+    }
+}
+
+/// An update's GPU request for a multiplexed job: slots of the shared gres only, at most the
+/// policy's GPUs' worth.
+fn update_gres(update: &JobView, policy: &Policy, why: &str) -> Result<(), (RejectKind, String)> {
     let fields = [
         &update.tres_per_node,
         &update.tres_per_job,
@@ -136,10 +148,5 @@ pub fn check_modify(
             ))
         }
     }
-    // A user's change of licenses keeps the gate's: dropping it would let the job start where
-    // Slurm puts it, ahead of jobs waiting for a claim.
-    match update.licenses.as_deref() {
-        Some(l) if !privileged => Ok(ModifyOk::Licenses(with_gate(Some(l)))),
-        _ => Ok(ModifyOk::AsAsked),
-    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! What a node learned, for other nodes and for people: `export` writes it, `import` merges
 //! another node's, `history` lists it.
 
+use super::jobs::app_id;
 use super::{History, HistoryError};
 use rusqlite::{params, OptionalExtension};
 use serde::{Deserialize, Serialize};
@@ -140,136 +141,155 @@ impl History {
     /// two measured memories (until this node's own next measured run of the application). What
     /// is known of each application is then refitted, with `prior` (`policy.unknown_pair_speed`).
     pub fn import(&mut self, data: &Export, prior: f64) -> Result<Imported, String> {
-        if data.format != EXPORT_FORMAT {
-            return Err(format!("not a multiplexd history export (format {:?})", data.format));
-        }
-        if data.version != EXPORT_VERSION {
-            return Err(format!(
-                "export version {} is not supported (this multiplexd reads version {EXPORT_VERSION})",
-                data.version
-            ));
-        }
-        for p in &data.pairs {
-            let speed = |x: f64| x > 0.0 && x <= 1.0;
-            if !speed(p.speed) || !speed(p.other_speed) {
-                return Err(format!(
-                    "pair {} / {} on {}: speeds must be in (0, 1], not {} / {}; nothing was imported",
-                    p.app, p.other, p.gpu_model, p.speed, p.other_speed
-                ));
-            }
-        }
-        if let Some(s) = data.solo.iter().find(|s| s.runtime_s.is_nan() || s.runtime_s <= 0.0) {
-            return Err(format!(
-                "solo runtime of {} on {} must be positive, not {}; nothing was imported",
-                s.app, s.gpu_model, s.runtime_s
-            ));
-        }
-        if let Some(m) = data
-            .memory
-            .iter()
-            .find(|m| m.peak_mb == 0 || m.peak_mb > i64::MAX as u64)
-        {
-            return Err(format!(
-                "memory of {} must be a positive number of MiB, not {}; nothing was imported",
-                m.app, m.peak_mb
-            ));
-        }
+        check_export(data)?;
         let mut done = Imported::default();
         let sql = |e: rusqlite::Error| e.to_string();
         let tx = self.write().map_err(sql)?;
-        let app = super::jobs::app_id;
-        for s in &data.solo {
-            let id = app(&tx, &s.app).map_err(sql)?;
-            let have: Option<u32> = tx
-                .query_row(
-                    "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
-                    params![s.gpu_model, id],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(sql)?;
-            match have {
-                Some(n) if n >= s.runs => done.kept += 1,
-                _ => {
-                    tx.execute(
-                        "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
-                         ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
-                        params![s.gpu_model, id, s.runtime_s, s.runs],
-                    )
-                    .map_err(sql)?;
-                    if have.is_some() {
-                        done.solo_replaced += 1;
-                    } else {
-                        done.solo_added += 1;
-                    }
-                }
-            }
-        }
-        for p in &data.pairs {
-            let (a, o) = (app(&tx, &p.app).map_err(sql)?, app(&tx, &p.other).map_err(sql)?);
-            let have: Option<(u32, bool)> = tx
-                .query_row(
-                    "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
-                    params![p.gpu_model, a, o],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()
-                .map_err(sql)?;
-            match have {
-                Some((n, oom)) if n >= p.observations => {
-                    if p.oom && !oom {
-                        tx.execute(
-                            "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
-                            params![p.gpu_model, a, o],
-                        )
-                        .map_err(sql)?;
-                    }
-                    done.kept += 1;
-                }
-                _ => {
-                    let oom = p.oom || have.is_some_and(|(_, oom)| oom);
-                    tx.execute(
-                        "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
-                         ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
-                           observations = ?6, variance = ?7, oom = ?8",
-                        params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
-                    )
-                    .map_err(sql)?;
-                    if have.is_some() {
-                        done.pairs_replaced += 1;
-                    } else {
-                        done.pairs_added += 1;
-                    }
-                }
-            }
-        }
-        for m in &data.memory {
-            let id = app(&tx, &m.app).map_err(sql)?;
-            let have: Option<i64> = tx
-                .query_row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
-                .optional()
-                .map_err(sql)?;
-            match have {
-                Some(ours) if ours >= m.peak_mb as i64 => done.kept += 1,
-                _ => {
-                    tx.execute(
-                        "INSERT INTO app_memory(app_id, peak_mb) VALUES (?1, ?2)
-                         ON CONFLICT(app_id) DO UPDATE SET peak_mb = ?2",
-                        params![id, m.peak_mb as i64],
-                    )
-                    .map_err(sql)?;
-                    if have.is_some() {
-                        done.memory_raised += 1;
-                    } else {
-                        done.memory_added += 1;
-                    }
-                }
-            }
-        }
+        merge_solo(&tx, &data.solo, &mut done).map_err(sql)?;
+        merge_pairs(&tx, &data.pairs, &mut done).map_err(sql)?;
+        merge_memory(&tx, &data.memory, &mut done).map_err(sql)?;
         super::effects::refresh_app_means(&tx, None).map_err(sql)?;
         super::effects::refit_effects(&tx, prior).map_err(sql)?;
         tx.commit().map_err(sql)?;
         Ok(done)
     }
+}
+
+/// An export this daemon can merge: its format and version, speeds in (0, 1], positive solo
+/// runtimes and memories. Checked whole before anything is written.
+fn check_export(data: &Export) -> Result<(), String> {
+    if data.format != EXPORT_FORMAT {
+        return Err(format!("not a multiplexd history export (format {:?})", data.format));
+    }
+    if data.version != EXPORT_VERSION {
+        return Err(format!(
+            "export version {} is not supported (this multiplexd reads version {EXPORT_VERSION})",
+            data.version
+        ));
+    }
+    for p in &data.pairs {
+        let speed = |x: f64| x > 0.0 && x <= 1.0;
+        if !speed(p.speed) || !speed(p.other_speed) {
+            return Err(format!(
+                "pair {} / {} on {}: speeds must be in (0, 1], not {} / {}; nothing was imported",
+                p.app, p.other, p.gpu_model, p.speed, p.other_speed
+            ));
+        }
+    }
+    if let Some(s) = data.solo.iter().find(|s| s.runtime_s.is_nan() || s.runtime_s <= 0.0) {
+        return Err(format!(
+            "solo runtime of {} on {} must be positive, not {}; nothing was imported",
+            s.app, s.gpu_model, s.runtime_s
+        ));
+    }
+    if let Some(m) = data
+        .memory
+        .iter()
+        .find(|m| m.peak_mb == 0 || m.peak_mb > i64::MAX as u64)
+    {
+        return Err(format!(
+            "memory of {} must be a positive number of MiB, not {}; nothing was imported",
+            m.app, m.peak_mb
+        ));
+    }
+    Ok(())
+}
+
+/// Each solo baseline: added where new, replacing ours where it rests on more runs.
+fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported) -> rusqlite::Result<()> {
+    for s in solo {
+        let id = app_id(tx, &s.app)?;
+        let have: Option<u32> = tx
+            .query_row(
+                "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+                params![s.gpu_model, id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match have {
+            Some(n) if n >= s.runs => done.kept += 1,
+            _ => {
+                tx.execute(
+                    "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
+                    params![s.gpu_model, id, s.runtime_s, s.runs],
+                )?;
+                if have.is_some() {
+                    done.solo_replaced += 1;
+                } else {
+                    done.solo_added += 1;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each pair: added where new, replacing ours where it rests on more observations; an
+/// out-of-memory mark is never dropped.
+fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Imported) -> rusqlite::Result<()> {
+    for p in pairs {
+        let (a, o) = (app_id(tx, &p.app)?, app_id(tx, &p.other)?);
+        let have: Option<(u32, bool)> = tx
+            .query_row(
+                "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                params![p.gpu_model, a, o],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        match have {
+            Some((n, oom)) if n >= p.observations => {
+                if p.oom && !oom {
+                    tx.execute(
+                        "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                        params![p.gpu_model, a, o],
+                    )?;
+                }
+                done.kept += 1;
+            }
+            _ => {
+                let oom = p.oom || have.is_some_and(|(_, oom)| oom);
+                tx.execute(
+                    "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                     ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
+                       observations = ?6, variance = ?7, oom = ?8",
+                    params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
+                )
+                ?;
+                if have.is_some() {
+                    done.pairs_replaced += 1;
+                } else {
+                    done.pairs_added += 1;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each application's measured memory: the larger of ours and theirs.
+fn merge_memory(tx: &rusqlite::Transaction, memory: &[MemoryRow], done: &mut Imported) -> rusqlite::Result<()> {
+    for m in memory {
+        let id = app_id(tx, &m.app)?;
+        let have: Option<i64> = tx
+            .query_row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
+            .optional()?;
+        match have {
+            Some(ours) if ours >= m.peak_mb as i64 => done.kept += 1,
+            _ => {
+                tx.execute(
+                    "INSERT INTO app_memory(app_id, peak_mb) VALUES (?1, ?2)
+                     ON CONFLICT(app_id) DO UPDATE SET peak_mb = ?2",
+                    params![id, m.peak_mb as i64],
+                )?;
+                if have.is_some() {
+                    done.memory_raised += 1;
+                } else {
+                    done.memory_added += 1;
+                }
+            }
+        }
+    }
+    Ok(())
 }
