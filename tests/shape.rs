@@ -354,7 +354,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/history/effects.rs", "stepped_effects", 108),
     ("daemon/src/history/equations.rs", "equations_of", 90),
     ("daemon/src/history/estimates.rs", "estimates", 66),
-    ("daemon/src/history/explain.rs", "explain", 118),
     ("daemon/src/inspect.rs", "fmt", 80),
     ("daemon/src/learn.rs", "fit", 115),
     ("daemon/src/metrics.rs", "new", 90),

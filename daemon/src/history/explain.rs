@@ -100,78 +100,9 @@ impl History {
         let Some((row, mut e, app_id)) = row else {
             return Ok(None);
         };
-        let end = e.finished_at;
-        let mut stmt = conn.prepare(
-            "SELECT p.job_id, a.name, i.started_at, i.ended_at FROM intervals i
-             LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = i.partner_app_id
-             WHERE i.job_row = ?1 ORDER BY i.started_at",
-        )?;
-        let rows = stmt.query_map([row], |r| {
-            Ok((
-                r.get::<_, Option<u32>>(0)?,
-                r.get::<_, Option<String>>(1)?,
-                r.get::<_, f64>(2)?,
-                r.get::<_, Option<f64>>(3)?,
-            ))
-        })?;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
-        for r in rows {
-            let (partner_job, partner_app, start, stop) = r?;
-            let seconds = (stop.or(end).unwrap_or(now) - start).max(0.0);
-            match partner_app {
-                // job_id 0: a partner whose own record was compacted away.
-                Some(a) => {
-                    let j = partner_job.unwrap_or(0);
-                    match e.partners.iter_mut().find(|p| p.job_id == j && p.app == a) {
-                        Some(p) => p.seconds += seconds,
-                        None => e.partners.push(Partner {
-                            job_id: j,
-                            app: a,
-                            seconds,
-                        }),
-                    }
-                }
-                None => e.seconds_alone += seconds,
-            }
-        }
-        if let Some(rows) = conn
-            .query_row(
-                "SELECT partners FROM observations WHERE job_row = ?1 AND kind = 'oom' ORDER BY at DESC LIMIT 1",
-                [row],
-                |r| r.get::<_, String>(0),
-            )
-            .optional()?
-        {
-            e.out_of_memory = true;
-            for partner in rows.split(',').filter_map(|p| p.trim().parse::<i64>().ok()) {
-                let c = conn
-                    .query_row(
-                        "SELECT j.job_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
-                        [partner],
-                        |r| {
-                            Ok(Corunner {
-                                job_id: r.get(0)?,
-                                app: r.get(1)?,
-                            })
-                        },
-                    )
-                    .optional()?;
-                e.out_of_memory_beside.extend(c);
-            }
-        }
-        if let Some((peak, sum, n)) = conn
-            .query_row(
-                "SELECT mem_peak_mb, sm_util_sum, sm_util_samples FROM job_telemetry WHERE job_row = ?1",
-                [row],
-                |r| Ok((r.get::<_, Option<u64>>(0)?, r.get::<_, f64>(1)?, r.get::<_, u32>(2)?)),
-            )
-            .optional()?
-        {
-            e.gpu_mem_peak_mb = peak;
-            e.sm_util_mean_pct = (n > 0).then(|| sum / f64::from(n));
-        }
+        add_intervals(conn, row, &mut e)?;
+        add_out_of_memory(conn, row, &mut e)?;
+        add_telemetry(conn, row, &mut e)?;
         e.learned = self
             .pair_rows("WHERE e.app_id = ?1 AND e.gpu_model = ?2", &[&app_id, &e.gpu_model])?
             .into_iter()
@@ -179,4 +110,91 @@ impl History {
             .collect();
         Ok(Some(e))
     }
+}
+
+/// Whom the job shared its GPU with and for how long, and how long it ran alone.
+fn add_intervals(conn: &rusqlite::Connection, row: i64, e: &mut Explanation) -> Result<(), HistoryError> {
+    let end = e.finished_at;
+    let mut stmt = conn.prepare(
+        "SELECT p.job_id, a.name, i.started_at, i.ended_at FROM intervals i
+         LEFT JOIN jobs p ON p.id = i.partner_row LEFT JOIN applications a ON a.id = i.partner_app_id
+         WHERE i.job_row = ?1 ORDER BY i.started_at",
+    )?;
+    let rows = stmt.query_map([row], |r| {
+        Ok((
+            r.get::<_, Option<u32>>(0)?,
+            r.get::<_, Option<String>>(1)?,
+            r.get::<_, f64>(2)?,
+            r.get::<_, Option<f64>>(3)?,
+        ))
+    })?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    for r in rows {
+        let (partner_job, partner_app, start, stop) = r?;
+        let seconds = (stop.or(end).unwrap_or(now) - start).max(0.0);
+        match partner_app {
+            // job_id 0: a partner whose own record was compacted away.
+            Some(a) => {
+                let j = partner_job.unwrap_or(0);
+                match e.partners.iter_mut().find(|p| p.job_id == j && p.app == a) {
+                    Some(p) => p.seconds += seconds,
+                    None => e.partners.push(Partner {
+                        job_id: j,
+                        app: a,
+                        seconds,
+                    }),
+                }
+            }
+            None => e.seconds_alone += seconds,
+        }
+    }
+    Ok(())
+}
+
+/// Whether the job ran out of memory, and beside whom.
+fn add_out_of_memory(conn: &rusqlite::Connection, row: i64, e: &mut Explanation) -> Result<(), HistoryError> {
+    if let Some(rows) = conn
+        .query_row(
+            "SELECT partners FROM observations WHERE job_row = ?1 AND kind = 'oom' ORDER BY at DESC LIMIT 1",
+            [row],
+            |r| r.get::<_, String>(0),
+        )
+        .optional()?
+    {
+        e.out_of_memory = true;
+        for partner in rows.split(',').filter_map(|p| p.trim().parse::<i64>().ok()) {
+            let c = conn
+                .query_row(
+                    "SELECT j.job_id, a.name FROM jobs j JOIN applications a ON a.id = j.app_id WHERE j.id = ?1",
+                    [partner],
+                    |r| {
+                        Ok(Corunner {
+                            job_id: r.get(0)?,
+                            app: r.get(1)?,
+                        })
+                    },
+                )
+                .optional()?;
+            e.out_of_memory_beside.extend(c);
+        }
+    }
+    Ok(())
+}
+
+/// The job's GPU memory peak and mean SM utilisation, where telemetry saw it.
+fn add_telemetry(conn: &rusqlite::Connection, row: i64, e: &mut Explanation) -> Result<(), HistoryError> {
+    if let Some((peak, sum, n)) = conn
+        .query_row(
+            "SELECT mem_peak_mb, sm_util_sum, sm_util_samples FROM job_telemetry WHERE job_row = ?1",
+            [row],
+            |r| Ok((r.get::<_, Option<u64>>(0)?, r.get::<_, f64>(1)?, r.get::<_, u32>(2)?)),
+        )
+        .optional()?
+    {
+        e.gpu_mem_peak_mb = peak;
+        e.sm_util_mean_pct = (n > 0).then(|| sum / f64::from(n));
+    }
+    Ok(())
 }
