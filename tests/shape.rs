@@ -355,7 +355,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/history/equations.rs", "equations_of", 90),
     ("daemon/src/history/estimates.rs", "estimates", 66),
     ("daemon/src/inspect.rs", "fmt", 80),
-    ("daemon/src/learn.rs", "fit", 115),
     ("daemon/src/metrics.rs", "new", 90),
     ("daemon/src/node/steps.rs", "finish_deferred", 62),
     ("daemon/src/placement.rs", "place", 61),

@@ -64,71 +64,109 @@ pub fn fit(equations: &[Equation], prior: f64, only: Option<&[String]>) -> Vec<F
         return Vec::new();
     }
     let col = |p: &str| partners.binary_search_by(|q| q.as_str().cmp(p)).ok();
-    // Each equation as (column, seconds) pairs and its right-hand side.
-    let mut rows: Vec<(Vec<(usize, f64)>, f64)> = Vec::new();
-    let mut obs = vec![0u32; n];
-    let mut diag = vec![0.0; n];
-    for e in equations {
-        let mut row: Vec<(usize, f64)> = Vec::new();
-        for (p, t) in &e.shared {
-            if *t > 0.0 {
-                let c = col(p).expect("collected above");
-                match row.iter_mut().find(|(k, _)| *k == c) {
-                    Some((_, acc)) => *acc += t,
-                    None => row.push((c, *t)),
-                }
-            }
-        }
-        if row.is_empty() {
-            continue;
-        }
-        for &(i, t) in &row {
-            obs[i] += 1;
-            diag[i] += t * t;
-        }
-        rows.push((row, e.work_s - e.alone_s));
-    }
-    let lambda = RIDGE * (diag.iter().sum::<f64>() / n as f64).max(f64::MIN_POSITIVE);
-
-    // Components of partners linked by shared equations (union-find).
-    let mut parent: Vec<usize> = (0..n).collect();
-    fn root(parent: &mut [usize], mut x: usize) -> usize {
-        while parent[x] != x {
-            parent[x] = parent[parent[x]];
-            x = parent[x];
-        }
-        x
-    }
-    for (row, _) in &rows {
-        for w in row.windows(2) {
-            let (a, b) = (root(&mut parent, w[0].0), root(&mut parent, w[1].0));
-            parent[a] = b;
-        }
-    }
-    let roots: Vec<usize> = (0..n).map(|c| root(&mut parent, c)).collect();
-    let wanted: Option<std::collections::HashSet<usize>> =
-        only.map(|o| o.iter().filter_map(|p| col(p)).map(|c| roots[c]).collect());
-    let mut members: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
-    for (c, &r) in roots.iter().enumerate() {
-        if wanted.as_ref().is_none_or(|w| w.contains(&r)) {
-            members.entry(r).or_default().push(c);
-        }
-    }
-    let mut comp_rows: std::collections::HashMap<usize, Vec<usize>> = Default::default();
-    for (k, (row, _)) in rows.iter().enumerate() {
-        comp_rows.entry(roots[row[0].0]).or_default().push(k);
-    }
-
+    let system = System::of(equations, n, &col);
+    let lambda = RIDGE * (system.diag.iter().sum::<f64>() / n as f64).max(f64::MIN_POSITIVE);
+    let (members, comp_rows) = system.components(n, only.map(|o| o.iter().filter_map(|p| col(p)).collect()));
     let mut fits = Vec::new();
     for (r, cols) in members {
+        let these = comp_rows.get(&r).map(Vec::as_slice).unwrap_or(&[]);
+        let (speeds, rss, dof) = system.solve_component(&cols, these, lambda, prior);
+        for (li, &c) in cols.iter().enumerate() {
+            fits.push(Fit {
+                partner: partners[c].clone(),
+                speed: speeds[li],
+                observations: system.obs[c],
+                variance: rss / dof / system.diag[c].max(f64::MIN_POSITIVE),
+            });
+        }
+    }
+    fits.sort_by(|a, b| a.partner.cmp(&b.partner));
+    fits
+}
+
+/// Each component's columns, by its root column.
+type Members = std::collections::BTreeMap<usize, Vec<usize>>;
+/// Each component's rows (indices into [`System::rows`]), by its root column.
+type RowsOf = std::collections::HashMap<usize, Vec<usize>>;
+
+/// The jobs' equations by partner column: each as (column, seconds) pairs and its right-hand
+/// side, with how many equations and how much squared time each column has.
+struct System {
+    rows: Vec<(Vec<(usize, f64)>, f64)>,
+    obs: Vec<u32>,
+    diag: Vec<f64>,
+}
+
+impl System {
+    fn of(equations: &[Equation], n: usize, col: &dyn Fn(&str) -> Option<usize>) -> System {
+        let mut rows: Vec<(Vec<(usize, f64)>, f64)> = Vec::new();
+        let mut obs = vec![0u32; n];
+        let mut diag = vec![0.0; n];
+        for e in equations {
+            let mut row: Vec<(usize, f64)> = Vec::new();
+            for (p, t) in &e.shared {
+                if *t > 0.0 {
+                    let c = col(p).expect("collected above");
+                    match row.iter_mut().find(|(k, _)| *k == c) {
+                        Some((_, acc)) => *acc += t,
+                        None => row.push((c, *t)),
+                    }
+                }
+            }
+            if row.is_empty() {
+                continue;
+            }
+            for &(i, t) in &row {
+                obs[i] += 1;
+                diag[i] += t * t;
+            }
+            rows.push((row, e.work_s - e.alone_s));
+        }
+        System { rows, obs, diag }
+    }
+
+    /// Components of partners linked by shared equations (union-find): each component's
+    /// columns (only those of the `wanted` columns' components, where given) and its rows.
+    fn components(&self, n: usize, wanted: Option<Vec<usize>>) -> (Members, RowsOf) {
+        let mut parent: Vec<usize> = (0..n).collect();
+        fn root(parent: &mut [usize], mut x: usize) -> usize {
+            while parent[x] != x {
+                parent[x] = parent[parent[x]];
+                x = parent[x];
+            }
+            x
+        }
+        for (row, _) in &self.rows {
+            for w in row.windows(2) {
+                let (a, b) = (root(&mut parent, w[0].0), root(&mut parent, w[1].0));
+                parent[a] = b;
+            }
+        }
+        let roots: Vec<usize> = (0..n).map(|c| root(&mut parent, c)).collect();
+        let wanted: Option<std::collections::HashSet<usize>> =
+            wanted.map(|w| w.into_iter().map(|c| roots[c]).collect());
+        let mut members: Members = Default::default();
+        for (c, &r) in roots.iter().enumerate() {
+            if wanted.as_ref().is_none_or(|w| w.contains(&r)) {
+                members.entry(r).or_default().push(c);
+            }
+        }
+        let mut comp_rows: RowsOf = Default::default();
+        for (k, (row, _)) in self.rows.iter().enumerate() {
+            comp_rows.entry(roots[row[0].0]).or_default().push(k);
+        }
+        (members, comp_rows)
+    }
+
+    /// One component's speeds from its normal equations (A^T A + λI) s = A^T r + λ prior, its
+    /// residual sum of squares, and its degrees of freedom.
+    fn solve_component(&self, cols: &[usize], these: &[usize], lambda: f64, prior: f64) -> (Vec<f64>, f64, f64) {
         let k = cols.len();
         let local = |c: usize| cols.binary_search(&c).expect("a member");
-        // Normal equations (A^T A + λI) s = A^T r + λ prior, for this component.
         let mut m = vec![vec![0.0; k]; k];
         let mut v = vec![0.0; k];
-        let these = comp_rows.get(&r).map(Vec::as_slice).unwrap_or(&[]);
         for &ri in these {
-            let (row, rhs) = &rows[ri];
+            let (row, rhs) = &self.rows[ri];
             for &(i, ti) in row {
                 let li = local(i);
                 v[li] += ti * rhs;
@@ -150,22 +188,13 @@ pub fn fit(equations: &[Equation], prior: f64, only: Option<&[String]>) -> Vec<F
         let rss: f64 = these
             .iter()
             .map(|&ri| {
-                let (row, rhs) = &rows[ri];
+                let (row, rhs) = &self.rows[ri];
                 let predicted: f64 = row.iter().map(|&(i, t)| t * speeds[local(i)]).sum();
                 (predicted - rhs).powi(2)
             })
             .sum();
-        for (li, &c) in cols.iter().enumerate() {
-            fits.push(Fit {
-                partner: partners[c].clone(),
-                speed: speeds[li],
-                observations: obs[c],
-                variance: rss / dof / diag[c].max(f64::MIN_POSITIVE),
-            });
-        }
+        (speeds, rss, dof)
     }
-    fits.sort_by(|a, b| a.partner.cmp(&b.partner));
-    fits
 }
 
 /// Solves `m x = v` by Gaussian elimination with partial pivoting; `None` if singular.
