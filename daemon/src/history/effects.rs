@@ -126,73 +126,11 @@ pub(super) fn stepped_effects(
     prior: f64,
     pending: &[NewSpeed],
 ) -> rusqlite::Result<Vec<AppEffect>> {
-    use std::collections::{BTreeMap, HashMap};
     let mut apps = apps.to_vec();
     apps.sort_unstable();
     apps.dedup();
-    // The learned speeds that count (seen together, never out of memory) on either side of
-    // the applications, by (app, other) and by (other, app).
-    let mut by_app: BTreeMap<(i64, i64), f64> = BTreeMap::new();
-    let mut by_other: BTreeMap<(i64, i64), f64> = BTreeMap::new();
-    for &app in &apps {
-        for side in ["app_id", "other_id"] {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT app_id, other_id, speed FROM pair_estimates
-                 WHERE gpu_model = ?1 AND {side} = ?2 AND observations > 0 AND oom = 0"
-            ))?;
-            let rows = stmt.query_map(params![model, app], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-            for row in rows {
-                let (a, o, speed): (i64, i64, f64) = row?;
-                by_app.insert((a, o), speed);
-                by_other.insert((o, a), speed);
-            }
-        }
-    }
-    for p in pending {
-        let oom: Option<bool> = conn
-            .row(
-                "SELECT oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
-                params![model, p.app, p.other],
-                |r| r.get(0),
-            )
-            .optional()?;
-        if p.observations > 0 && oom != Some(true) {
-            by_app.insert((p.app, p.other), p.speed);
-            by_other.insert((p.other, p.app), p.speed);
-        } else {
-            by_app.remove(&(p.app, p.other));
-            by_other.remove(&(p.other, p.app));
-        }
-    }
-    // The current effects of every application on those pairs.
-    let mut effects: HashMap<i64, AppEffect> = HashMap::new();
-    for &id in apps
-        .iter()
-        .chain(by_app.keys().map(|(_, o)| o))
-        .chain(by_other.keys().map(|(_, a)| a))
-    {
-        if effects.contains_key(&id) {
-            continue;
-        }
-        let found = conn
-            .row(
-                "SELECT base, base_pairs, impact, impact_pairs FROM app_effects WHERE gpu_model = ?1 AND app_id = ?2",
-                params![model, id],
-                |r| {
-                    Ok(AppEffect {
-                        app: id,
-                        base: r.get(0)?,
-                        base_pairs: r.get(1)?,
-                        impact: r.get(2)?,
-                        impact_pairs: r.get(3)?,
-                    })
-                },
-            )
-            .optional()?;
-        if let Some(e) = found {
-            effects.insert(id, e);
-        }
-    }
+    let (by_app, by_other) = pair_speeds(conn, model, &apps, pending)?;
+    let mut effects = current_effects(conn, model, &apps, &by_app, &by_other)?;
     // A row written for the first time starts as an application nothing is known of.
     let fresh = |app: i64| AppEffect {
         app,
@@ -227,6 +165,91 @@ pub(super) fn stepped_effects(
     }
     Ok(apps.iter().map(|app| effects[app]).collect())
 }
+
+/// The learned speeds that count (seen together, never out of memory) on either side of
+/// `apps`, with `pending` applied, by (app, other) and by (other, app).
+fn pair_speeds(
+    conn: &rusqlite::Connection,
+    model: &str,
+    apps: &[i64],
+    pending: &[NewSpeed],
+) -> rusqlite::Result<(Speeds, Speeds)> {
+    let mut by_app: Speeds = Speeds::new();
+    let mut by_other: Speeds = Speeds::new();
+    for &app in apps {
+        for side in ["app_id", "other_id"] {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT app_id, other_id, speed FROM pair_estimates
+                 WHERE gpu_model = ?1 AND {side} = ?2 AND observations > 0 AND oom = 0"
+            ))?;
+            let rows = stmt.query_map(params![model, app], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            for row in rows {
+                let (a, o, speed): (i64, i64, f64) = row?;
+                by_app.insert((a, o), speed);
+                by_other.insert((o, a), speed);
+            }
+        }
+    }
+    for p in pending {
+        let oom: Option<bool> = conn
+            .row(
+                "SELECT oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
+                params![model, p.app, p.other],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if p.observations > 0 && oom != Some(true) {
+            by_app.insert((p.app, p.other), p.speed);
+            by_other.insert((p.other, p.app), p.speed);
+        } else {
+            by_app.remove(&(p.app, p.other));
+            by_other.remove(&(p.other, p.app));
+        }
+    }
+    Ok((by_app, by_other))
+}
+
+/// The current effects, as stored, of `apps` and of every application on their pairs.
+fn current_effects(
+    conn: &rusqlite::Connection,
+    model: &str,
+    apps: &[i64],
+    by_app: &Speeds,
+    by_other: &Speeds,
+) -> rusqlite::Result<std::collections::HashMap<i64, AppEffect>> {
+    let mut effects = std::collections::HashMap::new();
+    for &id in apps
+        .iter()
+        .chain(by_app.keys().map(|(_, o)| o))
+        .chain(by_other.keys().map(|(_, a)| a))
+    {
+        if effects.contains_key(&id) {
+            continue;
+        }
+        let found = conn
+            .row(
+                "SELECT base, base_pairs, impact, impact_pairs FROM app_effects WHERE gpu_model = ?1 AND app_id = ?2",
+                params![model, id],
+                |r| {
+                    Ok(AppEffect {
+                        app: id,
+                        base: r.get(0)?,
+                        base_pairs: r.get(1)?,
+                        impact: r.get(2)?,
+                        impact_pairs: r.get(3)?,
+                    })
+                },
+            )
+            .optional()?;
+        if let Some(e) = found {
+            effects.insert(id, e);
+        }
+    }
+    Ok(effects)
+}
+
+/// Pair speeds by (application, other) or (other, application).
+type Speeds = std::collections::BTreeMap<(i64, i64), f64>;
 
 /// Stores what [`stepped_effects`] found for model `model`.
 pub(super) fn write_effects(tx: &rusqlite::Connection, model: &str, effects: &[AppEffect]) -> rusqlite::Result<()> {
