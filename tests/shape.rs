@@ -351,7 +351,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("spank/src/step.rs", "post_opt", 61),
     ("daemon/src/check.rs", "parse_gres_conf", 65),
     ("daemon/src/command.rs", "run", 66),
-    ("daemon/src/history/equations.rs", "equations_of", 90),
     ("daemon/src/history/estimates.rs", "estimates", 66),
     ("daemon/src/inspect.rs", "fmt", 80),
     ("daemon/src/metrics.rs", "new", 90),

@@ -116,49 +116,11 @@ pub(super) fn equations_of(
     solo: Option<f64>,
 ) -> rusqlite::Result<Option<(Vec<crate::learn::Equation>, bool)>> {
     // The solo runtime the caller just computed, else the stored one.
-    let baseline: Option<f64> = match solo {
+    let baseline = match solo {
         Some(s) => Some(s),
-        None => tx
-            .row(
-                "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
-                params![model, app_id],
-                |r| r.get(0),
-            )
-            .optional()?,
+        None => stored_solo(tx, model, app_id)?,
     };
-    // Every interval and progress report of the application's latest jobs, in two queries.
-    // Running jobs come first: only their stretches between reports count. (The window is
-    // written into the SQL, not bound: SQLite re-prepares a statement each time a LIMIT
-    // parameter is bound, which cost a sixth of a large simulation's time.)
-    let window = format!(
-        "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
-         AND (finished_at IS NULL OR exit_status = 0 OR separated = 1)
-         ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
-    );
-    // Each interval with its job's row and whether that job was given back to Slurm.
-    let rows: Vec<(i64, bool, IntervalRow)> = tx
-        .prepare_cached(&format!(
-            "SELECT i.job_row, j.separated = 1, i.started_at, i.ended_at, a.name FROM intervals i
-             JOIN jobs j ON j.id = i.job_row
-             LEFT JOIN applications a ON a.id = i.partner_app_id
-             WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
-        ))?
-        .query_map(params![app_id, model], |r| {
-            Ok((r.get(0)?, r.get(1)?, (r.get(2)?, r.get(3)?, r.get(4)?)))
-        })?
-        .collect::<Result<_, _>>()?;
-    // Each job's progress reports, and the GPU time NVML measured it busy ([`BUSY`]: the daemon
-    // records it itself where MPS is off), each in time order.
-    let reports: Vec<(i64, bool, f64, f64)> = tx
-        .prepare_cached(&format!(
-            "SELECT job_row, kind = '{BUSY}', at, value FROM observations
-             WHERE kind IN ('progress', '{BUSY}') AND value IS NOT NULL AND job_row IN ({window})
-             ORDER BY job_row, kind = '{BUSY}', at"
-        ))?
-        .query_map(params![app_id, model], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-        })?
-        .collect::<Result<_, _>>()?;
+    let (rows, reports) = latest_runs(tx, app_id, model)?;
     let of = |job: i64, busy: bool| -> Vec<(i64, f64, f64)> {
         let from = reports.partition_point(|r| (r.0, r.1) < (job, busy));
         let to = reports.partition_point(|r| (r.0, r.1) <= (job, busy));
@@ -197,6 +159,61 @@ pub(super) fn equations_of(
     }
     let reported = !of(job_row, false).is_empty() || of(job_row, true).len() > 1;
     Ok(Some((equations, reported)))
+}
+
+/// Intervals: (job row, given back, the interval).
+type RunRows = Vec<(i64, bool, IntervalRow)>;
+/// Reports: (job row, busy time rather than progress, at, value).
+type Reports = Vec<(i64, bool, f64, f64)>;
+
+/// The application's stored solo runtime on `model`.
+fn stored_solo(tx: &rusqlite::Transaction, model: &str, app_id: i64) -> rusqlite::Result<Option<f64>> {
+    tx.row(
+        "SELECT runtime_s FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
+        params![model, app_id],
+        |r| r.get(0),
+    )
+    .optional()
+}
+
+/// Each interval of the application's latest jobs, with its job's row and whether that job
+/// was given back to Slurm, and each job's progress reports and busy-time records (a flag:
+/// busy), each in time order.
+fn latest_runs(tx: &rusqlite::Transaction, app_id: i64, model: &str) -> rusqlite::Result<(RunRows, Reports)> {
+    // Every interval and progress report of the application's latest jobs, in two queries.
+    // Running jobs come first: only their stretches between reports count. (The window is
+    // written into the SQL, not bound: SQLite re-prepares a statement each time a LIMIT
+    // parameter is bound, which cost a sixth of a large simulation's time.)
+    let window = format!(
+        "SELECT id FROM jobs WHERE app_id = ?1 AND gpu_model = ?2
+         AND (finished_at IS NULL OR exit_status = 0 OR separated = 1)
+         ORDER BY finished_at IS NULL DESC, finished_at DESC LIMIT {LEARN_WINDOW}"
+    );
+    // Each interval with its job's row and whether that job was given back to Slurm.
+    let rows: RunRows = tx
+        .prepare_cached(&format!(
+            "SELECT i.job_row, j.separated = 1, i.started_at, i.ended_at, a.name FROM intervals i
+             JOIN jobs j ON j.id = i.job_row
+             LEFT JOIN applications a ON a.id = i.partner_app_id
+             WHERE i.job_row IN ({window}) ORDER BY i.job_row, i.started_at"
+        ))?
+        .query_map(params![app_id, model], |r| {
+            Ok((r.get(0)?, r.get(1)?, (r.get(2)?, r.get(3)?, r.get(4)?)))
+        })?
+        .collect::<Result<_, _>>()?;
+    // Each job's progress reports, and the GPU time NVML measured it busy ([`BUSY`]: the daemon
+    // records it itself where MPS is off), each in time order.
+    let reports: Reports = tx
+        .prepare_cached(&format!(
+            "SELECT job_row, kind = '{BUSY}', at, value FROM observations
+             WHERE kind IN ('progress', '{BUSY}') AND value IS NOT NULL AND job_row IN ({window})
+             ORDER BY job_row, kind = '{BUSY}', at"
+        ))?
+        .query_map(params![app_id, model], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    Ok((rows, reports))
 }
 
 /// The learning equation of a finished job from its intervals in time order: seconds alone
