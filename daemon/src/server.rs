@@ -327,47 +327,15 @@ pub(crate) fn handle(
     // A panic in one request must not poison the node for everyone: recover the guard.
     let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
     let result: Result<Response, RequestError> = match request {
-        Request::Start(req) if access.may_place(cred.uid) => {
-            let started = node.start(&req);
-            crate::metrics::global().start(match &started {
-                Ok(Started::Placed { bound, .. }) => match bound {
-                    Bound::Claimed | Bound::NodeClaimed => "claimed",
-                    Bound::Unclaimed => "unclaimed",
-                    Bound::Joined => "joined",
-                },
-                Ok(Started::Refused { .. }) => "too_large",
-                Err(_) => "error",
-            });
-            started.map(started_response)
-        }
+        Request::Start(req) if access.may_place(cred.uid) => counted_start(&mut node, &req),
         Request::Start(_) => return denied("start tasks"),
         Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req).map(|()| Response::Finished),
         Request::Finish(_) => return denied("finish tasks"),
-        Request::Status => node
-            .status()
-            .map(|mut status| {
-                for gpu in &mut status.gpus {
-                    gpu.tasks.retain(|t| access.may_see(cred.uid, Some(t.uid)));
-                }
-                Response::Status(status)
-            })
-            .map_err(RequestError::History),
+        Request::Status => status_seen_by(&node, cred, access),
         Request::Report(req) => node
             .report(&req, cred.uid, access.may_place(cred.uid))
             .map(|message| Response::Reported { message }),
-        Request::Explain { job_id } => crate::inspect::explained(node.history(), job_id)
-            .map(|found| match found {
-                Some(e) if access.may_see(cred.uid, e.owner) => Response::Explained {
-                    text: e.text,
-                    json: e.json,
-                },
-                // A job the peer may not see is as one this node never had.
-                _ => Response::Explained {
-                    text: String::new(),
-                    json: serde_json::Value::Null,
-                },
-            })
-            .map_err(RequestError::History),
+        Request::Explain { job_id } => explained_to(&node, job_id, cred, access),
     };
     crate::metrics::global().request(kind, start.elapsed());
     match result {
@@ -377,6 +345,45 @@ pub(crate) fn handle(
         // The asker's: the answer says why.
         Err(e) => Ok(Response::Error { message: e.to_string() }),
     }
+}
+
+/// A start, counted in the metrics by how the job came by its GPU.
+fn counted_start(node: &mut Node, req: &multiplex_protocol::StartRequest) -> Result<Response, RequestError> {
+    let started = node.start(req);
+    crate::metrics::global().start(match &started {
+        Ok(Started::Placed { bound, .. }) => match bound {
+            Bound::Claimed | Bound::NodeClaimed => "claimed",
+            Bound::Unclaimed => "unclaimed",
+            Bound::Joined => "joined",
+        },
+        Ok(Started::Refused { .. }) => "too_large",
+        Err(_) => "error",
+    });
+    started.map(started_response)
+}
+
+/// The node's status with only the tasks `cred` may see.
+fn status_seen_by(node: &Node, cred: PeerCred, access: &Access) -> Result<Response, RequestError> {
+    let mut status = node.status().map_err(RequestError::History)?;
+    for gpu in &mut status.gpus {
+        gpu.tasks.retain(|t| access.may_see(cred.uid, Some(t.uid)));
+    }
+    Ok(Response::Status(status))
+}
+
+/// A job explained, where `cred` may see it; one it may not is as one this node never had.
+fn explained_to(node: &Node, job_id: u32, cred: PeerCred, access: &Access) -> Result<Response, RequestError> {
+    let found = crate::inspect::explained(node.history(), job_id).map_err(RequestError::History)?;
+    Ok(match found {
+        Some(e) if access.may_see(cred.uid, e.owner) => Response::Explained {
+            text: e.text,
+            json: e.json,
+        },
+        _ => Response::Explained {
+            text: String::new(),
+            json: serde_json::Value::Null,
+        },
+    })
 }
 
 /// A start's outcome on the wire.
