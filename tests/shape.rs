@@ -355,7 +355,6 @@ const LONG_TODAY: &[(&str, &str, usize)] = &[
     ("daemon/src/inspect.rs", "fmt", 80),
     ("daemon/src/metrics.rs", "new", 90),
     ("daemon/src/node/steps.rs", "finish_deferred", 62),
-    ("daemon/src/placement.rs", "place", 61),
     ("simulate/src/grade.rs", "grade", 72),
     ("simulate/src/input.rs", "parse", 82),
     ("simulate/src/plot.rs", "cdf_panel", 73),

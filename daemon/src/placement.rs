@@ -158,7 +158,6 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
             may_retry: false,
         };
     }
-    let mut best: Option<Scored> = None;
     let mut candidates = Vec::new();
     let mut refusals = Vec::new();
     for gpu in gpus {
@@ -167,16 +166,7 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
             Err(why) => refusals.push(format!("GPU {}: {why}", gpu.index)),
         }
     }
-    for s in candidates {
-        // Higher gain wins; on a tie the emptier GPU, then the lower index.
-        let better = best
-            .as_ref()
-            .is_none_or(|b| (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents));
-        if better {
-            best = Some(s);
-        }
-    }
-    match best {
+    match best(candidates) {
         // Sharing for less than this leaves the slot to a later job that pairs better (Slurm
         // offers it to the next queued job at once) or to this one when a GPU frees.
         Some(s) if knobs.min_gain > 0.0 && s.residents > 0 && s.gain < s.least_gain(knobs.min_gain) => {
@@ -210,6 +200,21 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
             may_retry: true,
         },
     }
+}
+
+/// The best of the scored GPUs: higher gain wins; on a tie the emptier GPU, then the lower
+/// index.
+fn best(candidates: Vec<Scored>) -> Option<Scored> {
+    let mut best: Option<Scored> = None;
+    for s in candidates {
+        let better = best
+            .as_ref()
+            .is_none_or(|b| (s.gain - b.gain > 1e-9) || ((s.gain - b.gain).abs() <= 1e-9 && s.residents < b.residents));
+        if better {
+            best = Some(s);
+        }
+    }
+    best
 }
 
 /// Whether a newcomer needing `job_mem_mb` and every resident of `gpu` have their memory known
