@@ -55,6 +55,11 @@ fn waits_for_first_claim(job: &Job) -> bool {
     job.gated(LICENSE) && matches!(job.reason.as_str(), "Licenses" | "None")
 }
 
+/// Whether a claim pinned the job: through the gate, to a GPU type and a node.
+fn pinned(job: &Job) -> bool {
+    !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some()
+}
+
 /// Whether a job pinned past [`PIN_GRACE`] may start sooner pinned again: its slot was taken
 /// (`Resources`, `Priority`), its node left (`ReqNodeNotAvail, ...`), Slurm requeued it
 /// (`BeginTime`, which the claim's `StartTime=now` ends) or has not looked at it since the
@@ -275,7 +280,7 @@ impl Claimer {
     /// What a job of the queue is to this look: one holding (or pinned to, within
     /// [`PIN_GRACE`]) a GPU, a multiplexed job waiting for a claim, or neither.
     fn classify<'s>(&mut self, slurm: &dyn Slurm, job: &'s Job, spec: Option<&'s Spec>, now: Instant) -> Seen<'s> {
-        let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
+        let pinned = pinned(job);
         if job.pending && pinned {
             let since = *self.pinned_since.entry(job.id).or_insert(now);
             if now.duration_since(since) < PIN_GRACE {
@@ -320,12 +325,11 @@ impl Claimer {
         infos: &[NodeInfo],
         merges: bool,
     ) -> Option<Candidate> {
-        let pinned = !job.gated(LICENSE) && job.gres_type().is_some() && job.node.is_some();
         // The claim keeps within the nodes the job's user asked for: while it waits for its
         // first claim, its own node list (as its user or an admin set it); once pinned, the
         // list is the claimer's own, and the tag's record of the user's (job_submit, from
         // --nodelist) stands in. Its --exclude is never replaced.
-        let asked = if pinned {
+        let asked = if pinned(job) {
             spec.nodes.as_deref()
         } else {
             job.node.as_deref()

@@ -204,8 +204,7 @@ pub const MIN_GAIN: Bounded<f64> = Bounded::new("policy.min_gain", 0.25, 0.0, So
 /// gives that job back (the margin below 1 pays for the work it loses and its wait).
 pub const SEPARATE_BELOW: Bounded<f64> =
     Bounded::new("policy.separate_below", 0.9, 0.0, Some(2.0)).meaning_at_min("never");
-/// Looks below 100 ms would load slurmctld (the claimer reads the queue each time); above a
-/// minute a free GPU would idle that long.
+/// The bounds of the claimer's looks ([`LOOK_MS`]).
 pub const SEPARATE_LOOK_MS: Bounded<u64> = Bounded::new("policy.separate_look_ms", 5000, 100, Some(60_000));
 pub const RECONCILE_INTERVAL_S: Bounded<u64> =
     Bounded::new("reconcile.interval_s", 60, 0, None).meaning_at_min("never");
@@ -214,6 +213,8 @@ pub const RECONCILE_GRACE_S: Bounded<f64> = Bounded::new("reconcile.grace_s", 30
 pub const SHARE_EVERY_S: Bounded<u64> = Bounded::new("share.every_s", 600, 1, None);
 pub const DEFAULT_CLAIM_PARTITION: &str = multiplex_protocol::spec::DEFAULT_PARTITION;
 pub const LOOKAHEAD: Bounded<usize> = Bounded::new("claim.lookahead", 8, 1, Some(64));
+/// Looks below 100 ms would load slurmctld (the claimer reads the queue each time); above a
+/// minute a free GPU would idle that long.
 pub const LOOK_MS: Bounded<u64> = Bounded::new("claim.look_ms", 1000, 100, Some(60_000));
 /// A lease shorter than a minute would lapse over one slow slurmctld answer; longer than an
 /// hour, a cluster whose claimer died would hold its waiting jobs that long.

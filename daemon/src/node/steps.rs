@@ -450,10 +450,12 @@ fn bound(req: &StartRequest, kind: &str, residents: &[&ActiveJob]) -> (Bound, Op
         .and_then(Result::ok)
         .filter(|c| c.node == req.node);
     // A job srun made is claimed for its node only (`pin=node`): Slurm picks the GPU there.
-    let node_only = Spec::from_tag(req.admin_comment.as_deref())
-        .and_then(Result::ok)
-        .is_some_and(|s| s.node_only);
-    let node_claimed = !claimed && node_only && claim.as_ref().is_some_and(|c| c.gpu.is_none());
+    // Its tag is read only where that can be so.
+    let node_claimed = !claimed
+        && claim.as_ref().is_some_and(|c| c.gpu.is_none())
+        && Spec::from_tag(req.admin_comment.as_deref())
+            .and_then(Result::ok)
+            .is_some_and(|s| s.node_only);
     let bound = match (claimed, node_claimed) {
         (true, _) => Bound::Claimed,
         (false, true) => Bound::NodeClaimed,
