@@ -290,6 +290,24 @@ impl Trials {
     }
 }
 
+/// What one look decides on: Slurm's books as [`choose`] weighs them (each job's memory filled
+/// in where known) and the estimates it reads. The claimer's scorer builds it
+/// ([`crate::claimer::Scorer`]): from the daemon's history, or in the simulator's oracle from
+/// the true table.
+pub struct Inputs {
+    pub nodes: Vec<NodeGpus>,
+    pub pending: Vec<Candidate>,
+    pub estimates: Estimates,
+    pub knobs: Knobs,
+}
+
+impl Inputs {
+    /// The look's claims ([`choose`]) at `now` (seconds of a steady clock).
+    pub fn choose(mut self, memory: &mut Memory, now: f64) -> Vec<Choice> {
+        choose(&self.nodes, &self.pending, &mut self.estimates, self.knobs, memory, now)
+    }
+}
+
 /// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `nodes`, one
 /// job at a time, each counted on its GPU before the next is chosen, until no slot is free or
 /// no job would take one. `history` must hold what [`wanted`] asks for; `memory` is what the

@@ -3,6 +3,7 @@
 //! and reconciling with what Slurm runs.
 
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, Response, StartRequest};
+use multiplexd::claimer::Scorer;
 use multiplexd::config::{Config, GpuSpec};
 use multiplexd::node::{Node, RequestError, Started};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,10 +139,9 @@ impl World {
             gpu: None,
             nodes: None,
         }];
-        let choices = self
-            .node
-            .claims(&[node], &pending, &mut Memory::default(), 0.0)
-            .unwrap();
+        let choices = Scorer::inputs(&self.node, &[node], &pending)
+            .unwrap()
+            .choose(&mut Memory::default(), 0.0);
         choices.iter().find_map(|c| match c {
             Choice::Pin { gpu, .. } => Some(*gpu),
             Choice::Refuse { .. } => None,

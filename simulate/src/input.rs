@@ -46,7 +46,12 @@ impl Table {
                 return Err(at(format!("expected 5 fields, found {}", f.len())));
             }
             match &model {
-                None => model = Some(f[0].to_string()),
+                None => {
+                    // The model names the GPUs' gres types (`v100_0`).
+                    multiplex_protocol::spec::parse_app(f[0])
+                        .map_err(|_| at(format!("GPU model {:?}: use letters, digits, '.', '_' or '-'", f[0])))?;
+                    model = Some(f[0].to_string())
+                }
                 Some(m) if m != f[0] => {
                     return Err(at(format!(
                         "GPU model {} after {m}: give one GPU model per table",
@@ -76,6 +81,8 @@ impl Table {
                 if app.is_empty() {
                     return Err(at("empty job name".into()));
                 }
+                // A job's application travels in its tag, as `--multiplex app=NAME`.
+                multiplex_protocol::spec::parse_app(app).map_err(|e| at(e.to_string()))?;
                 Ok(*index.entry(app.to_string()).or_insert_with(|| {
                     apps.push(app.to_string());
                     apps.len() - 1

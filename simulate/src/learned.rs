@@ -2,15 +2,17 @@
 //! its SQLite history, node 0's claimer claiming for the cluster; and `oracle`, the claimer's
 //! code handed the true table.
 
+use super::books::{self, View};
 use super::input::Table;
 use super::world::{JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
-use multiplexd::claim::{self, Candidate, NodeGpus};
+use multiplexd::claim::outcome_s;
+use multiplexd::claimer::Claimer;
 use multiplexd::config::keys::{MIN_GAIN, SEPARATE_BELOW};
 use multiplexd::config::{Config, GpuSpec, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
 use multiplexd::node::{Node, Started};
-use multiplexd::placement::{GpuState, Resident, Wanted};
+use multiplexd::placement::Wanted;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -64,40 +66,6 @@ impl Options {
     }
 }
 
-/// Pending jobs as the claimer reads them from Slurm's queue (the trace has no memory hints:
-/// `memory` gives what each application is known to need, if anything).
-pub(crate) fn candidates(
-    table: &Table,
-    pending: &[JobRef],
-    memory: impl Fn(usize) -> Option<u64>,
-    fixed_gpu: Option<usize>,
-) -> Vec<Candidate> {
-    pending
-        .iter()
-        .map(|j| Candidate {
-            job_id: j.id,
-            app: table.apps[j.app].clone(),
-            mem_mb: memory(j.app),
-            model: None,
-            // job_submit's rotation over the GPU indices, in submission order.
-            gpu: fixed_gpu.map(|gpus| ((j.id as usize - 1) % gpus) as u32),
-            nodes: None,
-        })
-        .collect()
-}
-
-/// The claims as the world takes them: (pending index, node, GPU). A job refused for good has
-/// no place in the world's trace: every job of it fits some GPU alone.
-pub(crate) fn pins(choices: &[claim::Choice]) -> Result<Vec<(usize, usize, usize)>, String> {
-    choices
-        .iter()
-        .map(|c| match c {
-            claim::Choice::Pin { job, node, gpu, .. } => Ok((*job, *node, *gpu as usize)),
-            claim::Choice::Refuse { job, reason } => Err(format!("pending job {job} refused: {reason}")),
-        })
-        .collect()
-}
-
 /// The daemon: one [`Node`] per simulated node, its history starting empty.
 ///
 /// What a node does whose answer the world does not wait for (learning from a job that
@@ -109,12 +77,13 @@ pub(crate) fn pins(choices: &[claim::Choice]) -> Result<Vec<(usize, usize, usize
 pub(crate) struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
-    /// Node 0's daemon is the cluster's claimer: what the other nodes learn reaches it as
-    /// pooled histories do (`share_every_s`). How many pending jobs a look weighs, and its
-    /// bypass counts.
+    /// Node 0's daemon is the cluster's claimer, its own [`Claimer`] over Slurm's books
+    /// ([`books`]): what the other nodes learn reaches it as pooled histories do
+    /// (`share_every_s`). How many pending jobs a look weighs.
+    claimer: Claimer,
     lookahead: usize,
+    slots: u32,
     fixed_gpu: bool,
-    memory: claim::Memory,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -195,6 +164,36 @@ fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
     slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The learner thread, which catches up each node it is told of.
+fn spawn_learner(
+    nodes: &Arc<Vec<Mutex<Slot>>>,
+    clocks: &Arc<Vec<AtomicU64>>,
+    failed: &Arc<Mutex<Option<String>>>,
+) -> Result<Learner, String> {
+    let (tx, rx) = mpsc::channel::<usize>();
+    let (nodes, clocks, failed) = (Arc::clone(nodes), Arc::clone(clocks), Arc::clone(failed));
+    let thread = std::thread::Builder::new()
+        .name("sim-learner".into())
+        .spawn(move || {
+            // A node may be named more than once, or caught up already by the world.
+            for n in rx {
+                if let Err(e) = lock(&nodes[n]).catch_up(&clocks[n]) {
+                    failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                }
+            }
+        })
+        .map_err(|e| format!("cannot start the learner thread: {e}"))?;
+    Ok((tx, thread))
+}
+
+/// Node `n` of `nodes` at simulated time `now`, caught up with the work queued for it.
+fn caught_up<'n>(nodes: &'n [Mutex<Slot>], clocks: &[AtomicU64], n: usize, now: f64) -> Result<NodeGuard<'n>, String> {
+    let mut slot = lock(&nodes[n]);
+    slot.catch_up(&clocks[n])?;
+    clocks[n].store(now.to_bits(), Ordering::Relaxed);
+    Ok(NodeGuard(slot))
+}
+
 impl<'a> Learned<'a> {
     pub(crate) fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
         let share_every_s = options.share_every_s;
@@ -212,9 +211,10 @@ impl<'a> Learned<'a> {
                 uuid: None,
             })
             .collect();
+        let claim_config = options.config(&books::node_name(0), shape.jobs_per_gpu)?.claim;
         let nodes = (0..shape.nodes)
             .map(|n| {
-                let config = options.config(&format!("sim{n}"), shape.jobs_per_gpu)?;
+                let config = options.config(&books::node_name(n), shape.jobs_per_gpu)?;
                 let c = Arc::clone(&clocks);
                 let node = Node::open(
                     config,
@@ -230,31 +230,18 @@ impl<'a> Learned<'a> {
             .collect::<Result<Vec<_>, String>>()?;
         let nodes = Arc::new(nodes);
         let failed = Arc::new(Mutex::new(None));
-        let (tx, rx) = mpsc::channel::<usize>();
-        let learner = {
-            let (nodes, clocks, failed) = (Arc::clone(&nodes), Arc::clone(&clocks), Arc::clone(&failed));
-            std::thread::Builder::new()
-                .name("sim-learner".into())
-                .spawn(move || {
-                    // A node may be named more than once, or caught up already by the world.
-                    for n in rx {
-                        if let Err(e) = lock(&nodes[n]).catch_up(&clocks[n]) {
-                            failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-                        }
-                    }
-                })
-                .map_err(|e| format!("cannot start the learner thread: {e}"))?
-        };
+        let learner = spawn_learner(&nodes, &clocks, &failed)?;
         Ok(Learned {
             table,
             share_every_s,
-            lookahead: options.lookahead,
-            fixed_gpu: options.fixed_gpu,
             // As the daemon's claimer: a pair's outcome reaches node 0 at the next merge.
-            memory: claim::Memory::new(claim::outcome_s(share_every_s)),
+            claimer: Claimer::new(claim_config, 1).outcome_after(outcome_s(share_every_s)),
+            lookahead: options.lookahead,
+            slots: shape.jobs_per_gpu,
+            fixed_gpu: options.fixed_gpu,
             next_share: share_every_s,
             nodes,
-            learner: Some((tx, learner)),
+            learner: Some(learner),
             clocks,
             failed,
         })
@@ -278,9 +265,7 @@ impl<'a> Learned<'a> {
 
     /// Node `n` at simulated time `now`, caught up with the work queued for it.
     fn node_at(&self, n: usize, now: f64) -> Result<NodeGuard<'_>, String> {
-        let node = self.node(n)?;
-        self.clocks[n].store(now.to_bits(), Ordering::Relaxed);
-        Ok(node)
+        caught_up(&self.nodes, &self.clocks, n, now)
     }
 
     /// Queues work on node `n` and tells the learner thread.
@@ -353,7 +338,7 @@ impl Policy for Learned<'_> {
         self.lookahead
     }
     fn look_again(&self) -> Option<f64> {
-        self.memory.trials.next_end()
+        self.claimer.next_trial_end()
     }
     fn started(&mut self, now: f64, node: usize, job: JobRef, gpu: usize) -> Result<(), String> {
         self.at(now)?;
@@ -376,38 +361,14 @@ impl Policy for Learned<'_> {
         pending: &[JobRef],
     ) -> Result<Vec<(usize, usize, usize)>, String> {
         self.at(now)?;
-        let model = &self.table.model;
-        let memory_mb = self.table.gpu_memory().unwrap_or(1 << 40);
-        let nodes: Vec<NodeGpus> = cluster
-            .iter()
-            .enumerate()
-            .map(|(n, gpus)| NodeGpus {
-                node: format!("sim{n}"),
-                gpus: gpus
-                    .iter()
-                    .enumerate()
-                    .map(|(g, jobs)| GpuState {
-                        index: g as u32,
-                        model: model.clone(),
-                        memory_mb,
-                        residents: jobs
-                            .iter()
-                            .map(|r| Resident {
-                                job_id: r.id,
-                                app: self.table.apps[r.app].clone(),
-                                mem_mb: None,
-                            })
-                            .collect(),
-                    })
-                    .collect(),
-            })
-            .collect();
-        let fixed = self.fixed_gpu.then_some(cluster.first().map_or(1, Vec::len));
-        let candidates = candidates(self.table, pending, |_| None, fixed);
-        let mut memory = std::mem::take(&mut self.memory);
-        let choices = self.node_at(0, now)?.claims(&nodes, &candidates, &mut memory, now);
-        self.memory = memory;
-        pins(&choices.map_err(|e| e.to_string())?)
+        let view = View {
+            cluster,
+            pending,
+            slots: self.slots,
+            fixed_gpu: self.fixed_gpu,
+        };
+        let node = caught_up(&self.nodes, &self.clocks, 0, now)?;
+        books::look(&mut self.claimer, &*node, self.table, view, now)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

@@ -2,6 +2,7 @@
 //! speeds. The world (see [`world`]) plays Slurm and reality; the policies (see [`policy`])
 //! play the node daemon, `learned` being the daemon's own code with its SQLite history.
 
+mod books;
 mod events;
 pub mod grade;
 pub mod input;

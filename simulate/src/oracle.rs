@@ -1,11 +1,14 @@
 //! The oracle: the claimer's own code handed the true table instead of a history.
 
+use super::books::{self, View};
 use super::input::Table;
-use super::learned::{candidates, pins, Options};
+use super::learned::Options;
 use super::world::{JobRef, Policy, Shape};
-use multiplexd::claim::{self, NodeGpus};
-use multiplexd::config::{PolicyConfig, DEFAULT_UNKNOWN_PAIR_SPEED};
-use multiplexd::placement::{Estimates, GpuState, Knobs, PairEstimate, Resident};
+use multiplexd::claim::{Candidate, Inputs, NodeGpus};
+use multiplexd::claimer::{Claimer, Scorer};
+use multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED;
+use multiplexd::placement::{Estimates, Knobs, PairEstimate};
+use std::collections::HashMap;
 
 /// The true table as placement's snapshot: every pair seen, infeasible pairs known.
 fn truth(table: &Table) -> Estimates {
@@ -29,51 +32,78 @@ fn truth(table: &Table) -> Estimates {
     e
 }
 
-/// The claimer, knowing the table.
+/// The claimer, knowing the table: the daemon's [`Claimer`] over Slurm's books ([`books`]),
+/// scored by the truth.
 pub(crate) struct Oracle<'a> {
     table: &'a Table,
-    truth: Estimates,
-    shape: Shape,
-    /// The daemon's default policy, with the run's `min_gain`.
-    policy: PolicyConfig,
+    truth: Truth,
+    claimer: Claimer,
     lookahead: usize,
+    slots: u32,
     fixed_gpu: bool,
-    memory: claim::Memory,
 }
 
 impl<'a> Oracle<'a> {
     pub(crate) fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
         let config = options.config("oracle", shape.jobs_per_gpu)?;
+        let truth = Truth {
+            estimates: truth(table),
+            memory: (table.apps.iter().enumerate())
+                .map(|(a, app)| (app.clone(), table.memory_of(a)))
+                .collect(),
+            gpu_memory: (table.gpu_memory().map(|m| (table.model.clone(), m)).into_iter()).collect(),
+            knobs: Knobs {
+                slots: shape.jobs_per_gpu,
+                unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
+                min_gain: config.policy.min_gain,
+                separate_below: config.policy.separate_below,
+            },
+        };
         Ok(Oracle {
             table,
-            truth: truth(table),
-            shape,
-            policy: config.policy,
+            truth,
             lookahead: config.claim.lookahead,
+            claimer: Claimer::new(config.claim, 1),
+            slots: shape.jobs_per_gpu,
             fixed_gpu: options.fixed_gpu,
-            memory: claim::Memory::default(),
         })
     }
+}
 
-    /// The node's GPUs as placement reads them (the oracle knows each job's memory, where the
-    /// table has memory).
-    fn states(&self, gpus: &[Vec<JobRef>]) -> Vec<GpuState> {
-        gpus.iter()
-            .enumerate()
-            .map(|(i, g)| GpuState {
-                index: i as u32,
-                model: self.table.model.clone(),
-                memory_mb: self.table.gpu_memory().unwrap_or(u64::MAX),
-                residents: g
-                    .iter()
-                    .map(|r| Resident {
-                        job_id: r.id,
-                        app: self.table.apps[r.app].clone(),
-                        mem_mb: self.table.memory_of(r.app),
-                    })
-                    .collect(),
-            })
-            .collect()
+/// What the oracle knows: every pair's speeds and every application's memory, where the
+/// table has memory.
+struct Truth {
+    estimates: Estimates,
+    memory: HashMap<String, Option<u64>>,
+    gpu_memory: HashMap<String, u64>,
+    knobs: Knobs,
+}
+
+impl Scorer for Truth {
+    fn gpu_memory(&self) -> HashMap<String, u64> {
+        self.gpu_memory.clone()
+    }
+
+    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
+        let known = |app: &str| self.memory.get(app).copied().flatten();
+        let mut nodes = nodes.to_vec();
+        for r in nodes
+            .iter_mut()
+            .flat_map(|n| n.gpus.iter_mut())
+            .flat_map(|g| g.residents.iter_mut())
+        {
+            r.mem_mb = known(&r.app);
+        }
+        let mut pending = pending.to_vec();
+        for p in &mut pending {
+            p.mem_mb = known(&p.app);
+        }
+        Ok(Inputs {
+            nodes,
+            pending,
+            estimates: self.estimates.clone(),
+            knobs: self.knobs,
+        })
     }
 }
 
@@ -85,7 +115,7 @@ impl Policy for Oracle<'_> {
         self.lookahead
     }
     fn look_again(&self) -> Option<f64> {
-        self.memory.trials.next_end()
+        self.claimer.next_trial_end()
     }
     fn claim(
         &mut self,
@@ -93,24 +123,13 @@ impl Policy for Oracle<'_> {
         cluster: &[Vec<Vec<JobRef>>],
         pending: &[JobRef],
     ) -> Result<Vec<(usize, usize, usize)>, String> {
-        let nodes: Vec<NodeGpus> = cluster
-            .iter()
-            .enumerate()
-            .map(|(n, gpus)| NodeGpus {
-                node: format!("sim{n}"),
-                gpus: self.states(gpus),
-            })
-            .collect();
-        let fixed = self.fixed_gpu.then_some(self.shape.gpus_per_node);
-        let candidates = candidates(self.table, pending, |app| self.table.memory_of(app), fixed);
-        let knobs = Knobs {
-            slots: self.shape.jobs_per_gpu,
-            unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
-            min_gain: self.policy.min_gain,
-            separate_below: self.policy.separate_below,
+        let view = View {
+            cluster,
+            pending,
+            slots: self.slots,
+            fixed_gpu: self.fixed_gpu,
         };
-        let choices = claim::choose(&nodes, &candidates, &mut self.truth, knobs, &mut self.memory, now);
-        pins(&choices)
+        books::look(&mut self.claimer, &self.truth, self.table, view, now)
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())

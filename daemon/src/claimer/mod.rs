@@ -16,19 +16,19 @@
 //! daemon records it there.
 
 use crate::claim::{Candidate, Choice, Memory, NodeGpus};
-use crate::node::Node;
 use crate::placement::{GpuState, Resident};
 use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use crate::config::ClaimConfig;
+pub use scorer::Scorer;
 pub use thread::spawn;
 
+mod scorer;
 mod thread;
 
 pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
@@ -86,19 +86,22 @@ pub struct Looked {
 }
 
 /// The claimer's state between looks.
+///
+/// Its clock is seconds of a steady clock, as each look is given it (the claimer's thread
+/// counts from its start, the simulator its simulated time).
 pub struct Claimer {
     config: ClaimConfig,
     gate: Gate,
     /// The lease was last renewed then.
-    renewed: Option<Instant>,
-    nodes: Option<(Instant, Vec<NodeInfo>)>,
+    renewed: Option<f64>,
+    /// The node list, when it was read, and its usable nodes' GPUs as a look starts from them
+    /// (each GPU with no job yet).
+    nodes: Option<(f64, Vec<NodeInfo>, Vec<NodeGpus>)>,
     /// What the choice keeps between looks: passed-over jobs, pairs being tried.
     memory: Memory,
-    /// When this claimer started: `memory`'s clock counts from it.
-    born: Instant,
     /// Jobs pinned (by this claimer or before), since when they were first seen pinned and
     /// waiting.
-    pinned_since: HashMap<u32, Instant>,
+    pinned_since: HashMap<u32, f64>,
     /// Which GPU running jobs with no GPU type (started on Slurm's own choice) hold: asked once.
     untyped: HashMap<u32, Option<u32>>,
     /// Host lists jobs asked for or excluded, expanded (`scontrol show hostnames`, no RPC).
@@ -126,7 +129,6 @@ impl Claimer {
             renewed: None,
             nodes: None,
             memory: Memory::default(),
-            born: Instant::now(),
             pinned_since: HashMap::new(),
             untyped: HashMap::new(),
             hostlists: HashMap::new(),
@@ -134,11 +136,17 @@ impl Claimer {
         }
     }
 
+    /// When the next pair being tried is due to have its outcome learned, if one is: a look
+    /// then may claim what waited for it.
+    pub fn next_trial_end(&self) -> Option<f64> {
+        self.memory.trials.next_end()
+    }
+
     /// Renews the gate's lease once a third of it has passed.
-    fn hold_gate(&mut self, slurm: &dyn Slurm, now: Instant) -> Result<(), SlurmError> {
+    fn hold_gate(&mut self, slurm: &dyn Slurm, now: f64) -> Result<(), SlurmError> {
         let due = self
             .renewed
-            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(self.config.lease_s / 3));
+            .is_none_or(|at| now - at >= (self.config.lease_s / 3) as f64);
         if due {
             slurm.hold_gate(&self.gate, self.config.lease_s)?;
             self.renewed = Some(now);
@@ -146,32 +154,25 @@ impl Claimer {
         Ok(())
     }
 
-    /// One look: the gate, the queue, the claims. `node` is this daemon's: its history
-    /// scores, and its GPUs say how much memory each GPU model has.
-    pub fn look(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Looked, SlurmError> {
+    /// One look at `now`: the gate, the queue, the claims. `scorer` is this daemon's node:
+    /// its history scores, and its GPUs say how much memory each GPU model has.
+    pub fn look(&mut self, slurm: &dyn Slurm, scorer: &dyn Scorer, now: f64) -> Result<Looked, SlurmError> {
         self.hold_gate(slurm, now)?;
-        let queue = self.read(slurm, node, now)?;
+        let queue = self.read(slurm, scorer, now)?;
         if queue.candidates.is_empty() {
             return Ok(Looked::default());
         }
         let pending: Vec<Candidate> = queue.candidates.iter().map(|(c, _)| c.clone()).collect();
-        // The history is read under the node's lock; the scoring runs outside it.
-        let inputs = node
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .claim_inputs(&queue.nodes, &pending)
-            .map_err(|e| SlurmError::Failed(format!("cannot read the history: {e}")))?;
-        let clock = now.saturating_duration_since(self.born).as_secs_f64();
-        let choices = inputs.choose(&mut self.memory, clock);
+        let inputs = scorer.inputs(&queue.nodes, &pending).map_err(SlurmError::Failed)?;
+        let choices = inputs.choose(&mut self.memory, now);
         self.carry_out(slurm, &queue, choices, now)
     }
 
     /// Slurm's queue and nodes as this look sees them: what holds each GPU, and the first
     /// waiting jobs as the choice weighs them.
-    fn read(&mut self, slurm: &dyn Slurm, node: &Mutex<Node>, now: Instant) -> Result<Queue, SlurmError> {
+    fn read(&mut self, slurm: &dyn Slurm, scorer: &dyn Scorer, now: f64) -> Result<Queue, SlurmError> {
         let jobs = slurm.jobs(&self.config.partition)?;
-        let infos = self.node_list(slurm, &jobs, now)?;
-        let memory = node.lock().unwrap_or_else(|p| p.into_inner()).gpu_memory();
+        let (infos, mut nodes) = self.node_list(slurm, scorer, &jobs, now)?;
         let merges = slurm.merges_gres_updates()?;
         // Each job's tag, read once per look.
         let specs: Vec<Option<Spec>> = jobs
@@ -179,11 +180,11 @@ impl Claimer {
             .map(|j| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok))
             .collect();
         self.forget(&jobs, &specs);
-        let mut nodes = cluster(&infos, &memory);
+        let at: HashMap<String, usize> = nodes.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect();
         let mut candidates: Vec<(Candidate, usize)> = Vec::new();
         for (index, (job, spec)) in jobs.iter().zip(&specs).enumerate() {
             match self.classify(slurm, job, spec.as_ref(), now) {
-                Seen::Resident(gpu) => add_resident(&mut nodes, job, spec.as_ref(), gpu),
+                Seen::Resident(gpu) => add_resident(&mut nodes, &at, job, spec.as_ref(), gpu),
                 Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
                     if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
                         candidates.push((c, index));
@@ -206,7 +207,7 @@ impl Claimer {
         slurm: &dyn Slurm,
         queue: &Queue,
         choices: Vec<Choice>,
-        now: Instant,
+        now: f64,
     ) -> Result<Looked, SlurmError> {
         let mut looked = Looked::default();
         for choice in choices {
@@ -242,18 +243,31 @@ impl Claimer {
 
     /// The partition's nodes: read again every [`NODES_EVERY`], or after [`NODES_AGAIN`] while
     /// a node is not up, a job names a node the list lacks, or a job found none of its nodes up.
-    fn node_list(&mut self, slurm: &dyn Slurm, jobs: &[Job], now: Instant) -> Result<Vec<NodeInfo>, SlurmError> {
-        let stale = self.nodes.as_ref().is_none_or(|(at, nodes)| {
-            let age = now.duration_since(*at);
+    /// With them, their GPUs, empty, as [`cluster`] makes them.
+    fn node_list(
+        &mut self,
+        slurm: &dyn Slurm,
+        scorer: &dyn Scorer,
+        jobs: &[Job],
+        now: f64,
+    ) -> Result<(Vec<NodeInfo>, Vec<NodeGpus>), SlurmError> {
+        let stale = self.nodes.as_ref().is_none_or(|(at, nodes, _)| {
+            let age = Duration::from_secs_f64((now - at).max(0.0));
             let some_down = nodes.iter().any(|n| !n.usable());
             age >= NODES_EVERY
                 || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, jobs)))
         });
         if stale {
             self.nodes_unsettled = false;
-            self.nodes = Some((now, slurm.nodes(&self.config.partition)?));
+            let infos = slurm.nodes(&self.config.partition)?;
+            let gpus = cluster(&infos, &scorer.gpu_memory());
+            self.nodes = Some((now, infos, gpus));
         }
-        Ok(self.nodes.as_ref().map(|(_, n)| n.clone()).unwrap_or_default())
+        Ok(self
+            .nodes
+            .as_ref()
+            .map(|(_, infos, gpus)| (infos.clone(), gpus.clone()))
+            .unwrap_or_default())
     }
 
     /// Forgets what no longer waits, and host lists no job names any more (they are users'
@@ -279,11 +293,11 @@ impl Claimer {
 
     /// What a job of the queue is to this look: one holding (or pinned to, within
     /// [`PIN_GRACE`]) a GPU, a multiplexed job waiting for a claim, or neither.
-    fn classify<'s>(&mut self, slurm: &dyn Slurm, job: &'s Job, spec: Option<&'s Spec>, now: Instant) -> Seen<'s> {
+    fn classify<'s>(&mut self, slurm: &dyn Slurm, job: &'s Job, spec: Option<&'s Spec>, now: f64) -> Seen<'s> {
         let pinned = pinned(job);
         if job.pending && pinned {
             let since = *self.pinned_since.entry(job.id).or_insert(now);
-            if now.duration_since(since) < PIN_GRACE {
+            if now - since < PIN_GRACE.as_secs_f64() {
                 let gpu = job.gres_type().and_then(split_gpu_type).map(|(m, i)| (Some(m), i));
                 return Seen::Resident(gpu);
             }
@@ -367,7 +381,7 @@ impl Claimer {
         job: &Job,
         spec: Option<&Spec>,
         (target, gpu, partners, predicted_speed): (&NodeGpus, u32, Vec<u32>, f64),
-        now: Instant,
+        now: f64,
     ) -> Result<Option<Done>, SlurmError> {
         let Some(kind) = target
             .gpus
@@ -502,16 +516,21 @@ fn cluster(infos: &[NodeInfo], memory: &HashMap<String, u64>) -> Vec<NodeGpus> {
         .collect()
 }
 
-/// Counts `job` on its GPU (its model where known, and its index) of its node; a job of no
-/// known GPU counts nowhere.
-fn add_resident(nodes: &mut [NodeGpus], job: &Job, spec: Option<&Spec>, gpu: Option<(Option<&str>, u32)>) {
-    let (Some(node), Some((model, index))) = (job.node.as_deref(), gpu) else {
+/// Counts `job` on its GPU (its model where known, and its index) of its node (`at`: each
+/// node's place in `nodes`); a job of no known GPU counts nowhere.
+fn add_resident(
+    nodes: &mut [NodeGpus],
+    at: &HashMap<String, usize>,
+    job: &Job,
+    spec: Option<&Spec>,
+    gpu: Option<(Option<&str>, u32)>,
+) {
+    let (Some(node), Some((model, index))) = (job.node.as_deref().and_then(|n| at.get(n)), gpu) else {
         return;
     };
-    let Some(gpu) = nodes
+    let Some(gpu) = nodes[*node]
+        .gpus
         .iter_mut()
-        .filter(|n| n.node == node)
-        .flat_map(|n| n.gpus.iter_mut())
         .find(|g| g.index == index && model.is_none_or(|m| g.model == m))
     else {
         return;
@@ -537,7 +556,9 @@ pub fn without_gate(licenses: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::{Config, GpuSpec};
+    use crate::node::Node;
     use crate::slurm::{Fake, FakeState};
+    use std::sync::Mutex;
 
     fn daemon() -> Mutex<Node> {
         let config = Config::parse("node = \"n1\"\ndatabase = \":memory:\"\njobs_per_gpu = 2\n").unwrap();
@@ -616,9 +637,9 @@ mod tests {
         slurm.state.lock().unwrap().merges = true;
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         c.look(&slurm, &node, t0).unwrap();
-        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 1.0).unwrap();
         let again = looked.claimed.iter().find(|(j, _, _)| *j == 1).expect("claimed again");
         assert_eq!((again.1.as_str(), again.2.as_str()), ("n2", "v100_1"), "{looked:?}");
         let s = slurm.state.lock().unwrap();
@@ -643,12 +664,12 @@ mod tests {
         let slurm = fake(vec![requeued]);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         assert!(
             c.look(&slurm, &node, t0).unwrap().claimed.is_empty(),
             "its pin is fresh"
         );
-        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 1.0).unwrap();
         assert_eq!(looked.claimed.len(), 1, "{looked:?}");
         let s = slurm.state.lock().unwrap();
         assert!(s.claims[0].start_now, "{:?}", s.claims[0]);
@@ -668,7 +689,7 @@ mod tests {
         let slurm = fake(vec![srun_made]);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let looked = c.look(&slurm, &node, Instant::now()).unwrap();
+        let looked = c.look(&slurm, &node, 0.0).unwrap();
         assert_eq!(looked.claimed.len(), 1, "{looked:?}");
         let s = slurm.state.lock().unwrap();
         let pin = &s.claims[0];
@@ -692,7 +713,7 @@ mod tests {
         let slurm = fake((1..=4).map(|i| gated(i, "a")).collect());
         let node = daemon();
         let mut c = Claimer::new(config(), 100_000);
-        let looked = c.look(&slurm, &node, Instant::now()).unwrap();
+        let looked = c.look(&slurm, &node, 0.0).unwrap();
         let mut gpus: Vec<(String, String)> = looked.claimed.iter().map(|(_, n, k)| (n.clone(), k.clone())).collect();
         gpus.sort();
         let want: Vec<(String, String)> = [("n1", "v100_0"), ("n1", "v100_1"), ("n2", "v100_0"), ("n2", "v100_1")]
@@ -732,16 +753,16 @@ mod tests {
         ]);
         let node = daemon();
         let mut c = Claimer::new(config(), 100_000);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         let first = c.look(&slurm, &node, t0).unwrap();
         assert_eq!(first.claimed, vec![(4, "n2".into(), "v100_1".into())], "the idle GPU");
         // Slurm has not started it yet: its slot is taken, the next job shares.
         slurm.state.lock().unwrap().jobs.push(gated(5, "a"));
-        let second = c.look(&slurm, &node, t0 + Duration::from_secs(1)).unwrap();
+        let second = c.look(&slurm, &node, t0 + 1.0).unwrap();
         assert_eq!(second.claimed.len(), 1);
         assert_ne!(second.claimed[0].0, 4);
         // Still waiting past the grace (its slot was taken meanwhile): claimed again.
-        let third = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(2)).unwrap();
+        let third = c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 2.0).unwrap();
         assert!(third.claimed.iter().any(|(j, _, _)| *j == 4), "{third:?}");
     }
 
@@ -799,7 +820,7 @@ mod tests {
                 self.0.license_total(n)
             }
         }
-        let looked = c.look(&Racing(slurm), &node, Instant::now()).unwrap();
+        let looked = c.look(&Racing(slurm), &node, 0.0).unwrap();
         assert_eq!((looked.claimed.len(), looked.too_late), (0, vec![7]));
     }
 
@@ -814,9 +835,7 @@ mod tests {
             ..gated(2, "a")
         };
         let slurm = fake(vec![on_n2, not_n1]);
-        let looked = Claimer::new(config(), 1)
-            .look(&slurm, &daemon(), Instant::now())
-            .unwrap();
+        let looked = Claimer::new(config(), 1).look(&slurm, &daemon(), 0.0).unwrap();
         assert!(looked.claimed.iter().all(|(_, n, _)| n == "n2"), "{looked:?}");
         assert_eq!(looked.claimed.len(), 2);
     }
@@ -845,9 +864,9 @@ mod tests {
         let slurm = fake(jobs);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         c.look(&slurm, &node, t0).unwrap();
-        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 1.0).unwrap();
         let on: Vec<(u32, &str)> = looked.claimed.iter().map(|(j, n, _)| (*j, n.as_str())).collect();
         assert_eq!(on, [(1, "n2")], "job 2 waits for n1: {looked:?}");
     }
@@ -865,12 +884,12 @@ mod tests {
         slurm.state.lock().unwrap().nodes[1].state = "unknown*".into();
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         let looked = c.look(&slurm, &node, t0).unwrap();
         assert!(looked.claimed.is_empty() && looked.refused.is_empty(), "{looked:?}");
         // n2 registers; the node list is read again within NODES_AGAIN, not NODES_EVERY.
         slurm.state.lock().unwrap().nodes[1].state = "idle".into();
-        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN).unwrap();
+        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN.as_secs_f64()).unwrap();
         assert_eq!(
             looked
                 .claimed
@@ -890,7 +909,7 @@ mod tests {
             s.nodes[0].state = "idle".into();
             s.jobs = (11..=14).map(|i| gated(i, "b")).collect();
         }
-        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN).unwrap();
+        let looked = c.look(&slurm, &node, t0 + NODES_AGAIN.as_secs_f64()).unwrap();
         let mut gpus: Vec<(&str, &str)> = looked
             .claimed
             .iter()
@@ -930,9 +949,7 @@ mod tests {
             waiting(5, "JobHeldUser"),
             waiting(6, "BeginTime"),
         ]);
-        let looked = Claimer::new(config(), 1)
-            .look(&slurm, &daemon(), Instant::now())
-            .unwrap();
+        let looked = Claimer::new(config(), 1).look(&slurm, &daemon(), 0.0).unwrap();
         assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![3, 4]);
     }
 
@@ -956,9 +973,9 @@ mod tests {
         ]);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         assert!(c.look(&slurm, &node, t0).unwrap().claimed.is_empty(), "fresh pins");
-        let looked = c.look(&slurm, &node, t0 + PIN_GRACE + Duration::from_secs(1)).unwrap();
+        let looked = c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 1.0).unwrap();
         // Only the job whose node left is pinned again, where a slot is.
         assert_eq!(
             looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(),
@@ -967,7 +984,7 @@ mod tests {
         );
         for k in 2..=4 {
             let looked = c
-                .look(&slurm, &node, t0 + k * (PIN_GRACE + Duration::from_secs(1)))
+                .look(&slurm, &node, t0 + f64::from(k) * (PIN_GRACE.as_secs_f64() + 1.0))
                 .unwrap();
             assert!(looked.claimed.iter().all(|c| c.0 == 4), "look {k}: {looked:?}");
         }
@@ -990,9 +1007,7 @@ mod tests {
         jobs.push(gated(8, "a"));
         let slurm = fake(jobs);
         slurm.state.lock().unwrap().gpus = vec![(4, 1)];
-        let looked = Claimer::new(config(), 1)
-            .look(&slurm, &daemon(), Instant::now())
-            .unwrap();
+        let looked = Claimer::new(config(), 1).look(&slurm, &daemon(), 0.0).unwrap();
         assert_eq!(looked.claimed, vec![(8, "n2".into(), "v100_1".into())]);
         // Without it, GPU 1 of n2 would have looked idle.
         assert_eq!(slurm.state.lock().unwrap().reads, 3);
@@ -1003,9 +1018,9 @@ mod tests {
         let slurm = fake(vec![]);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
-        let t0 = Instant::now();
+        let t0 = 0.0;
         for s in [0, 1, 99, 100, 101, 200] {
-            c.look(&slurm, &node, t0 + Duration::from_secs(s)).unwrap();
+            c.look(&slurm, &node, t0 + s as f64).unwrap();
         }
         // At 0, 100 and 200 s (a lease of 300 s).
         assert_eq!(slurm.state.lock().unwrap().updates, 3);
@@ -1018,9 +1033,7 @@ mod tests {
             ..gated(1, "big")
         };
         let slurm = fake(vec![big, gated(2, "a")]);
-        let looked = Claimer::new(config(), 1)
-            .look(&slurm, &daemon(), Instant::now())
-            .unwrap();
+        let looked = Claimer::new(config(), 1).look(&slurm, &daemon(), 0.0).unwrap();
         assert_eq!(looked.refused.len(), 1);
         assert!(looked.refused[0].1.contains("65536 MiB"), "{:?}", looked.refused);
         let s = slurm.state.lock().unwrap();

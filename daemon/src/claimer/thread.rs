@@ -34,13 +34,14 @@ pub fn spawn(
     let started = std::thread::Builder::new().name("claim".into()).spawn(move || {
         let mut trouble = Trouble::default();
         let mut claimer: Option<Claimer> = None;
+        let start = Instant::now();
         while !shutdown.load(Ordering::SeqCst) {
             let next = Instant::now() + every;
             if claimer.is_none() {
                 claimer = first(slurm.as_ref(), &config, share_every_s, &mut trouble);
             }
             if let Some(c) = claimer.as_mut() {
-                match c.look(slurm.as_ref(), &node, Instant::now()) {
+                match c.look(slurm.as_ref(), node.as_ref(), start.elapsed().as_secs_f64()) {
                     Ok(looked) => said(&looked, &mut trouble),
                     Err(e) => {
                         crate::metrics::global().claim("failed", 1);

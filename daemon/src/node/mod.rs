@@ -1,14 +1,14 @@
 //! One node's daemon state: its shared GPUs, its history, and what start, finish, report
 //! and status requests do to them ([`steps`], [`telemetry`]). The server calls this and puts
 //! the answers on the wire; tests call it directly. Where the
-//! daemon is the cluster's claimer, [`Node::claims`] scores its looks over this history.
+//! daemon is the cluster's claimer, its looks are scored over this history
+//! ([`crate::claimer::Scorer`]).
 
 mod steps;
 mod telemetry;
 
 pub use steps::{Bound, RequestError, Started};
 
-use crate::claim::Memory;
 use crate::config::{Config, GpuSpec};
 use crate::history::{ActiveJob, History, HistoryError};
 use crate::lessons::{Learner, Lesson, Teacher};
@@ -25,21 +25,6 @@ pub fn wall_clock() -> Clock {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64())
     })
-}
-
-/// What one look of the claimer decides on ([`Node::claim_inputs`]).
-pub struct ClaimInputs {
-    pub nodes: Vec<crate::claim::NodeGpus>,
-    pub pending: Vec<crate::claim::Candidate>,
-    pub estimates: crate::placement::Estimates,
-    pub knobs: Knobs,
-}
-
-impl ClaimInputs {
-    /// The look's claims ([`crate::claim::choose`]) at `now` (seconds of a steady clock).
-    pub fn choose(mut self, memory: &mut Memory, now: f64) -> Vec<crate::claim::Choice> {
-        crate::claim::choose(&self.nodes, &self.pending, &mut self.estimates, self.knobs, memory, now)
-    }
 }
 
 /// The daemon's state for its node.
@@ -236,7 +221,7 @@ impl Node {
             let mut residents = Vec::new();
             for j in active.iter().filter(|j| j.gpu == g.index) {
                 let mut r = j.resident();
-                r.mem_mb = self.memory(r.mem_mb, &r.app)?;
+                r.mem_mb = self.job_memory(r.mem_mb, &r.app)?;
                 residents.push(r);
             }
             states.push(GpuState {
@@ -311,54 +296,9 @@ impl Node {
         memory
     }
 
-    /// The claims of one look at the cluster ([`crate::claim::choose`]) over this daemon's
-    /// history: [`Self::claim_inputs`], then the choice. `memory` is the claimer's own, kept
-    /// between looks; `now` in seconds of a steady clock.
-    pub fn claims(
-        &self,
-        nodes: &[crate::claim::NodeGpus],
-        pending: &[crate::claim::Candidate],
-        memory: &mut Memory,
-        now: f64,
-    ) -> Result<Vec<crate::claim::Choice>, HistoryError> {
-        Ok(self.claim_inputs(nodes, pending)?.choose(memory, now))
-    }
-
-    /// What one look at the cluster decides on, read from this daemon's history in one go:
-    /// `nodes` and `pending` as Slurm's books show them, a resident or a pending job without a
-    /// memory hint counting what its application's earlier runs were measured to use, and the
-    /// estimates the choice reads. The claimer takes it under the node's lock and chooses
-    /// outside it, so that scoring a large cluster never holds up this node's job steps.
-    pub fn claim_inputs(
-        &self,
-        nodes: &[crate::claim::NodeGpus],
-        pending: &[crate::claim::Candidate],
-    ) -> Result<ClaimInputs, HistoryError> {
-        let mut nodes = nodes.to_vec();
-        for gpu in nodes.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
-            for r in &mut gpu.residents {
-                r.mem_mb = self.memory(r.mem_mb, &r.app)?;
-            }
-        }
-        let mut pending = pending.to_vec();
-        for p in &mut pending {
-            p.mem_mb = self.memory(p.mem_mb, &p.app)?;
-        }
-        let knobs = self.knobs();
-        let estimates = self
-            .history
-            .estimates(&crate::claim::wanted(&nodes, &pending, knobs.slots))?;
-        Ok(ClaimInputs {
-            nodes,
-            pending,
-            estimates,
-            knobs,
-        })
-    }
-
     /// What a job of `app` is assumed to need of a GPU's memory, MiB: its own `hint`, else what
     /// its application's earlier runs were measured to use (NVML), else nothing known.
-    fn memory(&self, hint: Option<u64>, app: &str) -> Result<Option<u64>, HistoryError> {
+    pub fn job_memory(&self, hint: Option<u64>, app: &str) -> Result<Option<u64>, HistoryError> {
         match hint {
             Some(m) => Ok(Some(m)),
             None => self.history.app_mem_peak(app),
@@ -366,7 +306,7 @@ impl Node {
     }
 
     /// The placement knobs.
-    fn knobs(&self) -> Knobs {
+    pub fn knobs(&self) -> Knobs {
         Knobs {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,

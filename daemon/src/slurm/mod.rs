@@ -1,7 +1,7 @@
 //! Every conversation the daemon has with Slurm goes through [`Slurm`]: one typed interface,
 //! one timeout policy ([`CALL_TIMEOUT`]), Slurm's own commands as the real implementation
-//! ([`Commands`]), and an in-memory [`Fake`] for the unit tests (the simulator does not drive
-//! it yet: its claimer makes the claimer's choice over the simulated cluster directly). Each
+//! ([`Commands`]), and an in-memory [`Fake`] that the unit tests and the simulator share (the
+//! simulator's claimer is [`crate::claimer::Claimer`] itself, looking at the fake). Each
 //! call answers in typed values; the text of Slurm's commands is read here and nowhere else.
 //!
 //! What each call costs slurmctld is part of the contract: [`Slurm::jobs`] and
