@@ -87,63 +87,67 @@ pub fn parse_gres_conf(text: &str, node_in: &dyn Fn(&str) -> bool) -> Result<Gre
         if line.is_empty() {
             continue;
         }
+        let at = |msg: String| format!("gres.conf line {}: {msg}", n + 1);
         let mut fields: BTreeMap<String, String> = BTreeMap::new();
         for word in line.split_whitespace() {
             let Some((k, v)) = word.split_once('=') else {
-                return Err(format!("gres.conf line {}: {word:?} is not KEY=VALUE", n + 1));
+                return Err(at(format!("{word:?} is not KEY=VALUE")));
             };
             fields.insert(k.to_ascii_lowercase(), v.to_string());
         }
-        if let Some(list) = fields.get("nodename") {
-            if !node_in(list) {
-                continue;
-            }
+        if fields.get("nodename").is_some_and(|list| !node_in(list)) {
+            continue;
         }
+        g.add_line(&fields).map_err(at)?;
+    }
+    Ok(g)
+}
+
+impl GresConf {
+    /// Adds what one line of this node's says (its fields, keys in lower case).
+    fn add_line(&mut self, fields: &BTreeMap<String, String>) -> Result<(), String> {
         if let Some(a) = fields.get("autodetect") {
             if !a.eq_ignore_ascii_case("off") {
-                g.autodetect = Some(a.clone());
+                self.autodetect = Some(a.clone());
             }
         }
         let files = match fields.get("file") {
-            Some(f) => expand_files(f).ok_or_else(|| format!("gres.conf line {}: cannot read File={f}", n + 1))?,
+            Some(f) => expand_files(f).ok_or_else(|| format!("cannot read File={f}"))?,
             None => Vec::new(),
         };
+        let index = |f: &str| index_of(f).ok_or_else(|| format!("{f} ends in no GPU number"));
         let kind = fields.get("type");
         match fields.get("name").map(|s| s.as_str()) {
             Some("gpu") => {
                 for f in files {
-                    let i =
-                        index_of(&f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
-                    g.gpus.insert(i, f);
+                    let i = index(&f)?;
+                    self.gpus.insert(i, f);
                     if let Some(t) = kind {
-                        g.gpu_types.insert(i, t.clone());
+                        self.gpu_types.insert(i, t.clone());
                     }
                 }
             }
             Some("shard") => {
                 let count: u64 = match fields.get("count") {
-                    Some(c) => c
-                        .parse()
-                        .map_err(|_| format!("gres.conf line {}: Count={c} is not a number", n + 1))?,
+                    Some(c) => c.parse().map_err(|_| format!("Count={c} is not a number"))?,
                     None => 1,
                 };
                 if files.is_empty() {
-                    g.shards_without_file += count;
+                    self.shards_without_file += count;
                 }
                 for f in &files {
-                    let i =
-                        index_of(f).ok_or_else(|| format!("gres.conf line {}: {f} ends in no GPU number", n + 1))?;
+                    let i = index(f)?;
                     // Count= on a line with several files is spread over them.
-                    *g.shards.entry(i).or_default() += count / files.len() as u64;
+                    *self.shards.entry(i).or_default() += count / files.len() as u64;
                     if let Some(t) = kind {
-                        g.shard_types.insert(i, t.clone());
+                        self.shard_types.insert(i, t.clone());
                     }
                 }
             }
             _ => {}
         }
+        Ok(())
     }
-    Ok(g)
 }
 
 /// The socket plugstack.conf gives the multiplex plugin on `node` (`%n` replaced), from its

@@ -86,6 +86,47 @@ impl std::fmt::Display for ExplanationText<'_> {
         if let Some(m) = e.mem_mb {
             writeln!(f, "GPU memory it asked for: {m} MiB")?;
         }
+        self.times(f)?;
+        if e.out_of_memory {
+            let beside: Vec<String> = e
+                .out_of_memory_beside
+                .iter()
+                .map(|c| format!("{} (job {})", c.app, c.job_id))
+                .collect();
+            if beside.is_empty() {
+                writeln!(f, "ran out of GPU memory")?;
+            } else {
+                writeln!(f, "ran out of GPU memory beside {}", beside.join(", "))?;
+            }
+        }
+        if let Some(m) = e.gpu_mem_peak_mb {
+            writeln!(f, "GPU memory peak: {m} MiB")?;
+        }
+        if let Some(u) = e.sm_util_mean_pct {
+            writeln!(f, "mean SM utilisation: {u:.0}%")?;
+        }
+        for l in &e.learned {
+            let what = if l.oom {
+                "never again: they ran out of memory together".to_string()
+            } else {
+                format!(
+                    "{:.2} (and {:.2} the other way), from {} observation{}",
+                    l.speed,
+                    l.other_speed,
+                    l.observations,
+                    if l.observations == 1 { "" } else { "s" }
+                )
+            };
+            writeln!(f, "learned: {} beside {}: {what}", l.app, l.other)?;
+        }
+        Ok(())
+    }
+}
+
+impl ExplanationText<'_> {
+    /// How long the job ran, how it ended, and whom it shared with for how long.
+    fn times(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.0;
         let shared: f64 = e.partners.iter().map(|p| p.seconds).sum();
         // One precision for every duration of the job, so that the parts add up to the whole.
         let total = e.finished_at.map_or(e.seconds_alone + shared, |end| end - e.started_at);
@@ -119,38 +160,6 @@ impl std::fmt::Display for ExplanationText<'_> {
                 format!("job {}", p.job_id)
             };
             writeln!(f, "shared with {who} ({}) for {}", p.app, secs(p.seconds))?;
-        }
-        if e.out_of_memory {
-            let beside: Vec<String> = e
-                .out_of_memory_beside
-                .iter()
-                .map(|c| format!("{} (job {})", c.app, c.job_id))
-                .collect();
-            if beside.is_empty() {
-                writeln!(f, "ran out of GPU memory")?;
-            } else {
-                writeln!(f, "ran out of GPU memory beside {}", beside.join(", "))?;
-            }
-        }
-        if let Some(m) = e.gpu_mem_peak_mb {
-            writeln!(f, "GPU memory peak: {m} MiB")?;
-        }
-        if let Some(u) = e.sm_util_mean_pct {
-            writeln!(f, "mean SM utilisation: {u:.0}%")?;
-        }
-        for l in &e.learned {
-            let what = if l.oom {
-                "never again: they ran out of memory together".to_string()
-            } else {
-                format!(
-                    "{:.2} (and {:.2} the other way), from {} observation{}",
-                    l.speed,
-                    l.other_speed,
-                    l.observations,
-                    if l.observations == 1 { "" } else { "s" }
-                )
-            };
-            writeln!(f, "learned: {} beside {}: {what}", l.app, l.other)?;
         }
         Ok(())
     }

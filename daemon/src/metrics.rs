@@ -90,77 +90,88 @@ impl Metrics {
             scrape_errors: Counter::default(),
             registry: Registry::with_prefix("multiplexd"),
         };
-        let r = &mut m.registry;
+        m.register_work();
+        m.register_state();
+        m
+    }
+
+    /// The counters of what the daemon did: requests, starts, claims, failures.
+    fn register_work(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "request_seconds",
             "Time to serve a request on the socket, by kind (start, finish, report, status, explain)",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         r.register(
             "starts",
             "Job steps recorded at launch: claimed (on the GPU, or the node, the claimer pinned its job to), unclaimed \
              (where Slurm put it on its own), joined (a later step of a job already here), too_large (fits no GPU \
              here: the step fails), error",
-            m.starts.clone(),
+            self.starts.clone(),
         );
         r.register(
             "claims",
             "The claimer's work on pending jobs (on the daemon that runs it): claimed (pinned to a GPU), refused (no GPU \
              of the cluster could hold it), too_late (it left the queue first), failed (a look that could not read the queue or make a claim)",
-            m.claims.clone(),
+            self.claims.clone(),
         );
         r.register(
             "oom_marks",
             "Jobs reported out of GPU memory beside their co-runners (the pair is never made again)",
-            m.oom_marks.clone(),
+            self.oom_marks.clone(),
         );
         r.register(
             "client_faults",
             "Requests refused or cut off: bad_frame, refused (connection limits), too_slow, failed (history error)",
-            m.client_faults.clone(),
+            self.client_faults.clone(),
         );
         r.register(
             "prediction_error",
             "|predicted - observed| speed of jobs that ended beside others, where the application's solo runtime is known",
-            m.prediction_error.clone(),
+            self.prediction_error.clone(),
         );
+    }
+
+    /// The gauges and counters of the node's state and its history.
+    fn register_state(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "config_reloads",
             "Config re-reads on SIGHUP: applied, or failed (the daemon runs on with the config it had)",
-            m.config_reloads.clone(),
+            self.config_reloads.clone(),
         );
         r.register(
             "separations",
             "Jobs measured to lose beside their partners and given back to Slurm: requeued, or refused (Slurm would not requeue it; it runs on)",
-            m.separations.clone(),
+            self.separations.clone(),
         );
-        r.register("slots_used", "Jobs on each shared GPU", m.slots_used.clone());
+        r.register("slots_used", "Jobs on each shared GPU", self.slots_used.clone());
         r.register(
             "slots_per_gpu",
             "Jobs one GPU may hold (jobs_per_gpu)",
-            m.slots_per_gpu.clone(),
+            self.slots_per_gpu.clone(),
         );
         r.register(
             "jobs_running",
             "Running jobs per application (only where Slurm does not keep jobs private)",
-            m.jobs_by_app.clone(),
+            self.jobs_by_app.clone(),
         );
         r.register(
             "history_jobs",
             "Job rows in the history database",
-            m.history_jobs.clone(),
+            self.history_jobs.clone(),
         );
         r.register(
             "history_bytes",
             "Size of the history database and its write-ahead log",
-            m.history_bytes.clone(),
+            self.history_bytes.clone(),
         );
         r.register(
             "scrape_errors",
             "Scrapes whose node gauges could not be read",
-            m.scrape_errors.clone(),
+            self.scrape_errors.clone(),
         );
-        m
     }
 
     /// Counts one served request of `kind` that took `took`.

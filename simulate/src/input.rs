@@ -25,6 +25,96 @@ struct Memory {
     apps: Vec<u64>,
 }
 
+/// A table as its rows are read.
+#[derive(Default)]
+struct Rows {
+    model: Option<String>,
+    index: HashMap<String, usize>,
+    apps: Vec<String>,
+    /// Each listed order's speeds.
+    pairs: HashMap<(usize, usize), (f64, f64)>,
+}
+
+impl Rows {
+    /// Reads one row's fields; the error says what is wrong with it.
+    fn add(&mut self, f: &[&str]) -> Result<(), String> {
+        if f.len() != 5 {
+            return Err(format!("expected 5 fields, found {}", f.len()));
+        }
+        match &self.model {
+            None => {
+                // The model names the GPUs' gres types (`v100_0`).
+                multiplex_protocol::spec::parse_app(f[0])
+                    .map_err(|_| format!("GPU model {:?}: use letters, digits, '.', '_' or '-'", f[0]))?;
+                self.model = Some(f[0].to_string())
+            }
+            Some(m) if m != f[0] => return Err(format!("GPU model {} after {m}: give one GPU model per table", f[0])),
+            Some(_) => {}
+        }
+        let (sa, sb) = (speed(f[3])?, speed(f[4])?);
+        if (sa == 0.0) != (sb == 0.0) {
+            return Err("a pair that cannot share has 0 for both speeds".into());
+        }
+        let (a, b) = (self.id(f[1])?, self.id(f[2])?);
+        if self.pairs.insert((a, b), (sa, sb)).is_some() {
+            return Err(format!("the pair {},{} is listed twice", f[1], f[2]));
+        }
+        Ok(())
+    }
+
+    /// An application's index, given at its first row.
+    fn id(&mut self, app: &str) -> Result<usize, String> {
+        if app.is_empty() {
+            return Err("empty job name".into());
+        }
+        // A job's application travels in its tag, as `--multiplex app=NAME`.
+        multiplex_protocol::spec::parse_app(app).map_err(|e| e.to_string())?;
+        let apps = &mut self.apps;
+        Ok(*self.index.entry(app.to_string()).or_insert_with(|| {
+            apps.push(app.to_string());
+            apps.len() - 1
+        }))
+    }
+
+    /// The table the rows make; `None` without a row.
+    fn into_table(self) -> Option<Table> {
+        let n = self.apps.len();
+        let mut speed = vec![vec![None; n]; n];
+        for (a, row) in speed.iter_mut().enumerate() {
+            for (b, cell) in row.iter_mut().enumerate() {
+                // Each order's own row first; a pair listed in one order only serves both.
+                let s = match (self.pairs.get(&(a, b)), self.pairs.get(&(b, a))) {
+                    (Some(&(sa, _)), _) => sa,
+                    (None, Some(&(_, sb))) => sb,
+                    (None, None) => 0.0,
+                };
+                *cell = (s > 0.0).then_some(s);
+            }
+        }
+        Some(Table {
+            model: self.model?,
+            apps: self.apps,
+            speed,
+            memory: None,
+        })
+    }
+}
+
+/// A pair's speed as a table writes it.
+fn speed(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("speed {s:?} is not a number"))?;
+    if !(0.0..=2.0).contains(&v) {
+        return Err(format!("speed {v} is outside 0..2"));
+    }
+    // A job that crawls at a millionth of its speed never ends in simulated time.
+    if v > 0.0 && v < MIN_SPEED {
+        return Err(format!(
+            "speed {v} is below {MIN_SPEED}: a pair that slow cannot share (write 0,0)"
+        ));
+    }
+    Ok(v)
+}
+
 impl Table {
     /// Parses a table (`gpu,job_a,job_b,speed_a,speed_b`); `name` is used in errors.
     pub fn parse(text: &str, name: &str) -> Result<Table, String> {
@@ -35,86 +125,13 @@ impl Table {
                 "{name}: the first line must be the header gpu,job_a,job_b,speed_a,speed_b, not {header:?}"
             ));
         }
-        let mut model: Option<String> = None;
-        let mut index: HashMap<String, usize> = HashMap::new();
-        let mut apps = Vec::new();
-        let mut rows: HashMap<(usize, usize), (f64, f64)> = HashMap::new();
+        let mut rows = Rows::default();
         for (n, line) in lines {
-            let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
             let f: Vec<&str> = line.split(',').map(str::trim).collect();
-            if f.len() != 5 {
-                return Err(at(format!("expected 5 fields, found {}", f.len())));
-            }
-            match &model {
-                None => {
-                    // The model names the GPUs' gres types (`v100_0`).
-                    multiplex_protocol::spec::parse_app(f[0])
-                        .map_err(|_| at(format!("GPU model {:?}: use letters, digits, '.', '_' or '-'", f[0])))?;
-                    model = Some(f[0].to_string())
-                }
-                Some(m) if m != f[0] => {
-                    return Err(at(format!(
-                        "GPU model {} after {m}: give one GPU model per table",
-                        f[0]
-                    )))
-                }
-                Some(_) => {}
-            }
-            let speed = |s: &str| -> Result<f64, String> {
-                let v: f64 = s.parse().map_err(|_| at(format!("speed {s:?} is not a number")))?;
-                if !(0.0..=2.0).contains(&v) {
-                    return Err(at(format!("speed {v} is outside 0..2")));
-                }
-                // A job that crawls at a millionth of its speed never ends in simulated time.
-                if v > 0.0 && v < MIN_SPEED {
-                    return Err(at(format!(
-                        "speed {v} is below {MIN_SPEED}: a pair that slow cannot share (write 0,0)"
-                    )));
-                }
-                Ok(v)
-            };
-            let (sa, sb) = (speed(f[3])?, speed(f[4])?);
-            if (sa == 0.0) != (sb == 0.0) {
-                return Err(at("a pair that cannot share has 0 for both speeds".into()));
-            }
-            let mut id = |app: &str| -> Result<usize, String> {
-                if app.is_empty() {
-                    return Err(at("empty job name".into()));
-                }
-                // A job's application travels in its tag, as `--multiplex app=NAME`.
-                multiplex_protocol::spec::parse_app(app).map_err(|e| at(e.to_string()))?;
-                Ok(*index.entry(app.to_string()).or_insert_with(|| {
-                    apps.push(app.to_string());
-                    apps.len() - 1
-                }))
-            };
-            let (a, b) = (id(f[1])?, id(f[2])?);
-            if rows.insert((a, b), (sa, sb)).is_some() {
-                return Err(at(format!("the pair {},{} is listed twice", f[1], f[2])));
-            }
+            rows.add(&f).map_err(|msg| format!("{name} line {}: {msg}", n + 1))?;
         }
-        let Some(model) = model else {
-            return Err(format!("{name}: no pairs after the header"));
-        };
-        let n = apps.len();
-        let mut speed = vec![vec![None; n]; n];
-        for (a, row) in speed.iter_mut().enumerate() {
-            for (b, cell) in row.iter_mut().enumerate() {
-                // Each order's own row first; a pair listed in one order only serves both.
-                let s = match (rows.get(&(a, b)), rows.get(&(b, a))) {
-                    (Some(&(sa, _)), _) => sa,
-                    (None, Some(&(_, sb))) => sb,
-                    (None, None) => 0.0,
-                };
-                *cell = (s > 0.0).then_some(s);
-            }
-        }
-        Ok(Table {
-            model,
-            apps,
-            speed,
-            memory: None,
-        })
+        rows.into_table()
+            .ok_or_else(|| format!("{name}: no pairs after the header"))
     }
 
     /// Adds each application's GPU memory (CSV `app,mem_mb`, every application of the table

@@ -10,6 +10,14 @@ impl History {
     /// What the history knows of the pairs and applications `wanted` names.
     pub fn estimates(&self, wanted: &Wanted) -> Result<Estimates, HistoryError> {
         let mut out = Estimates::default();
+        self.pairs_into(wanted, &mut out)?;
+        self.learned_into(wanted, &mut out)?;
+        self.profiles_into(wanted, &mut out)?;
+        Ok(out)
+    }
+
+    /// The pairs `wanted` asks for, as learned.
+    fn pairs_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
         let mut pair = self.conn.prepare_cached(
             "SELECT e.speed, e.other_speed, e.observations, e.oom FROM pair_estimates e
              JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
@@ -30,15 +38,12 @@ impl History {
                 out.insert_pair(model, app, other, e);
             }
         }
-        let mut profile = self.conn.prepare_cached(
-            "SELECT e.base, e.base_pairs, e.impact, e.impact_pairs, m.ooms, m.pairs + m.ooms
-             FROM applications a
-             LEFT JOIN app_effects e ON e.app_id = a.id AND e.gpu_model = ?1
-             LEFT JOIN app_means m ON m.app_id = a.id AND m.gpu_model = ?1
-             WHERE a.name = ?2",
-        )?;
-        // What every learned pair of each model says of a typical pair: app_means holds each
-        // application's mean learned speed and how many pairs it rests on.
+        Ok(())
+    }
+
+    /// What every learned pair of each model `wanted` names says of a typical pair:
+    /// app_means holds each application's mean learned speed and how many pairs it rests on.
+    fn learned_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
         let mut learned = self
             .conn
             .prepare_cached("SELECT total(mean * pairs), total(pairs) FROM app_means WHERE gpu_model = ?1")?;
@@ -54,6 +59,18 @@ impl History {
                 out.insert_learned(model, sum, n as u32);
             }
         }
+        Ok(())
+    }
+
+    /// The application profiles `wanted` asks for: each one's effects and failures.
+    fn profiles_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
+        let mut profile = self.conn.prepare_cached(
+            "SELECT e.base, e.base_pairs, e.impact, e.impact_pairs, m.ooms, m.pairs + m.ooms
+             FROM applications a
+             LEFT JOIN app_effects e ON e.app_id = a.id AND e.gpu_model = ?1
+             LEFT JOIN app_means m ON m.app_id = a.id AND m.gpu_model = ?1
+             WHERE a.name = ?2",
+        )?;
         for (model, app) in &wanted.apps {
             let found = profile
                 .query_row(params![model, app], |r| {
@@ -72,7 +89,7 @@ impl History {
                 out.insert_app(model, app, p);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// What the history knows of `app` beside `other` on `model` (for tools and tests).

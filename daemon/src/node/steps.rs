@@ -355,15 +355,7 @@ impl Node {
             Err(e) => return Err(e.into()),
         }
         if releases {
-            // How far off its prediction the job's run was, where its solo runtime is known
-            // (one query: only while an endpoint serves the metrics).
-            if crate::metrics::served() {
-                if let Ok(Some(observed)) = self.history.observed_speed(job.row) {
-                    crate::metrics::global()
-                        .prediction_error
-                        .observe((job.predicted_speed - observed).abs());
-                }
-            }
+            self.count_prediction_error(job);
         }
         tracing::info!(
             job = req.job_id,
@@ -373,6 +365,18 @@ impl Node {
             "finished"
         );
         Ok(releases.then(|| job.clone()))
+    }
+
+    /// How far off its prediction a job's run was, where its solo runtime is known (one query:
+    /// only while an endpoint serves the metrics).
+    fn count_prediction_error(&self, job: &ActiveJob) {
+        if crate::metrics::served() {
+            if let Ok(Some(observed)) = self.history.observed_speed(job.row) {
+                crate::metrics::global()
+                    .prediction_error
+                    .observe((job.predicted_speed - observed).abs());
+            }
+        }
     }
 
     /// What follows a job's end, inline: learning from it, its application's measured memory,
