@@ -10,20 +10,7 @@ fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
     println!("cargo:rerun-if-changed={include}/slurm/slurm_version.h");
     println!("cargo:rerun-if-changed={include}/slurm/slurm.h");
-
-    let version_h = format!("{include}/slurm/slurm_version.h");
-    let version_text = std::fs::read_to_string(&version_h).unwrap_or_else(|e| {
-        fail(&format!(
-            "cannot read {version_h} ({e}): install the Slurm headers (Debian: apt-get install libslurm-dev) \
-             or set SLURM_INCLUDE_DIR to the directory holding slurm/slurm.h"
-        ))
-    });
-    let version = parse_version_number(&version_text).unwrap_or_else(|| {
-        fail(&format!(
-            "{version_h} has no SLURM_VERSION_NUMBER: is it Slurm's header?"
-        ))
-    });
-    let (major, minor) = ((version >> 16) & 0xff, (version >> 8) & 0xff);
+    let (major, minor) = slurm_version(&include);
 
     // job_modify gained `char **err_msg` in 23.02.
     println!("cargo:rustc-check-cfg=cfg(slurm_job_modify_err_msg)");
@@ -38,6 +25,32 @@ fn main() {
         println!("cargo:rustc-cfg=slurm_job_record_checked");
     }
 
+    let bindings = bindings(&include);
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
+    if let Err(e) = bindings.write_to_file(&out) {
+        fail(&format!("cannot write {}: {e}", out.display()));
+    }
+}
+
+/// The (major, minor) release of the Slurm headers in `include`.
+fn slurm_version(include: &str) -> (u32, u32) {
+    let version_h = format!("{include}/slurm/slurm_version.h");
+    let version_text = std::fs::read_to_string(&version_h).unwrap_or_else(|e| {
+        fail(&format!(
+            "cannot read {version_h} ({e}): install the Slurm headers (Debian: apt-get install libslurm-dev) \
+             or set SLURM_INCLUDE_DIR to the directory holding slurm/slurm.h"
+        ))
+    });
+    let version = parse_version_number(&version_text).unwrap_or_else(|| {
+        fail(&format!(
+            "{version_h} has no SLURM_VERSION_NUMBER: is it Slurm's header?"
+        ))
+    });
+    ((version >> 16) & 0xff, (version >> 8) & 0xff)
+}
+
+/// The types and constants the plugins use, from the Slurm headers in `include`.
+fn bindings(include: &str) -> bindgen::Bindings {
     // bindgen panics with a backtrace when it finds no libclang; say what to install instead.
     if let Err(e) = clang_sys::load() {
         fail(&format!(
@@ -46,7 +59,7 @@ fn main() {
              (clang-sys said: {e})"
         ));
     }
-    let bindings = bindgen::Builder::default()
+    bindgen::Builder::default()
         .header("wrapper.h")
         .clang_arg(format!("-I{include}"))
         .allowlist_type("job_desc_msg_t")
@@ -78,11 +91,7 @@ fn main() {
                 "bindgen could not read the Slurm headers in {include} ({e}); if it names a missing header \
                  such as stddef.h, install clang's headers (Debian: apt-get install libclang-dev)"
             ))
-        });
-    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
-    if let Err(e) = bindings.write_to_file(&out) {
-        fail(&format!("cannot write {}: {e}", out.display()));
-    }
+        })
 }
 
 /// Stops the build with one sentence saying what is missing, not a panic and its backtrace.

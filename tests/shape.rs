@@ -343,22 +343,6 @@ fn functions(raw: &[String]) -> Vec<Function> {
     out
 }
 
-/// Functions over the limit today, each with its length then: none may grow, none may join,
-/// and each leaves this list when it is split (the test says so). Issue 54 empties it.
-const LONG_TODAY: &[(&str, &str, usize)] = &[
-    ("slurm/build.rs", "main", 80),
-    ("jobsubmit/src/lib.rs", "submit", 64),
-    ("jobsubmit/src/policy.rs", "parse", 80),
-    ("spank/src/srun.rs", "post_opt", 70),
-    ("spank/src/step.rs", "post_opt", 61),
-    ("simulate/src/grade.rs", "grade", 72),
-    ("simulate/src/plot.rs", "cdf_panel", 73),
-    ("simulate/src/plot.rs", "gap_panel", 67),
-    ("tests/emulate/replay.rs", "replay", 235),
-    ("tests/emulate/replay.rs", "compare", 121),
-    ("tests/emulate/standin.rs", "run", 134),
-];
-
 #[test]
 fn every_crate_is_layered_downwards_and_no_module_folder_has_a_circle() {
     let mut faults = Vec::new();
@@ -402,35 +386,18 @@ fn no_source_file_is_over_600_lines_before_its_tests() {
 
 #[test]
 fn no_function_is_over_60_lines_but_one_long_match() {
-    let mut faults = Vec::new();
-    let mut seen = BTreeSet::new();
-    for s in CRATES.iter().flat_map(|(_, dirs, _)| sources(dirs)) {
-        let file = s.path.strip_prefix(root()).unwrap().display().to_string();
-        for f in functions(&s.raw)
-            .into_iter()
-            .filter(|f| f.len > MAX_FN_LINES && !f.one_match)
-        {
-            let known = LONG_TODAY.iter().find(|(p, n, _)| *p == file && *n == f.name);
-            match known {
-                Some(&(_, _, then)) if f.len <= then => {
-                    seen.insert((file.clone(), f.name.clone()));
-                }
-                Some(&(_, _, then)) => faults.push(format!(
-                    "{file}:{} {} grew to {} lines (was {then})",
-                    f.line, f.name, f.len
-                )),
-                None => faults.push(format!("{file}:{} {} is {} lines", f.line, f.name, f.len)),
-            }
-        }
-    }
-    for (p, n, _) in LONG_TODAY {
-        if !seen.contains(&(p.to_string(), n.to_string())) {
-            faults.push(format!(
-                "{p} {n} is within {MAX_FN_LINES} lines now (or gone): take it off LONG_TODAY"
-            ));
-        }
-    }
-    assert!(faults.is_empty(), "over {MAX_FN_LINES} lines:\n{}", faults.join("\n"));
+    let long: Vec<String> = CRATES
+        .iter()
+        .flat_map(|(_, dirs, _)| sources(dirs))
+        .flat_map(|s| {
+            let file = s.path.strip_prefix(root()).unwrap().display().to_string();
+            functions(&s.raw)
+                .into_iter()
+                .filter(|f| f.len > MAX_FN_LINES && !f.one_match)
+                .map(move |f| format!("{file}:{} {} is {} lines", f.line, f.name, f.len))
+        })
+        .collect();
+    assert!(long.is_empty(), "over {MAX_FN_LINES} lines:\n{}", long.join("\n"));
 }
 
 #[test]

@@ -11,7 +11,7 @@ pub mod tres;
 
 use libc::{c_char, c_int};
 use policy::{Change, Policy, Watcher};
-use rewrite::{JobView, Outcome, RejectKind};
+use rewrite::{JobView, Outcome, RejectKind, Rewrite};
 use slurm_ffi::bindings::{self, job_desc_msg_t};
 use slurm_ffi::{c_str, host, log};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -140,29 +140,7 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
             bindings::SLURM_SUCCESS as c_int
         }
         Outcome::Rewrite(r) => {
-            // SAFETY: every field written is a Slurm-owned string (or NULL); replace_string
-            // frees the old value with xfree and allocates the new one with xstrdup.
-            unsafe {
-                host::replace_string(&mut desc.partition, &r.partition);
-                host::replace_string(&mut desc.admin_comment, &r.admin_comment);
-                set_optional(&mut desc.tres_per_node, r.tres_per_node.as_deref());
-                set_optional(&mut desc.tres_per_job, r.tres_per_job.as_deref());
-                set_optional(&mut desc.tres_per_task, r.tres_per_task.as_deref());
-                set_optional(&mut desc.tres_per_socket, r.tres_per_socket.as_deref());
-                set_optional(&mut desc.cpus_per_tres, r.cpus_per_tres.as_deref());
-                set_optional(&mut desc.mem_per_tres, r.mem_per_tres.as_deref());
-                host::replace_string(&mut desc.licenses, &r.licenses);
-            }
-            if let Some(cpus) = r.min_cpus {
-                desc.min_cpus = match count(desc.min_cpus) {
-                    Some(asked) => asked.max(cpus),
-                    None => cpus,
-                };
-            }
-            if let Some(mb) = r.mem_per_node_mb {
-                // Slurm refuses --mem and --mem-per-cpu beside --mem-per-gpu before job_submit.
-                desc.pn_min_memory = mb;
-            }
+            apply(desc, &r);
             log::verbose(&format!(
                 "{PREFIX}: uid {submit_uid} app={} -> partition={} tres_per_node={}",
                 r.app,
@@ -171,6 +149,33 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
             ));
             bindings::SLURM_SUCCESS as c_int
         }
+    }
+}
+
+/// Writes a rewrite into the job's request.
+fn apply(desc: &mut job_desc_msg_t, r: &Rewrite) {
+    // SAFETY: every field written is a Slurm-owned string (or NULL); replace_string
+    // frees the old value with xfree and allocates the new one with xstrdup.
+    unsafe {
+        host::replace_string(&mut desc.partition, &r.partition);
+        host::replace_string(&mut desc.admin_comment, &r.admin_comment);
+        set_optional(&mut desc.tres_per_node, r.tres_per_node.as_deref());
+        set_optional(&mut desc.tres_per_job, r.tres_per_job.as_deref());
+        set_optional(&mut desc.tres_per_task, r.tres_per_task.as_deref());
+        set_optional(&mut desc.tres_per_socket, r.tres_per_socket.as_deref());
+        set_optional(&mut desc.cpus_per_tres, r.cpus_per_tres.as_deref());
+        set_optional(&mut desc.mem_per_tres, r.mem_per_tres.as_deref());
+        host::replace_string(&mut desc.licenses, &r.licenses);
+    }
+    if let Some(cpus) = r.min_cpus {
+        desc.min_cpus = match count(desc.min_cpus) {
+            Some(asked) => asked.max(cpus),
+            None => cpus,
+        };
+    }
+    if let Some(mb) = r.mem_per_node_mb {
+        // Slurm refuses --mem and --mem-per-cpu beside --mem-per-gpu before job_submit.
+        desc.pn_min_memory = mb;
     }
 }
 

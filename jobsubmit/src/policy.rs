@@ -128,41 +128,13 @@ impl Policy {
             return Err("max_gpus = 0: must be at least 1".into());
         }
         let mut warnings = Vec::new();
-        let users = raw.users.unwrap_or_default();
-        let accounts = raw.accounts.unwrap_or_default();
-        let allowed = if users.is_empty() && accounts.is_empty() {
-            None
-        } else {
-            let mut uids = HashSet::new();
-            for u in &users {
-                match u.parse::<u32>().ok().or_else(|| (lookup.user)(u)) {
-                    Some(uid) => {
-                        uids.insert(uid);
-                    }
-                    None => warnings.push(format!("users: no user named {u:?}; left out")),
-                }
-            }
-            Some(Allowed {
-                uids,
-                user_names: users,
-                accounts,
-            })
-        };
-        let shared_nodes = match raw.shared_nodes.map(|l| l.trim().to_string()) {
-            None => None,
-            Some(l) if l.is_empty() => None,
-            Some(list) => {
-                let hosts = (lookup.hosts)(&list).filter(|h| !h.is_empty()).ok_or_else(|| {
-                    format!(
-                        "shared_nodes = {list:?}: not a Slurm host list (such as \"gpu[01-04]\") of at most {MAX_SHARED_NODES} nodes"
-                    )
-                })?;
-                Some(Box::new(SharedNodes {
-                    list,
-                    hosts: hosts.into_iter().collect(),
-                }))
-            }
-        };
+        let allowed = allowed(
+            raw.users.unwrap_or_default(),
+            raw.accounts.unwrap_or_default(),
+            &lookup,
+            &mut warnings,
+        );
+        let shared_nodes = shared_nodes(raw.shared_nodes, &lookup)?;
         let models = raw.models.unwrap_or_default();
         if let Some(m) = models.iter().find(|m| multiplex_protocol::spec::parse_app(m).is_err()) {
             return Err(format!(
@@ -333,6 +305,46 @@ impl Watcher {
             Err(e) => Change::Broken(e),
         }
     }
+}
+
+/// Who may multiplex (`users`, `accounts`); `None`: everyone. A user name that does not
+/// resolve is left out, with a warning.
+fn allowed(users: Vec<String>, accounts: Vec<String>, lookup: &Lookups, warnings: &mut Vec<String>) -> Option<Allowed> {
+    if users.is_empty() && accounts.is_empty() {
+        return None;
+    }
+    let mut uids = HashSet::new();
+    for u in &users {
+        match u.parse::<u32>().ok().or_else(|| (lookup.user)(u)) {
+            Some(uid) => {
+                uids.insert(uid);
+            }
+            None => warnings.push(format!("users: no user named {u:?}; left out")),
+        }
+    }
+    Some(Allowed {
+        uids,
+        user_names: users,
+        accounts,
+    })
+}
+
+/// `shared_nodes`, expanded; `None` for none or an empty list.
+fn shared_nodes(list: Option<String>, lookup: &Lookups) -> Result<Option<Box<SharedNodes>>, String> {
+    let list = match list.map(|l| l.trim().to_string()) {
+        None => return Ok(None),
+        Some(l) if l.is_empty() => return Ok(None),
+        Some(list) => list,
+    };
+    let hosts = (lookup.hosts)(&list).filter(|h| !h.is_empty()).ok_or_else(|| {
+        format!(
+            "shared_nodes = {list:?}: not a Slurm host list (such as \"gpu[01-04]\") of at most {MAX_SHARED_NODES} nodes"
+        )
+    })?;
+    Ok(Some(Box::new(SharedNodes {
+        list,
+        hosts: hosts.into_iter().collect(),
+    })))
 }
 
 #[cfg(test)]

@@ -68,6 +68,15 @@ pub struct Grade {
 pub fn grade(table: &Table, export: &Export, knobs: Knobs, gpu_memory_mb: u64) -> Result<Grade, String> {
     let mut h = History::open(Path::new(":memory:")).map_err(|e| e.to_string())?;
     h.import(export, knobs.unknown_pair_speed)?;
+    Ok(Grade {
+        model: table.model.clone(),
+        pairs: pair_grades(&h, table, knobs)?,
+        choices: choice_grades(&h, table, knobs, gpu_memory_mb)?,
+    })
+}
+
+/// Every pair of the table, as the history estimates it beside the truth.
+fn pair_grades(h: &History, table: &Table, knobs: Knobs) -> Result<Vec<PairGrade>, String> {
     let model = table.model.as_str();
     let mut wanted = placement::Wanted::default();
     for a in &table.apps {
@@ -90,6 +99,13 @@ pub fn grade(table: &Table, export: &Export, knobs: Knobs, gpu_memory_mb: u64) -
             });
         }
     }
+    Ok(pairs)
+}
+
+/// For each application, the partner placement picks among one GPU per application (each
+/// holding one job of it) beside the truly best one.
+fn choice_grades(h: &History, table: &Table, knobs: Knobs, gpu_memory_mb: u64) -> Result<Vec<ChoiceGrade>, String> {
+    let model = table.model.as_str();
     let memory = |app: &str| h.app_mem_peak(app).ok().flatten();
     let gpus: Vec<GpuState> = table
         .apps
@@ -131,11 +147,7 @@ pub fn grade(table: &Table, export: &Export, knobs: Knobs, gpu_memory_mb: u64) -
             best,
         });
     }
-    Ok(Grade {
-        model: model.to_string(),
-        pairs,
-        choices,
-    })
+    Ok(choices)
 }
 
 impl Grade {

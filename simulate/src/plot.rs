@@ -80,24 +80,7 @@ fn cdf_panel(s: &mut String, runs: &[Run], x0: f64, y0: f64) {
             y(t) + 4.0
         );
     }
-    let mut h = 10f64.powf((lo / 3600.0).log10().floor());
-    while h * 3600.0 <= hi {
-        for m in [1.0, 2.0, 5.0] {
-            let v = h * m * 3600.0;
-            if v >= lo && v <= hi {
-                let _ = writeln!(
-                    s,
-                    r##"<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="#ddd"/><text x="{0}" y="{3}" text-anchor="middle">{4}</text>"##,
-                    x(v),
-                    y0,
-                    y0 + H,
-                    y0 + H + 16.0,
-                    h * m
-                );
-            }
-        }
-        h *= 10.0;
-    }
+    hour_ticks(s, (lo, hi), &x, y0);
     for (k, r) in runs.iter().enumerate() {
         let mut v = r.jct.clone();
         v.sort_by(f64::total_cmp);
@@ -129,6 +112,29 @@ fn cdf_panel(s: &mut String, runs: &[Run], x0: f64, y0: f64) {
     }
 }
 
+/// Grid lines at 1, 2 and 5 times each power of ten hours between `lo` and `hi` seconds, on
+/// the log axis `x` of a panel whose top is `y0`.
+fn hour_ticks(s: &mut String, (lo, hi): (f64, f64), x: &dyn Fn(f64) -> f64, y0: f64) {
+    let mut h = 10f64.powf((lo / 3600.0).log10().floor());
+    while h * 3600.0 <= hi {
+        for m in [1.0, 2.0, 5.0] {
+            let v = h * m * 3600.0;
+            if v >= lo && v <= hi {
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="#ddd"/><text x="{0}" y="{3}" text-anchor="middle">{4}</text>"##,
+                    x(v),
+                    y0,
+                    y0 + H,
+                    y0 + H + 16.0,
+                    h * m
+                );
+            }
+        }
+        h *= 10.0;
+    }
+}
+
 fn gap_panel(s: &mut String, runs: &[Run], x0: f64, y0: f64) {
     frame(
         s,
@@ -148,17 +154,7 @@ fn gap_panel(s: &mut String, runs: &[Run], x0: f64, y0: f64) {
         );
         return;
     };
-    let (mut sl, mut so) = (0.0, 0.0);
-    let gaps: Vec<f64> = l
-        .jct
-        .iter()
-        .zip(&o.jct)
-        .map(|(a, b)| {
-            sl += a;
-            so += b;
-            100.0 * (sl / so - 1.0)
-        })
-        .collect();
+    let gaps = gap_series(l, o);
     let n = gaps.len().max(2) as f64;
     let (lo, hi) = gaps.iter().fold((0.0f64, 5.0f64), |(l, h), &g| (l.min(g), h.max(g)));
     let x = |i: f64| x0 + W * i / (n - 1.0);
@@ -195,4 +191,20 @@ fn gap_panel(s: &mut String, runs: &[Run], x0: f64, y0: f64) {
         r##"<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{}"/>"##,
         pts.join(" ")
     );
+}
+
+/// The learned policy's average JCT over the first n jobs against the oracle's, % above it,
+/// for every n.
+fn gap_series(learned: &Run, oracle: &Run) -> Vec<f64> {
+    let (mut sl, mut so) = (0.0, 0.0);
+    learned
+        .jct
+        .iter()
+        .zip(&oracle.jct)
+        .map(|(a, b)| {
+            sl += a;
+            so += b;
+            100.0 * (sl / so - 1.0)
+        })
+        .collect()
 }

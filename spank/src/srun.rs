@@ -25,32 +25,10 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         return 0;
     };
     let moved = srun::move_gpu_asks(&OPTIONS.map(|name| opts.get(name)), slurm_ffi::GRES_PREFIX);
-    match std::env::var("SLURM_JOB_ID") {
-        // srun makes the job: job_submit gets the asks and turns them into the shared GPU.
-        Err(_) => {
-            if moved.reset.is_empty() {
-                return 0; // no GPU asked: job_submit says what is missing
-            }
-            if let Err(e) = spank.job_control_setenv(GPU_REQUEST_ENV, &srun::encode(&moved.carry)) {
-                log::error(&format!("{PREFIX}: cannot pass srun's GPU request on to the job ({e})"));
-                return -1;
-            }
-        }
-        // A step in an existing job: only a multiplexed job's (slurmctld's tag says which)
-        // holds a shared GPU that the step takes instead.
-        Ok(id) => {
-            let Ok(job) = id.trim().parse::<u32>() else { return 0 };
-            match host::job_facts(job) {
-                Ok(facts) if matches!(Spec::from_tag(facts.admin_comment.as_deref()), Some(Ok(_))) => {}
-                Ok(_) => return 0,
-                Err(e) => {
-                    log::verbose(&format!(
-                        "{PREFIX}: cannot read job {job} from slurmctld ({e}); srun's GPU request is left as given"
-                    ));
-                    return 0;
-                }
-            }
-        }
+    match takes_share(spank, &moved) {
+        Ok(true) => {}
+        Ok(false) => return 0,
+        Err(code) => return code,
     }
     for name in &moved.reset {
         if !opts.reset(name) {
@@ -65,21 +43,50 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
         log::error(&format!("{PREFIX}: srun would not take --gres={gres}"));
         return -1;
     }
-    log::verbose(&format!(
-        "{PREFIX}: the step takes a share of its job's GPU (--gres={gres}){}",
-        if moved.reset.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; srun's {} moved to the job",
-                moved
-                    .reset
-                    .iter()
-                    .map(|n| format!("--{n}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            )
+    let moved_to_job = match moved.reset.is_empty() {
+        true => String::new(),
+        false => {
+            let names: Vec<String> = moved.reset.iter().map(|n| format!("--{n}")).collect();
+            format!("; srun's {} moved to the job", names.join(" "))
         }
+    };
+    log::verbose(&format!(
+        "{PREFIX}: the step takes a share of its job's GPU (--gres={gres}){moved_to_job}"
     ));
     0
+}
+
+/// Whether the step takes a share of its job's GPU instead of srun's GPU asks: where srun
+/// makes the job, when it asked for GPUs (handed on to job_submit here); in an existing job,
+/// when slurmctld's tag says the job is multiplexed. `Err`: srun's return code.
+fn takes_share(spank: &Spank, moved: &srun::Moved) -> Result<bool, c_int> {
+    match std::env::var("SLURM_JOB_ID") {
+        // srun makes the job: job_submit gets the asks and turns them into the shared GPU.
+        Err(_) => {
+            if moved.reset.is_empty() {
+                return Ok(false); // no GPU asked: job_submit says what is missing
+            }
+            if let Err(e) = spank.job_control_setenv(GPU_REQUEST_ENV, &srun::encode(&moved.carry)) {
+                log::error(&format!("{PREFIX}: cannot pass srun's GPU request on to the job ({e})"));
+                return Err(-1);
+            }
+            Ok(true)
+        }
+        // A step in an existing job: only a multiplexed job's (slurmctld's tag says which)
+        // holds a shared GPU that the step takes instead.
+        Ok(id) => {
+            let Ok(job) = id.trim().parse::<u32>() else {
+                return Ok(false);
+            };
+            match host::job_facts(job) {
+                Ok(facts) => Ok(matches!(Spec::from_tag(facts.admin_comment.as_deref()), Some(Ok(_)))),
+                Err(e) => {
+                    log::verbose(&format!(
+                        "{PREFIX}: cannot read job {job} from slurmctld ({e}); srun's GPU request is left as given"
+                    ));
+                    Ok(false)
+                }
+            }
+        }
+    }
 }

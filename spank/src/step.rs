@@ -56,7 +56,15 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
             .map(|g| g.to_string()),
         admin_comment: facts.admin_comment,
     };
-    let plan = remote::plan(&args, &spec, &info);
+    keep(remote::plan(&args, &spec, &info), (job_id, step_id), node);
+    0
+}
+
+/// Says what the daemon made of the step and keeps it for the tasks. A failure is carried
+/// out in the tasks (task_init), not here: a step that fails in slurmstepd's own callbacks
+/// can get the node drained.
+fn keep(plan: StepPlan, (job_id, step_id): (u32, u32), node: String) {
+    let step = multiplex_protocol::step_label(step_id);
     match &plan {
         StepPlan::Recorded { env } => {
             let summary: Vec<String> = env.iter().take(3).map(|(k, v)| format!("{k}={v}")).collect();
@@ -68,10 +76,7 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
             log::info(&format!("{text} (job {job_id} step {step})"));
         }
     }
-    // A failure is carried out in the tasks (task_init), not here: a step that fails in
-    // slurmstepd's own callbacks can get the node drained.
     state().plan = Some(plan);
-    0
 }
 
 /// Logs `message` and makes every task of the step fail with it (see task_init).

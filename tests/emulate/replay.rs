@@ -10,15 +10,18 @@
 //! compare with what `multiplex-simulate` predicts for the same trace.
 
 use clap::{Parser, Subcommand};
+use compare::compare;
 use multiplex_simulate::input::{parse_trace, Table, TraceJob};
+use multiplex_simulate::summarise;
 use multiplex_simulate::world::{Outcome, OOM_AFTER_S, OOM_REQUEUE_S};
-use multiplex_simulate::{summarise, Summary};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+mod compare;
 
 #[derive(Parser)]
 #[command(
@@ -95,7 +98,8 @@ fn actions_in_logs(dir: &Path) -> Result<(u64, u64), String> {
         }
         let text = fs::read_to_string(e.path()).map_err(|err| format!("{}: {err}", e.path().display()))?;
         for line in text.lines() {
-            if line.contains("multiplexd::claimer: claimed job=") {
+            // The claimer's thread logs it (`multiplexd::claimer::thread`).
+            if line.contains(" multiplexd::claimer") && line.contains(": claimed job=") {
                 counts.0 += 1;
             } else if line.contains(" requeued to run apart: ") {
                 counts.1 += 1;
@@ -175,132 +179,185 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err(format!("--time-scale {}: must be a positive number", a.time_scale));
     }
-    let conf =
-        std::env::var("SLURM_CONF").map_err(|_| "SLURM_CONF is not set: start the cluster (tests/cluster/up)")?;
-    let state = Path::new(&conf)
-        .parent()
-        .and_then(Path::parent)
-        .ok_or("SLURM_CONF is not <state>/etc/slurm.conf")?
-        .to_path_buf();
-    let table_text = read(&a.table)?;
-    let table = Table::parse(&table_text, &a.table.display().to_string())?;
-    let trace = parse_trace(&read(&a.trace)?, &a.trace.display().to_string(), &table)?;
-    let table_abs = fs::canonicalize(&a.table).map_err(|e| format!("{}: {e}", a.table.display()))?;
-    let standin = fs::canonicalize(&a.standin).map_err(|e| format!("{}: {e}", a.standin.display()))?;
-    let dir = a.dir.clone();
-    let _ = fs::remove_dir_all(&dir);
-    let registry = state.join("emulate").join("registry");
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    fs::create_dir_all(&registry).map_err(|e| format!("cannot create {}: {e}", registry.display()))?;
-
-    let scale = a.time_scale;
-    let mut jobs: Vec<Job> = trace
-        .into_iter()
-        .map(|t| Job {
-            due: t.submit_s / scale,
-            trace: t,
-            attempts: 0,
-            running: None,
-            done: None,
-        })
-        .collect();
-    let started = Instant::now();
-    let t0 = unix_now();
-    let mut ooms = 0u64;
-    let mut lost = Vec::new();
-    let mut runs: Vec<Ran> = Vec::new();
-    let mut last_poll = Instant::now() - Duration::from_secs(10);
-    let mut squeued: HashSet<u32> = HashSet::new();
+    let mut r = Replay::new(a)?;
     eprintln!(
-        "emulate {}: {} jobs, time scale {scale} (trace seconds per real second), results in {}",
+        "emulate {}: {} jobs, time scale {} (trace seconds per real second), results in {}",
         a.label,
-        jobs.len(),
-        dir.display()
+        r.jobs.len(),
+        a.time_scale,
+        a.dir.display()
     );
+    let mut last_poll = Instant::now() - Duration::from_secs(10);
     loop {
-        let now = started.elapsed().as_secs_f64();
-        // Submit what is due.
-        for j in jobs
-            .iter_mut()
-            .filter(|j| j.done.is_none() && j.running.is_none() && j.due <= now)
-        {
-            j.attempts += 1;
-            let name = format!("{}.{}", j.trace.id, j.attempts);
-            let result = dir.join(format!("{name}.json"));
-            let out = dir.join(format!("{name}.out"));
-            let app = &table.apps[j.trace.app];
-            let wrap = format!(
-                "exec {} --app {} --work {:.4} --table {} --registry {} --result {} --report-every {:.4} --oom-after {:.4}",
-                sh(&standin.display().to_string()),
-                sh(app),
-                j.trace.solo_runtime_s / scale,
-                sh(&table_abs.display().to_string()),
-                sh(&registry.display().to_string()),
-                sh(&result.display().to_string()),
-                a.report_every / scale,
-                OOM_AFTER_S / scale,
-            );
-            let output = Command::new("sbatch")
-                .args(["--parsable", "--gres=gpu:1", "--open-mode=append"])
-                .arg(format!("--multiplex=app={app}"))
-                .arg(format!("--job-name=emu-{}", j.trace.id))
-                .arg(format!("--output={}", out.display()))
-                .arg("--wrap")
-                .arg(&wrap)
-                .output()
-                .map_err(|e| format!("cannot run sbatch: {e}"))?;
-            let text = String::from_utf8_lossy(&output.stdout);
-            let id = text.trim().split(';').next().and_then(|s| s.parse::<u32>().ok());
-            match id {
-                Some(slurm_id) if output.status.success() => {
-                    squeued.insert(slurm_id);
-                    j.running = Some(Attempt {
-                        slurm_id,
-                        result,
-                        out,
-                        gone_since: None,
-                    })
-                }
-                _ => {
-                    return Err(format!(
-                        "sbatch refused trace job {}: {}",
-                        j.trace.id,
-                        String::from_utf8_lossy(&output.stderr).trim()
-                    ))
-                }
-            }
-        }
-        // Collect what ended.
+        r.submit_due()?;
+        // Collect what ended; the queue is read once a second.
         let poll_queue = last_poll.elapsed() >= Duration::from_secs(1);
         if poll_queue {
             last_poll = Instant::now();
-            squeued = queued()?;
+            r.squeued = queued()?;
         }
-        for j in jobs.iter_mut() {
-            let Some(at) = &mut j.running else { continue };
+        r.collect(poll_queue)?;
+        if r.jobs.iter().all(|j| j.done.is_some()) {
+            break;
+        }
+        if r.started.elapsed().as_secs_f64() > a.timeout {
+            return Err(r.give_up());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r.write_results()
+}
+
+/// One replay under way.
+struct Replay<'a> {
+    a: &'a ReplayArgs,
+    table: Table,
+    /// The table, the stand-in and the stand-ins' registry, as absolute paths.
+    table_abs: PathBuf,
+    standin: PathBuf,
+    registry: PathBuf,
+    jobs: Vec<Job>,
+    started: Instant,
+    /// The Unix time of `started`.
+    t0: f64,
+    ooms: u64,
+    lost: Vec<String>,
+    runs: Vec<Ran>,
+    /// The jobs squeue last listed.
+    squeued: HashSet<u32>,
+}
+
+impl<'a> Replay<'a> {
+    /// Reads the table and trace, and empties the results' folder.
+    fn new(a: &'a ReplayArgs) -> Result<Replay<'a>, String> {
+        let conf =
+            std::env::var("SLURM_CONF").map_err(|_| "SLURM_CONF is not set: start the cluster (tests/cluster/up)")?;
+        let state = Path::new(&conf)
+            .parent()
+            .and_then(Path::parent)
+            .ok_or("SLURM_CONF is not <state>/etc/slurm.conf")?
+            .to_path_buf();
+        let table = Table::parse(&read(&a.table)?, &a.table.display().to_string())?;
+        let trace = parse_trace(&read(&a.trace)?, &a.trace.display().to_string(), &table)?;
+        let absolute = |p: &Path| fs::canonicalize(p).map_err(|e| format!("{}: {e}", p.display()));
+        let registry = state.join("emulate").join("registry");
+        let _ = fs::remove_dir_all(&a.dir);
+        for dir in [&a.dir, &registry] {
+            fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        let jobs = trace
+            .into_iter()
+            .map(|t| Job {
+                due: t.submit_s / a.time_scale,
+                trace: t,
+                attempts: 0,
+                running: None,
+                done: None,
+            })
+            .collect();
+        Ok(Replay {
+            a,
+            table_abs: absolute(&a.table)?,
+            standin: absolute(&a.standin)?,
+            table,
+            registry,
+            jobs,
+            started: Instant::now(),
+            t0: unix_now(),
+            ooms: 0,
+            lost: Vec::new(),
+            runs: Vec::new(),
+            squeued: HashSet::new(),
+        })
+    }
+
+    /// Real seconds since the start.
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Submits every job that is due.
+    fn submit_due(&mut self) -> Result<(), String> {
+        let now = self.now();
+        for k in 0..self.jobs.len() {
+            let j = &self.jobs[k];
+            if j.done.is_none() && j.running.is_none() && j.due <= now {
+                let attempt = self.submit(k)?;
+                self.squeued.insert(attempt.slurm_id);
+                self.jobs[k].running = Some(attempt);
+            }
+        }
+        Ok(())
+    }
+
+    /// Submits job `k` again (its next attempt), as its user would: `sbatch --multiplex`.
+    fn submit(&mut self, k: usize) -> Result<Attempt, String> {
+        let (a, scale) = (self.a, self.a.time_scale);
+        let j = &mut self.jobs[k];
+        j.attempts += 1;
+        let name = format!("{}.{}", j.trace.id, j.attempts);
+        let result = a.dir.join(format!("{name}.json"));
+        let out = a.dir.join(format!("{name}.out"));
+        let app = &self.table.apps[j.trace.app];
+        let wrap = format!(
+            "exec {} --app {} --work {:.4} --table {} --registry {} --result {} --report-every {:.4} --oom-after {:.4}",
+            sh(&self.standin.display().to_string()),
+            sh(app),
+            j.trace.solo_runtime_s / scale,
+            sh(&self.table_abs.display().to_string()),
+            sh(&self.registry.display().to_string()),
+            sh(&result.display().to_string()),
+            a.report_every / scale,
+            OOM_AFTER_S / scale,
+        );
+        let output = Command::new("sbatch")
+            .args(["--parsable", "--gres=gpu:1", "--open-mode=append"])
+            .arg(format!("--multiplex=app={app}"))
+            .arg(format!("--job-name=emu-{}", j.trace.id))
+            .arg(format!("--output={}", out.display()))
+            .arg("--wrap")
+            .arg(&wrap)
+            .output()
+            .map_err(|e| format!("cannot run sbatch: {e}"))?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        match text.trim().split(';').next().and_then(|s| s.parse::<u32>().ok()) {
+            Some(slurm_id) if output.status.success() => Ok(Attempt {
+                slurm_id,
+                result,
+                out,
+                gone_since: None,
+            }),
+            _ => Err(format!(
+                "sbatch refused trace job {}: {}",
+                j.trace.id,
+                String::from_utf8_lossy(&output.stderr).trim()
+            )),
+        }
+    }
+
+    /// Takes in what ended: a stand-in's result, or (where the queue was just read) a job
+    /// gone from the queue without one for 5 s, which is lost and submitted again.
+    fn collect(&mut self, poll_queue: bool) -> Result<(), String> {
+        let requeue_s = OOM_REQUEUE_S / self.a.time_scale;
+        for k in 0..self.jobs.len() {
+            let Some(at) = &self.jobs[k].running else { continue };
             if at.result.exists() {
-                let v: Value = serde_json::from_str(&read(&at.result)?)
-                    .map_err(|e| format!("{}: not a stand-in result: {e}", at.result.display()))?;
-                let field = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-                let ran = Ran {
-                    node_gpu: format!(
-                        "{}/{}",
-                        v.get("node").and_then(Value::as_str).unwrap_or("?"),
-                        v.get("gpu").and_then(Value::as_str).unwrap_or("?")
-                    ),
-                    start: field("start_unix") - t0,
-                    end: field("end_unix") - t0,
-                };
-                if v.get("status").and_then(Value::as_str) == Some("ok") {
+                let (ran, ok) = self.result_of(at)?;
+                let now = self.now();
+                let j = &mut self.jobs[k];
+                if ok {
                     j.done = Some((ran.start, ran.end));
                 } else {
-                    ooms += 1;
-                    j.due = started.elapsed().as_secs_f64() + OOM_REQUEUE_S / scale;
+                    self.ooms += 1;
+                    j.due = now + requeue_s;
                 }
-                runs.push(ran);
+                self.runs.push(ran);
                 j.running = None;
-            } else if poll_queue && !squeued.contains(&at.slurm_id) {
+            } else if poll_queue && !self.squeued.contains(&at.slurm_id) {
                 // Gone from the queue without a result: give the file a moment, then call it lost.
+                let now = self.now();
+                let j = &mut self.jobs[k];
+                let Some(at) = j.running.as_mut() else { continue };
                 let since = *at.gone_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > Duration::from_secs(5) {
                     let tail: String = fs::read_to_string(&at.out)
@@ -310,40 +367,100 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
                         .take(3)
                         .collect::<Vec<_>>()
                         .join(" | ");
-                    lost.push(format!("trace job {} (Slurm job {}): {tail}", j.trace.id, at.slurm_id));
+                    self.lost
+                        .push(format!("trace job {} (Slurm job {}): {tail}", j.trace.id, at.slurm_id));
                     j.running = None;
-                    j.due = started.elapsed().as_secs_f64() + OOM_REQUEUE_S / scale;
+                    j.due = now + requeue_s;
                     if j.attempts >= 5 {
-                        return Err(format!("gave up: {}", lost.join("; ")));
+                        return Err(format!("gave up: {}", self.lost.join("; ")));
                     }
                 }
             }
         }
-        if jobs.iter().all(|j| j.done.is_some()) {
-            break;
-        }
-        if started.elapsed().as_secs_f64() > a.timeout {
-            let ids: Vec<String> = jobs
-                .iter()
-                .filter_map(|j| j.running.as_ref().map(|r| r.slurm_id.to_string()))
-                .collect();
-            if !ids.is_empty() {
-                let _ = Command::new("scancel").args(&ids).status();
-            }
-            return Err(format!(
-                "timed out after {:.0} s with {} of {} jobs done",
-                a.timeout,
-                jobs.iter().filter(|j| j.done.is_some()).count(),
-                jobs.len()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        Ok(())
     }
-    let wall_s = started.elapsed().as_secs_f64();
 
-    // Busy time per GPU: the union of its runs (failed ones too); work done: every job's.
+    /// A finished attempt's run, from its stand-in's result file, and whether it completed.
+    fn result_of(&self, at: &Attempt) -> Result<(Ran, bool), String> {
+        let v: Value = serde_json::from_str(&read(&at.result)?)
+            .map_err(|e| format!("{}: not a stand-in result: {e}", at.result.display()))?;
+        let field = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let text = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+        let ran = Ran {
+            node_gpu: format!("{}/{}", text("node"), text("gpu")),
+            start: field("start_unix") - self.t0,
+            end: field("end_unix") - self.t0,
+        };
+        Ok((ran, v.get("status").and_then(Value::as_str) == Some("ok")))
+    }
+
+    /// Cancels what runs after the timeout; the error says how far it got.
+    fn give_up(&self) -> String {
+        let ids: Vec<String> = (self.jobs.iter())
+            .filter_map(|j| j.running.as_ref().map(|r| r.slurm_id.to_string()))
+            .collect();
+        if !ids.is_empty() {
+            let _ = Command::new("scancel").args(&ids).status();
+        }
+        format!(
+            "timed out after {:.0} s with {} of {} jobs done",
+            self.a.timeout,
+            self.jobs.iter().filter(|j| j.done.is_some()).count(),
+            self.jobs.len()
+        )
+    }
+
+    /// Writes the replay's results (JSON) and says them in one line.
+    fn write_results(&self) -> Result<(), String> {
+        let (a, scale) = (self.a, self.a.time_scale);
+        let wall_s = self.now();
+        // Not seen from the jobs' side: the daemons log each claim and each job given back.
+        let (claims, separations) = match &a.daemon_logs {
+            Some(dir) => actions_in_logs(dir)?,
+            None => (0, 0),
+        };
+        let outcome = Outcome {
+            jobs: (self.jobs.iter())
+                .map(|j| {
+                    let (s, e) = j.done.expect("every job is done");
+                    (j.trace.submit_s, s * scale, e * scale)
+                })
+                .collect(),
+            oom_failures: self.ooms,
+            separations,
+            claims,
+            speed_seconds: self.jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
+            busy_seconds: busy_seconds(&self.runs) * scale,
+        };
+        let run = summarise(&a.label, &outcome);
+        let result = json!({
+            "summary": run.summary,
+            "time_scale": scale,
+            "wall_s": wall_s,
+            "lost": self.lost,
+            "jct_s": run.jct,
+        });
+        fs::write(
+            &a.out,
+            serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
+        eprintln!(
+            "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} claims",
+            a.label,
+            self.jobs.len(),
+            run.summary.avg_jct_s,
+            self.ooms,
+            claims
+        );
+        Ok(())
+    }
+}
+
+/// Busy time over every GPU, real seconds: the union of each GPU's runs (failed ones too).
+fn busy_seconds(runs: &[Ran]) -> f64 {
     let mut by_gpu: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
-    for r in &runs {
+    for r in runs {
         by_gpu.entry(&r.node_gpu).or_default().push((r.start, r.end));
     }
     let mut busy = 0.0;
@@ -364,47 +481,7 @@ fn replay(a: &ReplayArgs) -> Result<(), String> {
             busy += ce - cs;
         }
     }
-    // Not seen from the jobs' side: the daemons log each claim and each job given back.
-    let (claims, separations) = match &a.daemon_logs {
-        Some(dir) => actions_in_logs(dir)?,
-        None => (0, 0),
-    };
-    let outcome = Outcome {
-        jobs: jobs
-            .iter()
-            .map(|j| {
-                let (s, e) = j.done.expect("every job is done");
-                (j.trace.submit_s, s * scale, e * scale)
-            })
-            .collect(),
-        oom_failures: ooms,
-        separations,
-        claims,
-        speed_seconds: jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
-        busy_seconds: busy * scale,
-    };
-    let run = summarise(&a.label, &outcome);
-    let result = json!({
-        "summary": run.summary,
-        "time_scale": scale,
-        "wall_s": wall_s,
-        "lost": lost,
-        "jct_s": run.jct,
-    });
-    fs::write(
-        &a.out,
-        serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?,
-    )
-    .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
-    eprintln!(
-        "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} claims",
-        a.label,
-        jobs.len(),
-        run.summary.avg_jct_s,
-        ooms,
-        claims
-    );
-    Ok(())
+    busy
 }
 
 /// The job ids Slurm still knows as pending or running.
@@ -425,178 +502,6 @@ fn queued() -> Result<HashSet<u32>, String> {
         .collect())
 }
 
-/// The comparison in one sentence a user reads at once.
-fn verdict(p: &Summary, d: &Summary) -> String {
-    let change = d.avg_jct_s / p.avg_jct_s - 1.0;
-    let how = if change <= -0.005 {
-        format!("finished {:.0}% sooner on average", -100.0 * change)
-    } else if change >= 0.005 {
-        format!("finished {:.0}% later on average", 100.0 * change)
-    } else {
-        "finished as soon on average".to_string()
-    };
-    let ran_out = |n: u64| match n {
-        1 => "1 ran".to_string(),
-        n => format!("{n} ran"),
-    };
-    format!(
-        "With the daemons deciding, jobs {how} ({:.0} s against {:.0} s with plain Slurm shards) \
-         and {} out of GPU memory, against {}.",
-        d.avg_jct_s,
-        p.avg_jct_s,
-        ran_out(d.oom_failures),
-        p.oom_failures
-    )
-}
-
-fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
-    let v: Value = serde_json::from_str(&read(path)?).map_err(|e| format!("{}: {e}", path.display()))?;
-    let s = v
-        .get("summary")
-        .ok_or_else(|| format!("{}: no summary", path.display()))?;
-    let get = |k: &str| s.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-    Ok((
-        Summary {
-            policy: s.get("policy").and_then(Value::as_str).unwrap_or("?").to_string(),
-            jobs: get("jobs") as usize,
-            avg_jct_s: get("avg_jct_s"),
-            p50_jct_s: get("p50_jct_s"),
-            p95_jct_s: get("p95_jct_s"),
-            makespan_s: get("makespan_s"),
-            avg_wait_s: get("avg_wait_s"),
-            oom_failures: get("oom_failures") as u64,
-            throughput_per_gpu: get("throughput_per_gpu"),
-            last_fifth_avg_jct_s: get("last_fifth_avg_jct_s"),
-            p99_wait_s: get("p99_wait_s"),
-            separations: get("separations") as u64,
-            claims: get("claims") as u64,
-        },
-        v,
-    ))
-}
-
-fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, format: &str) -> Result<(), String> {
-    let (p, pv) = summary_of(plain)?;
-    let (d, dv) = summary_of(daemons)?;
-    let sim: Vec<Value> = match simulated {
-        Some(path) => serde_json::from_str(&read(path)?).map_err(|e| format!("{}: {e}", path.display()))?,
-        None => Vec::new(),
-    };
-    let sim_of = |policy: &str| {
-        sim.iter()
-            .find(|s| s.get("policy").and_then(Value::as_str) == Some(policy))
-    };
-    let (sp, sd) = (sim_of("first-fit"), sim_of("learned"));
-    let ratio = d.avg_jct_s / p.avg_jct_s;
-    let vs_sim = |run: &Summary, s: Option<&Value>| {
-        s.and_then(|s| s.get("avg_jct_s"))
-            .and_then(Value::as_f64)
-            .map(|x| run.avg_jct_s / x - 1.0)
-    };
-    match format {
-        "json" => {
-            let out = json!({
-                "plain": p,
-                "daemons": d,
-                "daemons_vs_plain_avg_jct": ratio,
-                "simulated": { "first-fit": sp, "learned": sd },
-                "plain_vs_simulated_avg_jct": vs_sim(&p, sp),
-                "daemons_vs_simulated_avg_jct": vs_sim(&d, sd),
-                "time_scale": dv.get("time_scale"),
-                "wall_s": { "plain": pv.get("wall_s"), "daemons": dv.get("wall_s") },
-            });
-            println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
-        }
-        "table" => {
-            let num = |v: Option<&Value>, k: &str| {
-                v.and_then(|v| v.get(k))
-                    .and_then(Value::as_f64)
-                    .map_or("-".to_string(), |x| format!("{x:.0}"))
-            };
-            println!(
-                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "trace seconds", "plain shards", "daemons", "ratio", "simulated first-fit", "simulated learned"
-            );
-            let rows: [(&str, f64, f64, &str); 5] = [
-                ("average JCT", p.avg_jct_s, d.avg_jct_s, "avg_jct_s"),
-                ("p50 JCT", p.p50_jct_s, d.p50_jct_s, "p50_jct_s"),
-                ("p95 JCT", p.p95_jct_s, d.p95_jct_s, "p95_jct_s"),
-                ("makespan", p.makespan_s, d.makespan_s, "makespan_s"),
-                ("average wait", p.avg_wait_s, d.avg_wait_s, "avg_wait_s"),
-            ];
-            for (name, x, y, k) in rows {
-                println!(
-                    "{name:<24} {x:>13.0} {y:>10.0} {:>8.3}   {:>19} {:>17}",
-                    y / x,
-                    num(sp, k),
-                    num(sd, k)
-                );
-            }
-            println!(
-                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "out-of-memory failures",
-                p.oom_failures,
-                d.oom_failures,
-                "",
-                num(sp, "oom_failures"),
-                num(sd, "oom_failures")
-            );
-            println!(
-                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "claims",
-                p.claims,
-                d.claims,
-                "",
-                num(sp, "claims"),
-                num(sd, "claims")
-            );
-            println!(
-                "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-                "given back to run apart",
-                p.separations,
-                d.separations,
-                "",
-                num(sp, "separations"),
-                num(sd, "separations")
-            );
-            println!("daemons vs plain shards: {:+.1}% average JCT", 100.0 * (ratio - 1.0));
-            if let (Some(a), Some(b)) = (vs_sim(&p, sp), vs_sim(&d, sd)) {
-                println!(
-                    "emulated vs simulated average JCT: plain {:+.1}% (first-fit), daemons {:+.1}% (learned)",
-                    100.0 * a,
-                    100.0 * b
-                );
-            }
-        }
-        "csv" => {
-            let sim = |v: Option<&Value>, k: &str| {
-                v.and_then(|v| v.get(k))
-                    .and_then(Value::as_f64)
-                    .map_or(String::new(), |x| format!("{x:.1}"))
-            };
-            println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations");
-            println!(
-                "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{}",
-                p.avg_jct_s,
-                d.avg_jct_s,
-                p.p95_jct_s,
-                d.p95_jct_s,
-                p.oom_failures,
-                d.oom_failures,
-                sim(sp, "avg_jct_s"),
-                sim(sd, "avg_jct_s"),
-                sim(sp, "oom_failures"),
-                sim(sd, "oom_failures"),
-                d.claims,
-                d.separations
-            );
-        }
-        "words" => println!("{}", verdict(&p, &d)),
-        other => return Err(format!("--format {other}: use table, json, csv or words")),
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::actions_in_logs;
@@ -607,13 +512,13 @@ mod tests {
         let line =
             |target: &str, what: &str| format!("2026-11-25T04:04:44.650599Z  INFO multiplexd::{target}: {what}\n");
         let n1 = [
-            line("claimer", "claimed job=25 node=n1 gpu=v100_0"),
-            line("claimer", "claiming works again"),
-            line("claimer", "claimed job=26 node=n2 gpu=v100_1"),
+            line("claimer::thread", "claimed job=25 node=n1 gpu=v100_0"),
+            line("claimer::thread", "claiming works again"),
+            line("claimer::thread", "claimed job=26 node=n2 gpu=v100_1"),
         ];
         let n2 = [
             line(
-                "claimer",
+                "claimer::thread",
                 "refused: no GPU of the cluster could ever hold it job=7 reason=too big",
             ),
             line(
@@ -626,7 +531,7 @@ mod tests {
         // Slurm's own logs beside them are not the daemons'.
         std::fs::write(
             dir.path().join("slurmctld.log"),
-            line("claimer", "claimed job=1 node=n1 gpu=x"),
+            line("claimer::thread", "claimed job=1 node=n1 gpu=x"),
         )
         .unwrap();
         assert_eq!(actions_in_logs(dir.path()).unwrap(), (2, 1));

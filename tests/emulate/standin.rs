@@ -93,38 +93,12 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     if !(a.work.is_finite() && a.work > 0.0) {
         return Err(format!("--work {}: must be a positive number of seconds", a.work));
     }
-    let text = fs::read_to_string(&a.table).map_err(|e| format!("cannot read {}: {e}", a.table.display()))?;
-    let table = Table::parse(&text, &a.table.display().to_string())?;
-    let me = table
-        .app_index(&a.app)
-        .ok_or_else(|| format!("app {:?} is not in the pair table {}", a.app, a.table.display()))?;
-    let node = a
-        .node
-        .clone()
-        .or_else(|| env("SLURMD_NODENAME"))
-        .ok_or("no --node given and SLURMD_NODENAME is not set: run this as a Slurm job")?;
-    let gpu = a
-        .gpu
-        .clone()
-        .or_else(|| env("SLURM_JOB_GPUS").map(|v| v.split(',').next().unwrap_or("").to_string()))
-        .filter(|g| !g.is_empty() && g.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
-        .ok_or("no GPU: SLURM_JOB_GPUS is unset or not a device list, and no --gpu given")?;
-    let job = a
-        .job
-        .or_else(|| env("SLURM_JOB_ID").and_then(|v| v.parse().ok()))
-        .ok_or("no --job given and SLURM_JOB_ID is not set")?;
-    let socket = env("MULTIPLEX_SOCKET").map(PathBuf::from);
+    let (table, me) = table_and_app(a)?;
+    let (node, gpu, job) = whereabouts(a)?;
     let dir = a.registry.join(&node).join(format!("gpu{gpu}"));
     fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
 
-    // Join the GPU: look at who is there and register, under the GPU's lock, so that of two
-    // jobs starting together exactly one is the newcomer.
-    let (entry, doomed, first_partners) = {
-        let _gpu_lock = Locked::exclusive(&dir.join(".lock"))?;
-        let partners = residents(&dir, job);
-        let doomed = clashes(&table, me, &partners);
-        (Entry::register(&dir, job, &a.app, doomed)?, doomed, partners)
-    };
+    let (entry, doomed, first_partners) = join(&dir, job, (&table, me), &a.app)?;
     let started = Instant::now();
     let start_unix = unix_now();
     let names = |ps: &[Resident]| {
@@ -142,66 +116,15 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     if let Some(why) = env("MULTIPLEX_DECISION") {
         println!("standin: decision: {why}");
     }
-    let mut report_errors = 0u32;
-    let mut report = |kind: ReportKind| {
-        let Some(s) = &socket else { return };
-        let r = client::call(
-            s,
-            Duration::from_secs(2),
-            Request::Report(ReportRequest { job_id: job, kind }),
-        );
-        if let Err(e) = r {
-            if report_errors == 0 {
-                eprintln!("standin: cannot report to the daemon at {}: {e}", s.display());
-            }
-            report_errors += 1;
-        }
-    };
-    let tick = Duration::from_millis(a.tick_ms.max(1));
-    // A doomed job waits out --oom-after in wait_for_rescue, then fails, unless rescued.
-    let doomed = doomed && !wait_for_rescue(&dir, job, &table, me, &entry, &a.app, a.oom_after, tick)?;
-    let outcome = if doomed {
-        report(ReportKind::OutOfMemory);
-        eprintln!(
-            "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU {gpu}; {} beside [{}] does not fit) [emulated by multiplex-standin]",
-            a.app,
-            names(&first_partners)
-        );
-        "oom"
-    } else {
-        let mut done = 0.0;
-        let mut last = Instant::now();
-        let mut last_report = Instant::now();
-        let mut speeds = Vec::new();
-        while done < a.work {
-            std::thread::sleep(tick);
-            let now = Instant::now();
-            let dt = now.duration_since(last).as_secs_f64();
-            last = now;
-            // The speed beside those there now (doomed newcomers do no work and slow no one).
-            let speed: f64 = residents(&dir, job)
-                .iter()
-                .filter(|p| !p.doomed)
-                .filter_map(|p| table.app_index(&p.app))
-                .map(|o| table.speed(me, o).unwrap_or(1.0))
-                .product();
-            if speeds.last() != Some(&speed) {
-                speeds.push(speed);
-            }
-            done += dt * speed;
-            if a.report_every > 0.0 && now.duration_since(last_report).as_secs_f64() >= a.report_every {
-                last_report = now;
-                report(ReportKind::Progress { done: done.min(a.work) });
-            }
-        }
-        println!(
-            "standin: done in {:.2} s ({:.2} alone), speeds {:?}",
-            started.elapsed().as_secs_f64(),
-            a.work,
-            speeds
-        );
-        "ok"
-    };
+    let doomed = doomed && !wait_for_rescue(&dir, job, &table, me, &entry, &a.app, a.oom_after, tick(a))?;
+    let outcome = live(
+        a,
+        (&dir, job, &gpu),
+        (&table, me),
+        doomed,
+        &names(&first_partners),
+        started,
+    );
     let end_unix = unix_now();
     drop(entry);
     if let Some(path) = &a.result {
@@ -222,6 +145,142 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The pair table, and the index of the job's application in it.
+fn table_and_app(a: &Args) -> Result<(Table, usize), String> {
+    let text = fs::read_to_string(&a.table).map_err(|e| format!("cannot read {}: {e}", a.table.display()))?;
+    let table = Table::parse(&text, &a.table.display().to_string())?;
+    let me = table
+        .app_index(&a.app)
+        .ok_or_else(|| format!("app {:?} is not in the pair table {}", a.app, a.table.display()))?;
+    Ok((table, me))
+}
+
+/// Joins the GPU whose registry is `dir`: looks at who is there and registers, under the
+/// GPU's lock, so that of two jobs starting together exactly one is the newcomer. Its entry,
+/// whether it is doomed (beside a partner it cannot share with), and who was there.
+fn join(dir: &Path, job: u32, (table, me): (&Table, usize), app: &str) -> Result<(Entry, bool, Vec<Resident>), String> {
+    let _gpu_lock = Locked::exclusive(&dir.join(".lock"))?;
+    let partners = residents(dir, job);
+    let doomed = clashes(table, me, &partners);
+    Ok((Entry::register(dir, job, app, doomed)?, doomed, partners))
+}
+
+/// One tick of training.
+fn tick(a: &Args) -> Duration {
+    Duration::from_millis(a.tick_ms.max(1))
+}
+
+/// The job's life once it joined its GPU: `doomed` (beside a partner it cannot share with,
+/// `partners`, and not rescued), it fails out of memory at once; else it trains (`started`:
+/// when it joined). Its status: `ok` or `oom`.
+fn live(
+    a: &Args,
+    (dir, job, gpu): (&Path, u32, &str),
+    (table, me): (&Table, usize),
+    doomed: bool,
+    partners: &str,
+    started: Instant,
+) -> &'static str {
+    let mut reporter = Reporter {
+        socket: env("MULTIPLEX_SOCKET").map(PathBuf::from),
+        job,
+        errors: 0,
+    };
+    if doomed {
+        reporter.send(ReportKind::OutOfMemory);
+        eprintln!(
+            "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU {gpu}; {} beside [{partners}] does not fit) [emulated by multiplex-standin]",
+            a.app,
+        );
+        return "oom";
+    }
+    let speeds = train(a, (dir, job), (table, me), tick(a), &mut reporter);
+    println!(
+        "standin: done in {:.2} s ({:.2} alone), speeds {:?}",
+        started.elapsed().as_secs_f64(),
+        a.work,
+        speeds
+    );
+    "ok"
+}
+
+/// The node, the GPU and the job: given, or as Slurm sets them for the job.
+fn whereabouts(a: &Args) -> Result<(String, String, u32), String> {
+    let node = a
+        .node
+        .clone()
+        .or_else(|| env("SLURMD_NODENAME"))
+        .ok_or("no --node given and SLURMD_NODENAME is not set: run this as a Slurm job")?;
+    let gpu = a
+        .gpu
+        .clone()
+        .or_else(|| env("SLURM_JOB_GPUS").map(|v| v.split(',').next().unwrap_or("").to_string()))
+        .filter(|g| !g.is_empty() && g.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
+        .ok_or("no GPU: SLURM_JOB_GPUS is unset or not a device list, and no --gpu given")?;
+    let job = a
+        .job
+        .or_else(|| env("SLURM_JOB_ID").and_then(|v| v.parse().ok()))
+        .ok_or("no --job given and SLURM_JOB_ID is not set")?;
+    Ok((node, gpu, job))
+}
+
+/// Reports to the node's daemon, where `MULTIPLEX_SOCKET` names it; says the first failure.
+struct Reporter {
+    socket: Option<PathBuf>,
+    job: u32,
+    errors: u32,
+}
+
+impl Reporter {
+    fn send(&mut self, kind: ReportKind) {
+        let Some(s) = &self.socket else { return };
+        let request = Request::Report(ReportRequest { job_id: self.job, kind });
+        if let Err(e) = client::call(s, Duration::from_secs(2), request) {
+            if self.errors == 0 {
+                eprintln!("standin: cannot report to the daemon at {}: {e}", s.display());
+            }
+            self.errors += 1;
+        }
+    }
+}
+
+/// Does the job's work, tick by tick at the speed beside whoever shares its GPU now (doomed
+/// newcomers do no work and slow no one), reporting progress every `--report-every`; the
+/// speeds it ran at, in order.
+fn train(
+    a: &Args,
+    (dir, job): (&Path, u32),
+    (table, me): (&Table, usize),
+    tick: Duration,
+    reporter: &mut Reporter,
+) -> Vec<f64> {
+    let mut done = 0.0;
+    let mut last = Instant::now();
+    let mut last_report = Instant::now();
+    let mut speeds = Vec::new();
+    while done < a.work {
+        std::thread::sleep(tick);
+        let now = Instant::now();
+        let dt = now.duration_since(last).as_secs_f64();
+        last = now;
+        let speed: f64 = residents(dir, job)
+            .iter()
+            .filter(|p| !p.doomed)
+            .filter_map(|p| table.app_index(&p.app))
+            .map(|o| table.speed(me, o).unwrap_or(1.0))
+            .product();
+        if speeds.last() != Some(&speed) {
+            speeds.push(speed);
+        }
+        done += dt * speed;
+        if a.report_every > 0.0 && now.duration_since(last_report).as_secs_f64() >= a.report_every {
+            last_report = now;
+            reporter.send(ReportKind::Progress { done: done.min(a.work) });
+        }
+    }
+    speeds
 }
 
 /// Whether app `me` cannot share with one of `partners` that keeps its memory (is not doomed).
