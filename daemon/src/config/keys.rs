@@ -1,6 +1,8 @@
 //! Every key of `multiplexd.toml`, defined once: its type, default, range, whether a reload
-//! applies it, and what it does. A numeric key is a [`Bounded`]: the parser takes its default
-//! and its range error from it ([`Bounded::read`]), and the key table shows both from it.
+//! applies it, and what it does. A numeric key is a [`Bounded`], a text, path or switch with a
+//! default a [`Plain`]: the parser takes its default (and a number's range error) from it
+//! ([`Bounded::read`], [`Plain::text`]), and the key table shows both from it. A key whose
+//! default is not a value (the host name, unset) says it in words.
 //! `etc/multiplexd.toml` and the key table of `docs/admin.md` are rendered from [`KEYS`]
 //! ([`example_toml`], [`markdown_table`]), and the tests fail when the parser, the file or the
 //! guide differ from it, or a numeric key allows other values than its range (`BLESS=1 cargo
@@ -19,9 +21,8 @@ pub struct Key {
     /// `table.key` (`key` at the top).
     pub name: &'static str,
     pub kind: &'static str,
-    /// As TOML writes it; `None` where the default is not a value (the host name, unset).
-    pub default: Option<&'static str>,
-    /// The default in words where it is not a value.
+    /// The default in words where it is not a value (the host name, unset); a key with a
+    /// value for its default has its definition in `value`.
     pub default_text: &'static str,
     pub range: &'static str,
     pub reload: Reload,
@@ -32,8 +33,8 @@ pub struct Key {
     /// Another valid value, and one the parser must refuse (for the tests).
     pub other: Option<&'static str>,
     pub bad: Option<&'static str>,
-    /// A numeric key's default and range, from its one definition.
-    pub bounded: Option<&'static dyn Shown>,
+    /// A numeric or plain key's default and range, from its one definition.
+    pub value: Option<&'static dyn Shown>,
 }
 
 /// A number a bounded key may hold.
@@ -189,13 +190,97 @@ impl<T: Num> Shown for Bounded<T> {
     }
 }
 
+/// A key whose value is a text, a path or a switch, with a default that is a value: the
+/// parser's default ([`Plain::text`], [`Plain::path`], [`Plain::read`]) and what the example
+/// file and the guide show come from here.
+#[derive(Debug, Clone, Copy)]
+pub struct Plain<T: 'static> {
+    pub name: &'static str,
+    pub default: T,
+    /// The values it allows, in words.
+    pub range: &'static str,
+}
+
+impl Plain<&'static str> {
+    /// The configured text, or the default.
+    pub fn text(&self, v: Option<String>) -> String {
+        v.unwrap_or_else(|| self.default.to_string())
+    }
+    /// The configured path, or the default.
+    pub fn path(&self, v: Option<std::path::PathBuf>) -> std::path::PathBuf {
+        v.unwrap_or_else(|| self.default.into())
+    }
+}
+
+impl Plain<bool> {
+    /// The configured switch, or the default.
+    pub fn read(&self, v: Option<bool>) -> bool {
+        v.unwrap_or(self.default)
+    }
+}
+
+impl Shown for Plain<&'static str> {
+    fn default_text(&self) -> String {
+        toml::Value::String(self.default.to_string()).to_string()
+    }
+    fn range(&self) -> String {
+        self.range.to_string()
+    }
+    fn edges(&self) -> Vec<(String, bool)> {
+        Vec::new()
+    }
+}
+
+impl Shown for Plain<bool> {
+    fn default_text(&self) -> String {
+        self.default.to_string()
+    }
+    fn range(&self) -> String {
+        self.range.to_string()
+    }
+    fn edges(&self) -> Vec<(String, bool)> {
+        vec![("true".into(), true), ("false".into(), true)]
+    }
+}
+
+pub const DATABASE: Plain<&str> = Plain {
+    name: "database",
+    default: "/var/lib/multiplexd/history.sqlite",
+    range: "a path",
+};
+pub const SLURM_USER: Plain<&str> = Plain {
+    name: "slurm_user",
+    default: "slurm",
+    range: "a user name",
+};
+/// Empty: Slurm's commands are found on PATH.
+pub const SLURM_BIN: Plain<&str> = Plain {
+    name: "slurm_bin",
+    default: "",
+    range: "a directory",
+};
+pub const MPS: Plain<bool> = Plain {
+    name: "mps",
+    default: false,
+    range: "",
+};
+pub const CLAIM_ENABLED: Plain<bool> = Plain {
+    name: "claim.enabled",
+    default: false,
+    range: "",
+};
+/// job_submit's default shared partition.
+pub const CLAIM_PARTITION: Plain<&str> = Plain {
+    name: "claim.partition",
+    default: multiplex_protocol::spec::DEFAULT_PARTITION,
+    range: "one partition",
+};
+
 pub const JOBS_PER_GPU: Bounded<u32> = Bounded::new("jobs_per_gpu", 2, 1, Some(16));
 pub const TELEMETRY_INTERVAL_S: Bounded<u64> = Bounded::new("telemetry_interval_s", 10, 0, None).meaning_at_min("none");
 /// Every 5 minutes each running job's busy GPU time is recorded: a job that reports nothing is
 /// measured within minutes of a new pair. Not under MPS.
 pub const BUSY_RECORD_S: Bounded<u64> = Bounded::new("busy_record_s", 300, 0, None).meaning_at_min("never");
-pub const DEFAULT_SLURM_USER: &str = "slurm";
-pub const DEFAULT_DATABASE: &str = "/var/lib/multiplexd/history.sqlite";
 /// The prior speed of each side of a pair never seen.
 pub const UNKNOWN_PAIR_SPEED: Bounded<f64> = Bounded::new("policy.unknown_pair_speed", 0.7, 0.0, Some(1.0)).above_min();
 /// A job is not claimed for a share that adds less than a quarter of a GPU's throughput.
@@ -211,7 +296,6 @@ pub const RECONCILE_INTERVAL_S: Bounded<u64> =
 /// At most a day: `inf` would keep the slots of jobs that ended while the daemon was down.
 pub const RECONCILE_GRACE_S: Bounded<f64> = Bounded::new("reconcile.grace_s", 30.0, 1.0, Some(86_400.0));
 pub const SHARE_EVERY_S: Bounded<u64> = Bounded::new("share.every_s", 600, 1, None);
-pub const DEFAULT_CLAIM_PARTITION: &str = multiplex_protocol::spec::DEFAULT_PARTITION;
 pub const LOOKAHEAD: Bounded<usize> = Bounded::new("claim.lookahead", 8, 1, Some(64));
 /// Looks below 100 ms would load slurmctld (the claimer reads the queue each time); above a
 /// minute a free GPU would idle that long.
@@ -220,17 +304,10 @@ pub const LOOK_MS: Bounded<u64> = Bounded::new("claim.look_ms", 1000, 100, Some(
 /// hour, a cluster whose claimer died would hold its waiting jobs that long.
 pub const LEASE_S: Bounded<u64> = Bounded::new("claim.lease_s", 300, 60, Some(3600));
 
-const fn key(
-    name: &'static str,
-    kind: &'static str,
-    default: &'static str,
-    range: &'static str,
-    doc: &'static str,
-) -> Key {
+const fn key(name: &'static str, kind: &'static str, range: &'static str, doc: &'static str) -> Key {
     Key {
         name,
         kind,
-        default: Some(default),
         default_text: "",
         range,
         reload: Reload::Restart,
@@ -238,23 +315,37 @@ const fn key(
         example: None,
         other: None,
         bad: None,
-        bounded: None,
+        value: None,
     }
 }
 
 /// A numeric key of the table, from its definition.
 const fn bounded<T: Num>(b: &'static Bounded<T>, doc: &'static str) -> Key {
     Key {
-        bounded: Some(b),
-        default: None,
-        ..key(b.name, T::KIND, "", "", doc)
+        value: Some(b),
+        ..key(b.name, T::KIND, "", doc)
+    }
+}
+
+/// A text or path key of the table (`kind`), from its definition.
+const fn text(p: &'static Plain<&'static str>, kind: &'static str, doc: &'static str) -> Key {
+    Key {
+        value: Some(p),
+        ..key(p.name, kind, "", doc)
+    }
+}
+
+/// A switch of the table, from its definition.
+const fn switch(p: &'static Plain<bool>, doc: &'static str) -> Key {
+    Key {
+        value: Some(p),
+        ..key(p.name, "bool", "", doc)
     }
 }
 
 impl Key {
     const fn unset(self, text: &'static str) -> Key {
         Key {
-            default: None,
             default_text: text,
             ..self
         }
@@ -284,10 +375,7 @@ impl Key {
     }
     /// The default as a file writes it; `None` where it is not a value.
     pub fn default_value(&self) -> Option<String> {
-        match self.bounded {
-            Some(b) => Some(b.default_text()),
-            None => self.default.map(str::to_string),
-        }
+        self.value.map(|v| v.default_text())
     }
     /// The default as the guide shows it.
     pub fn default_shown(&self) -> String {
@@ -298,7 +386,7 @@ impl Key {
     }
     /// The values the key allows, in words.
     pub fn range_shown(&self) -> String {
-        match self.bounded {
+        match self.value {
             Some(b) => b.range(),
             None => self.range.to_string(),
         }
@@ -321,25 +409,22 @@ pub const TABLES: &[(&str, &str)] = &[
 
 /// Every key, in the file's order.
 pub const KEYS: &[Key] = &[
-    key("node", "string", "", "a Slurm node name", "The Slurm node this daemon serves.")
+    key("node", "string", "a Slurm node name", "The Slurm node this daemon serves.")
         .unset("the host name")
         .example("\"gpu01\"")
         .test("\"gpu02\"", Some("\"\"")),
     key(
         "socket",
         "path",
-        "",
         "a path",
         "The Unix socket the SPANK plugin connects to; plugstack.conf's socket= must name it.",
     )
     .unset("`/run/multiplexd/NODE.sock`")
     .example("\"/run/multiplexd/gpu01.sock\"")
     .test("\"/run/x.sock\"", None),
-    key(
-        "database",
+    text(
+        &DATABASE,
         "path",
-        "\"/var/lib/multiplexd/history.sqlite\"",
-        "a path",
         "The SQLite interference history; never replaced when it cannot be opened.",
     )
     .test("\"/tmp/other.sqlite\"", None),
@@ -358,43 +443,35 @@ pub const KEYS: &[Key] = &[
         "Seconds between records of each job's busy GPU time, which measure its speed beside its partners without reports (time-sliced GPUs only).",
     )
     .test("60", None),
-    key(
-        "slurm_user",
+    text(
+        &SLURM_USER,
         "string",
-        "\"slurm\"",
-        "a user name",
         "Besides root, the user that may start and finish tasks (SlurmUser).",
     )
     .test("\"other\"", None),
-    key(
-        "slurm_bin",
+    text(
+        &SLURM_BIN,
         "path",
-        "\"\"",
-        "a directory",
         "The directory of scontrol, squeue and sinfo; empty: found on PATH.",
     )
     .test("\"/opt/slurm/bin\"", None),
-    key(
-        "mps",
-        "bool",
-        "false",
-        "",
+    switch(
+        &MPS,
         "Whether the site runs the CUDA MPS control daemon: each step then gets MPS limits from the predicted slowdowns.",
     )
     .test("true", None),
-    key("gpu.index", "integer", "", "0 or more, once each", "The GPU's number as nvidia-smi counts it (/dev/nvidiaN).")
+    key("gpu.index", "integer", "0 or more, once each", "The GPU's number as nvidia-smi counts it (/dev/nvidiaN).")
         .unset("required in each [[gpu]]"),
     key(
         "gpu.model",
         "string",
-        "",
         "1 to 64 letters, digits, `.` `_` `-`",
         "The GPU model's name; with the index it names the gres Type (`v100_0`). One name per model on every node.",
     )
     .unset("required in each [[gpu]]"),
-    key("gpu.memory_mb", "integer", "", "more than 0", "The GPU's memory, against which memory hints are checked.")
+    key("gpu.memory_mb", "integer", "more than 0", "The GPU's memory, against which memory hints are checked.")
         .unset("required in each [[gpu]]"),
-    key("gpu.uuid", "string", "", "`GPU-...` or `MIG-...`", "NVML's UUID (nvidia-smi -L), by which telemetry matches the GPU.")
+    key("gpu.uuid", "string", "`GPU-...` or `MIG-...`", "NVML's UUID (nvidia-smi -L), by which telemetry matches the GPU.")
         .unset("unset"),
     bounded(
         &UNKNOWN_PAIR_SPEED,
@@ -431,7 +508,6 @@ pub const KEYS: &[Key] = &[
     key(
         "share.dir",
         "path",
-        "",
         "an absolute path",
         "A directory every node reads and writes, where each writes what it learned as NODE.json and merges the others'.",
     )
@@ -442,19 +518,14 @@ pub const KEYS: &[Key] = &[
         "Seconds between two exchanges through the directory.",
     )
     .test("60", Some("0")),
-    key(
-        "claim.enabled",
-        "bool",
-        "false",
-        "",
+    switch(
+        &CLAIM_ENABLED,
         "Whether this daemon is the cluster's claimer (needs root or SlurmUser, Slurm's commands and [share] dir).",
     )
     .test("true", None),
-    key(
-        "claim.partition",
+    text(
+        &CLAIM_PARTITION,
         "string",
-        "\"shared\"",
-        "one partition",
         "The partition where multiplexed jobs wait (job_submit's first shared partition).",
     )
     .test("\"gpu-shared\"", Some("\"a,b\"")),
@@ -476,7 +547,6 @@ pub const KEYS: &[Key] = &[
     key(
         "metrics.listen",
         "address",
-        "",
         "an address and port",
         "Serve Prometheus metrics at http://LISTEN/metrics; bind to loopback or a management network.",
     )
@@ -683,10 +753,10 @@ mod tests {
     }
 
     #[test]
-    fn each_numeric_key_allows_exactly_its_range() {
+    fn each_defined_key_allows_exactly_its_range() {
         let mut checked = 0;
         for k in KEYS {
-            let Some(b) = k.bounded else { continue };
+            let Some(b) = k.value else { continue };
             for (value, allowed) in b.edges() {
                 let parsed = Config::parse(&snippet(k, &value));
                 match (parsed, allowed) {

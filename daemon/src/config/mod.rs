@@ -204,13 +204,13 @@ impl Config {
             socket: raw
                 .socket
                 .unwrap_or_else(|| PathBuf::from(format!("/run/multiplexd/{node}.sock"))),
-            database: raw.database.unwrap_or_else(|| PathBuf::from(DEFAULT_DATABASE)),
+            database: DATABASE.path(raw.database),
             node,
             telemetry_interval_s: TELEMETRY_INTERVAL_S.read(raw.telemetry_interval_s)?,
             busy_record_s: BUSY_RECORD_S.read(raw.busy_record_s)?,
-            slurm_user: raw.slurm_user.unwrap_or_else(|| DEFAULT_SLURM_USER.into()),
-            slurm_bin: raw.slurm_bin.unwrap_or_default(),
-            mps: raw.mps.unwrap_or(false),
+            slurm_user: SLURM_USER.text(raw.slurm_user),
+            slurm_bin: SLURM_BIN.path(raw.slurm_bin),
+            mps: MPS.read(raw.mps),
         })
     }
 }
@@ -299,12 +299,12 @@ impl ShareConfig {
 
 impl ClaimConfig {
     fn read(raw: RawClaim) -> Result<ClaimConfig, String> {
-        let partition = raw.partition.unwrap_or_else(|| DEFAULT_CLAIM_PARTITION.into());
+        let partition = CLAIM_PARTITION.text(raw.partition);
         if partition.is_empty() || partition.contains([',', ' ']) {
             return Err(format!("claim.partition = {partition:?}: must name one partition"));
         }
         Ok(ClaimConfig {
-            enabled: raw.enabled.unwrap_or(false),
+            enabled: CLAIM_ENABLED.read(raw.enabled),
             partition,
             lookahead: LOOKAHEAD.read(raw.lookahead)?,
             look_ms: LOOK_MS.read(raw.look_ms)?,
@@ -464,8 +464,8 @@ pub struct ClaimConfig {
 impl Default for ClaimConfig {
     fn default() -> Self {
         ClaimConfig {
-            enabled: false,
-            partition: DEFAULT_CLAIM_PARTITION.into(),
+            enabled: CLAIM_ENABLED.default,
+            partition: CLAIM_PARTITION.default.into(),
             lookahead: LOOKAHEAD.default,
             look_ms: LOOK_MS.default,
             lease_s: LEASE_S.default,
