@@ -8,6 +8,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
 pub mod keys;
+mod values;
 
 use keys::*;
 
