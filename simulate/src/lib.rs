@@ -45,6 +45,7 @@ pub struct Summary {
     pub p95_jct_s: f64,
     pub makespan_s: f64,
     pub avg_wait_s: f64,
+    /// Failures users saw: runs that died out of GPU memory beside a partner.
     pub oom_failures: u64,
     pub throughput_per_gpu: f64,
     /// Average JCT of the last fifth of the jobs in submit order: where a learning policy
@@ -57,6 +58,10 @@ pub struct Summary {
     pub separations: u64,
     /// How many claims the policy made: each one `scontrol update` of a pending job.
     pub claims: u64,
+    /// Of the failures, how many killed the job that ran first (the resident).
+    pub resident_failures: u64,
+    /// The work the failed runs had done and lost, hours of work alone.
+    pub lost_work_h: f64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -210,6 +215,8 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             p99_wait_s: percentile(&waits, 0.99),
             separations: o.separations,
             claims: o.claims,
+            resident_failures: o.resident_failures,
+            lost_work_h: o.lost_work_s / 3600.0,
         },
         jct,
         grade: None,
@@ -229,12 +236,13 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 /// The results as a table for people.
 pub fn table(runs: &[Run], heading: &str) -> String {
     let mut out = format!("{heading}\n");
+    // Slurm's best placement of shards (23.11's LL_SHARED_GRES) is the baseline.
     let base = runs
         .iter()
-        .find(|r| r.summary.policy == "first-fit")
+        .find(|r| r.summary.policy == "least-loaded")
         .map(|r| r.summary.avg_jct_s);
     out.push_str(&format!(
-        "{:<13} {:>6} {:>10} {:>9} {:>10} {:>11} {:>9} {:>6} {:>8} {:>9} {:>10}\n",
+        "{:<13} {:>6} {:>10} {:>9} {:>10} {:>11} {:>9} {:>6} {:>8} {:>8} {:>9} {:>12}\n",
         "policy",
         "jobs",
         "avg JCT s",
@@ -243,15 +251,16 @@ pub fn table(runs: &[Run], heading: &str) -> String {
         "makespan s",
         "wait s",
         "OOM",
+        "lost h",
         "claims",
         "thru/GPU",
-        "vs first-fit"
+        "vs least-ld"
     ));
     for r in runs {
         let s = &r.summary;
         let vs = base.map_or("-".to_string(), |b| format!("{:+.1}%", 100.0 * (s.avg_jct_s / b - 1.0)));
         out.push_str(&format!(
-            "{:<13} {:>6} {:>10.0} {:>9.0} {:>10.0} {:>11.0} {:>9.0} {:>6} {:>8} {:>9.3} {:>10}\n",
+            "{:<13} {:>6} {:>10.0} {:>9.0} {:>10.0} {:>11.0} {:>9.0} {:>6} {:>8.1} {:>8} {:>9.3} {:>12}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -260,6 +269,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
             s.makespan_s,
             s.avg_wait_s,
             s.oom_failures,
+            s.lost_work_h,
             s.claims,
             s.throughput_per_gpu,
             vs
@@ -288,12 +298,12 @@ pub fn table(runs: &[Run], heading: &str) -> String {
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,throughput_per_gpu,last_fifth_avg_jct_s,p99_wait_s,separations,claims\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,throughput_per_gpu,last_fifth_avg_jct_s,p99_wait_s,separations,claims,resident_failures,lost_work_h\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{:.4},{:.1},{:.1},{},{}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{:.4},{:.1},{:.1},{},{},{},{:.2}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -306,7 +316,9 @@ pub fn csv(runs: &[Run]) -> String {
             s.last_fifth_avg_jct_s,
             s.p99_wait_s,
             s.separations,
-            s.claims
+            s.claims,
+            s.resident_failures,
+            s.lost_work_h
         ));
     }
     out

@@ -75,6 +75,16 @@ struct Args {
     /// bias b between 0 and this and shows s + b (1 - s) at speed s.
     #[arg(long, default_value_t = 0.0)]
     busy_bias: f64,
+    /// Seconds after a job fails out of GPU memory until its user submits it again (its work
+    /// so far is lost): users find failed jobs when they look. 120 with --resident-dies 0 is
+    /// the world before failures were priced, an automatic requeue of the newcomer.
+    #[arg(long, default_value_t = world::Failures::PRICED.resubmit_after_s)]
+    resubmit_after: f64,
+    /// Of pairs that do not fit, the share where the resident dies as it grows (and the
+    /// newcomer runs on); the rest fail the newcomer as it starts. The table says which pairs
+    /// do not fit, not which side grows: a seeded draw per pair made decides.
+    #[arg(long, default_value_t = world::Failures::PRICED.resident_dies)]
+    resident_dies: f64,
     /// Seconds between merges of the learned policy's node histories, as `[share] dir` pools
     /// them: node 0's daemon is the cluster's claimer and learns what the others did this way
     /// (0: never, each node learns alone and the claimer knows only its own node's jobs).
@@ -153,13 +163,7 @@ fn main() -> ExitCode {
 fn simulate(a: Args) -> Result<(), String> {
     let (table, table_name) = load_table(&a)?;
     if let Some(path) = &a.grade {
-        let export = serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
-            .map_err(|e| format!("{}: not a multiplexd history export: {e}", path.display()))?;
-        let knobs = multiplex_simulate::grade::knobs(a.jobs_per_gpu, a.min_gain, a.separate_below);
-        let grade = multiplex_simulate::grade::grade(&table, &export, knobs, a.gpu_memory_mb)?;
-        println!("{} graded against {table_name}", path.display());
-        print!("{}", grade.text());
-        return Ok(());
+        return grade(&a, path, (&table, &table_name));
     }
     let shape = world::Shape {
         nodes: a.nodes,
@@ -190,13 +194,7 @@ fn simulate(a: Args) -> Result<(), String> {
         shape,
         policies,
         seed: a.seed,
-        progress: world::Progress {
-            every_s: a.progress_every,
-            noise: a.progress_noise,
-            busy_every_s: a.busy_every,
-            busy_noise: a.busy_noise,
-            busy_bias: a.busy_bias,
-        },
+        progress: progress(&a),
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,
             min_gain: a.min_gain,
@@ -209,6 +207,32 @@ fn simulate(a: Args) -> Result<(), String> {
     let started = std::time::Instant::now();
     let runs = multiplex_simulate::run(&setup)?;
     write_results(&a, &runs, &heading, started.elapsed().as_secs_f64())
+}
+
+/// `--grade PATH`: grades that history against the table, and prints the grade.
+fn grade(a: &Args, path: &Path, (table, table_name): (&input::Table, &str)) -> Result<(), String> {
+    let export = serde_json::from_str::<multiplexd::history::Export>(&read(path)?)
+        .map_err(|e| format!("{}: not a multiplexd history export: {e}", path.display()))?;
+    let knobs = multiplex_simulate::grade::knobs(a.jobs_per_gpu, a.min_gain, a.separate_below);
+    let grade = multiplex_simulate::grade::grade(table, &export, knobs, a.gpu_memory_mb)?;
+    println!("{} graded against {table_name}", path.display());
+    print!("{}", grade.text());
+    Ok(())
+}
+
+/// What the jobs do besides running, and what their failures cost.
+fn progress(a: &Args) -> world::Progress {
+    world::Progress {
+        every_s: a.progress_every,
+        noise: a.progress_noise,
+        busy_every_s: a.busy_every,
+        busy_noise: a.busy_noise,
+        busy_bias: a.busy_bias,
+        failures: world::Failures {
+            resubmit_after_s: a.resubmit_after,
+            resident_dies: a.resident_dies,
+        },
+    }
 }
 
 /// The pair table (`--table`, else the embedded V100 one) with its memory (`--app-memory`),
@@ -257,6 +281,15 @@ fn check_flags(a: &Args) -> Result<(), String> {
     }
     if !(a.progress_noise.is_finite() && a.progress_noise >= 0.0) {
         return Err(format!("--progress-noise {}: must be 0 or more", a.progress_noise));
+    }
+    if !(a.resubmit_after.is_finite() && a.resubmit_after >= 1.0) {
+        return Err(format!(
+            "--resubmit-after {}: must be at least 1 second",
+            a.resubmit_after
+        ));
+    }
+    if !(0.0..=1.0).contains(&a.resident_dies) {
+        return Err(format!("--resident-dies {}: must be between 0 and 1", a.resident_dies));
     }
     multiplexd::config::keys::LOOKAHEAD
         .read(Some(a.lookahead))

@@ -9,7 +9,37 @@ pub struct Shape {
     pub jobs_per_gpu: u32,
 }
 
-/// Progress reports from the jobs, as a job that opts in sends them.
+/// What a job that runs out of GPU memory beside a partner costs: which side dies, and when
+/// its user submits it again. Its work so far is lost either way.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Failures {
+    /// How long after a failure its user submits the job again, seconds: a user finds a
+    /// failed job when they look, not at once.
+    pub resubmit_after_s: f64,
+    /// Of pairs that do not fit, the share where the resident dies (it grows into the
+    /// newcomer's memory, at an evaluation or a larger batch) and the newcomer runs on; the
+    /// rest fail the newcomer as it starts. The table says which pairs do not fit, not which
+    /// side grows: a seeded draw per pair made decides.
+    pub resident_dies: f64,
+}
+
+impl Failures {
+    /// As users pay for failures: resubmitted half an hour later, and a quarter of them
+    /// killing the resident.
+    pub const PRICED: Failures = Failures {
+        resubmit_after_s: 1800.0,
+        resident_dies: 0.25,
+    };
+    /// The newcomer always fails, and is back two minutes later (as an automatic requeue
+    /// would bring it): the world before failures were priced.
+    pub const QUICK: Failures = Failures {
+        resubmit_after_s: 120.0,
+        resident_dies: 0.0,
+    };
+}
+
+/// Progress reports from the jobs, as a job that opts in sends them, and what their failures
+/// cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Progress {
     /// Seconds between reports of one job; 0: jobs do not report.
@@ -27,6 +57,7 @@ pub struct Progress {
     /// draws a bias b between 0 and this, and shows `s + b (1 - s)` of its utilisation alone
     /// at speed s (alone, s = 1, unbiased).
     pub busy_bias: f64,
+    pub failures: Failures,
 }
 
 /// A job as a policy sees it: its id (as Slurm would number it) and application.
@@ -118,6 +149,10 @@ pub struct Outcome {
     /// Per job, in trace order: (submit, start of the run that completed, completion).
     pub jobs: Vec<(f64, f64, f64)>,
     pub oom_failures: u64,
+    /// Of those, how many killed a job that ran first (the resident), and the work the
+    /// failed runs had done and lost, seconds of work alone.
+    pub resident_failures: u64,
+    pub lost_work_s: f64,
     /// How many running jobs a policy gave back to Slurm to run apart ([`Policy::separations`]).
     pub separations: u64,
     /// How many claims a policy made ([`Policy::claim`]), each one `scontrol update` of a

@@ -24,6 +24,8 @@ pub(crate) struct Job {
     pub(crate) epoch: u32,
     pub(crate) run: u32,
     pub(crate) doomed: bool,
+    /// Doomed as the resident a newcomer outgrew (not as a newcomer).
+    pub(crate) outgrown: bool,
     pub(crate) finished: Option<f64>,
     /// Claimed: the node and GPU it was pinned to, until Slurm starts it there.
     pub(crate) pinned: Option<(usize, usize)>,
@@ -54,6 +56,7 @@ impl Job {
             epoch: 0,
             run: 0,
             doomed: false,
+            outgrown: false,
             finished: None,
             pinned: None,
         }

@@ -113,6 +113,7 @@ fn every_policy_ends_every_run_on_hostile_tables_and_traces() {
                     busy_every_s: if round == 0 { 0.0 } else { 3600.0 },
                     busy_noise: 0.1,
                     busy_bias: 0.2,
+                    failures: crate::model::Failures::QUICK,
                 };
                 // The claimers also weigh a single pending job at a time, and share nothing
                 // (round 1).
@@ -176,6 +177,7 @@ fn a_job_that_cannot_share_with_itself_does_not_doom_the_next_one_forever() {
         busy_every_s: 0.0,
         busy_noise: 0.0,
         busy_bias: 0.0,
+        failures: crate::model::Failures::QUICK,
     };
     let o = world::run(&t, &jobs, shape, none, 1, p.as_mut()).unwrap();
     check_outcome(&o, &jobs, &shape, "self-clashing first fit");
@@ -264,6 +266,7 @@ fn a_run_whose_jobs_are_never_claimed_says_which_never_finished() {
         busy_every_s: 0.0,
         busy_noise: 0.0,
         busy_bias: 0.0,
+        failures: crate::model::Failures::QUICK,
     };
     let e = world::run(&t, &jobs, shape, none, 1, &mut Never).unwrap_err();
     assert_eq!(e, "job first never finished (no GPU would ever take it?)");
@@ -278,6 +281,7 @@ fn the_watchdog_stops_a_policy_that_gives_jobs_back_for_ever() {
         busy_every_s: 10.0,
         busy_noise: 0.0,
         busy_bias: 0.0,
+        failures: crate::model::Failures::QUICK,
     };
     let e = world::run(&t, &jobs, shape, telemetry, 1, &mut GivesBack(Vec::new())).unwrap_err();
     assert!(
@@ -300,6 +304,7 @@ fn the_watchdog_stops_a_clock_that_stands_still() {
         busy_every_s: 0.0,
         busy_noise: 0.0,
         busy_bias: 0.0,
+        failures: crate::model::Failures::QUICK,
     };
     let mut p = policy::make("first-fit", &t, shape, 1).unwrap();
     let e = world::run(&t, &jobs, shape, instant, 1, p.as_mut()).unwrap_err();

@@ -38,6 +38,7 @@ const NO_REPORTS: Progress = Progress {
     busy_every_s: 0.0,
     busy_noise: 0.0,
     busy_bias: 0.0,
+    failures: crate::model::Failures::QUICK,
 };
 
 fn simulate(t: &Table, trace: &[TraceJob], shape: Shape, policy: &str) -> Run {
@@ -84,6 +85,44 @@ fn a_pair_that_cannot_share_fails_the_newcomer_and_requeues_it() {
     assert!(close(r.jct[0], 100.0) && close(r.jct[1], 230.0), "{:?}", r.jct);
     assert_eq!(r.summary.oom_failures, 1);
     assert!(close(r.summary.avg_wait_s, 90.0), "{}", r.summary.avg_wait_s);
+}
+
+/// A pair that does not fit, one GPU, first-fit, with failures priced as given.
+fn priced(resident_dies: f64, newcomer_work: f64) -> world::Outcome {
+    let t = small_table();
+    let trace = [job(&t, "1", 0.0, "a", 100.0), job(&t, "2", 10.0, "c", newcomer_work)];
+    let progress = Progress {
+        failures: world::Failures {
+            resubmit_after_s: 1800.0,
+            resident_dies,
+        },
+        ..NO_REPORTS
+    };
+    let mut p = policy::make("first-fit", &t, ONE_GPU, 1).unwrap();
+    world::run(&t, &trace, ONE_GPU, progress, 1, p.as_mut()).unwrap()
+}
+
+#[test]
+fn a_failure_costs_its_user_the_resubmission_delay_and_the_work_done() {
+    // The newcomer dies: c fails at 70 having done nothing, and is back at 1870, alone.
+    let o = priced(0.0, 100.0);
+    assert_eq!((o.oom_failures, o.resident_failures), (1, 0));
+    assert!(close(o.lost_work_s, 0.0), "{}", o.lost_work_s);
+    assert!(close(o.jobs[0].2, 100.0), "{:?}", o.jobs);
+    assert!(close(o.jobs[1].1, 1870.0) && close(o.jobs[1].2, 1970.0), "{:?}", o.jobs);
+    // The resident dies as it grows: a has done 10 s of its work when c arrives, does no more
+    // and fails at 70 (losing the 10 s); c runs alone 10-110 (slowed by no one), and a comes
+    // back at 1870 to run its 100 s again.
+    let o = priced(1.0, 100.0);
+    assert_eq!((o.oom_failures, o.resident_failures), (1, 1));
+    assert!(close(o.lost_work_s, 10.0), "{}", o.lost_work_s);
+    assert!(close(o.jobs[1].2, 110.0), "{:?}", o.jobs);
+    assert!(close(o.jobs[0].1, 1870.0) && close(o.jobs[0].2, 1970.0), "{:?}", o.jobs);
+    // A newcomer that leaves before the resident would have failed (c, 50 s, ends at 60)
+    // leaves it its memory: a runs on from 60 with its 10 s done, to 150.
+    let o = priced(1.0, 50.0);
+    assert_eq!((o.oom_failures, o.resident_failures), (0, 0));
+    assert!(close(o.jobs[0].2, 150.0), "{:?}", o.jobs);
 }
 
 #[test]

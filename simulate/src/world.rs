@@ -16,6 +16,8 @@ use crate::state::{Gpu, Job};
 use crate::watchdog::Watchdog;
 use std::collections::{BTreeSet, BinaryHeap};
 
+mod fit;
+
 /// How long after something changed (a job arrived, ended or came back) the claimer looks at
 /// the cluster: it reads Slurm's queue about once a second.
 pub const LOOK_S: f64 = 1.0;
@@ -27,10 +29,8 @@ pub const PASS_S: f64 = 1.0;
 pub const SEPARATED_WAIT_S: f64 = 30.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
-/// How long a job that failed waits, requeued, before it is eligible again.
-pub const OOM_REQUEUE_S: f64 = 120.0;
 
-pub use crate::model::{JobRef, Outcome, Policy, Progress, Shape};
+pub use crate::model::{Failures, JobRef, Outcome, Policy, Progress, Shape};
 
 struct World<'a> {
     table: &'a Table,
@@ -62,6 +62,10 @@ struct World<'a> {
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
+    resident_failures: u64,
+    lost_work_s: f64,
+    /// Which side of a pair that does not fit dies ([`Failures::resident_dies`]).
+    fate: Rng,
     speed_seconds: f64,
     busy_seconds: f64,
 }
@@ -117,6 +121,8 @@ pub fn run(
             .map(|j| (j.submit, j.start, j.finished.unwrap_or(f64::NAN)))
             .collect(),
         oom_failures: w.oom_failures,
+        resident_failures: w.resident_failures,
+        lost_work_s: w.lost_work_s,
         separations: w.separations,
         claims: w.claimed,
         speed_seconds: w.speed_seconds,
@@ -167,6 +173,9 @@ impl<'a> World<'a> {
             events: BinaryHeap::new(),
             seq: 0,
             oom_failures: 0,
+            resident_failures: 0,
+            lost_work_s: 0.0,
+            fate: Rng::new(seed ^ 0x00fa_7e5e),
             speed_seconds: 0.0,
             busy_seconds: 0.0,
         }
@@ -226,9 +235,11 @@ impl<'a> World<'a> {
         }
         let (node, _) = self.leave(now, j);
         self.oom_failures += 1;
+        self.resident_failures += u64::from(self.jobs[j].outgrown);
+        self.lost_work_s += self.jobs[j].done;
         policy.out_of_memory(now, node, self.job_ref(j))?;
         policy.finished(now, node, self.job_ref(j), false)?;
-        self.requeue_for(now, j, OOM_REQUEUE_S);
+        self.requeue_for(now, j, self.progress.failures.resubmit_after_s);
         Ok(true)
     }
 
@@ -391,30 +402,13 @@ impl World<'_> {
         }
     }
 
-    /// Whether job `j` cannot share with one of the jobs on GPU `gi` that hold their memory
-    /// for good: those not doomed themselves (a doomed job is about to fail and free it).
-    /// Where the table has memory, also when their memory together exceeds the GPU's (each
-    /// pair may fit, three may not).
-    fn clashes(&self, j: usize, gi: usize) -> bool {
-        let app = self.jobs[j].app;
-        let holding = || self.gpus[gi].jobs.iter().filter(|&&o| o != j && !self.jobs[o].doomed);
-        if holding().any(|&o| self.table.speed(app, self.jobs[o].app).is_none()) {
-            return true;
-        }
-        match (self.table.memory_of(app), self.table.gpu_memory()) {
-            (Some(mine), Some(gpu)) => {
-                mine + holding()
-                    .filter_map(|&o| self.table.memory_of(self.jobs[o].app))
-                    .sum::<u64>()
-                    > gpu
-            }
-            _ => false,
-        }
-    }
-
     fn start(&mut self, now: f64, j: usize, node: usize, g: usize) {
         let gi = node * self.shape.gpus_per_node + g;
-        let doomed = self.clashes(j, gi);
+        let clash = self.clashes(j, gi);
+        // Which side dies: the newcomer as it starts, or a resident as it grows.
+        let resident = clash && self.fate.uniform() < self.progress.failures.resident_dies;
+        let victim = if resident { self.victim(j, gi) } else { None };
+        let doomed = clash && victim.is_none();
         self.settle(now, gi);
         let job = &mut self.jobs[j];
         job.at = Some((node, g));
@@ -424,6 +418,7 @@ impl World<'_> {
         job.counted_at = now;
         job.last = now;
         job.doomed = doomed;
+        job.outgrown = false;
         job.run += 1;
         let run = job.run;
         self.gpus[gi].jobs.push(j);
@@ -433,6 +428,17 @@ impl World<'_> {
             self.push(now + OOM_AFTER_S, j, Kind::OutOfMemory(run));
         } else if self.progress.every_s > 0.0 {
             self.push(now + self.progress.every_s, j, Kind::Report(run));
+        }
+        if let Some(v) = victim {
+            // From now on it does no work and slows no one, and fails as a doomed newcomer
+            // would, unless the newcomer leaves first.
+            // A new run as far as events go: its reports stop, and start again if rescued.
+            let victim = &mut self.jobs[v];
+            victim.doomed = true;
+            victim.outgrown = true;
+            victim.run += 1;
+            let run = victim.run;
+            self.push(now + OOM_AFTER_S, v, Kind::OutOfMemory(run));
         }
         self.respeed(now, gi);
     }
@@ -500,25 +506,6 @@ impl World<'_> {
         self.rescue(now, gi);
         self.respeed(now, gi);
         (node, g)
-    }
-
-    /// A doomed job whose clashing partners have all left before it ran out of memory has
-    /// the memory it needs after all: it runs on (oldest first, so that of two doomed jobs
-    /// that cannot share either, the newer stays doomed). Without this a doomed job stayed
-    /// doomed alone, and the next job of an application that cannot share with itself,
-    /// placed beside it, was doomed in turn: a chain of failures that never ended.
-    fn rescue(&mut self, now: f64, gi: usize) {
-        for k in 0..self.gpus[gi].jobs.len() {
-            let m = self.gpus[gi].jobs[k];
-            if !self.jobs[m].doomed || self.clashes(m, gi) {
-                continue;
-            }
-            self.jobs[m].doomed = false;
-            if self.progress.every_s > 0.0 {
-                let run = self.jobs[m].run;
-                self.push(now + self.progress.every_s, m, Kind::Report(run));
-            }
-        }
     }
 
     /// Brings the work of a GPU's jobs and the throughput integrals up to `now`.

@@ -51,6 +51,8 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             p99_wait_s: get("p99_wait_s"),
             separations: get("separations") as u64,
             claims: get("claims") as u64,
+            resident_failures: get("resident_failures") as u64,
+            lost_work_h: get("lost_work_h"),
         },
         v,
     ))

@@ -5,7 +5,7 @@
 //!
 //! Each trace job is submitted at its (scaled) arrival time as
 //! `sbatch --multiplex=app=NAME --gres=gpu:1`; one that dies of out-of-memory is submitted
-//! again, as a user would, after the same wait as in `multiplex-simulate` (120 s, scaled).
+//! again two minutes (scaled) later, as `multiplex-simulate --resubmit-after 120` does.
 //! Times are reported in the trace's seconds (real seconds x the time scale), so that they
 //! compare with what `multiplex-simulate` predicts for the same trace.
 
@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use compare::compare;
 use multiplex_simulate::input::{parse_trace, Table, TraceJob};
 use multiplex_simulate::summarise;
-use multiplex_simulate::world::{Outcome, OOM_AFTER_S, OOM_REQUEUE_S};
+use multiplex_simulate::world::{Failures, Outcome, OOM_AFTER_S};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -338,7 +338,7 @@ impl<'a> Replay<'a> {
     /// Takes in what ended: a stand-in's result, or (where the queue was just read) a job
     /// gone from the queue without one for 5 s, which is lost and submitted again.
     fn collect(&mut self, poll_queue: bool) -> Result<(), String> {
-        let requeue_s = OOM_REQUEUE_S / self.a.time_scale;
+        let requeue_s = Failures::QUICK.resubmit_after_s / self.a.time_scale;
         for k in 0..self.jobs.len() {
             let Some(at) = &self.jobs[k].running else { continue };
             if at.result.exists() {
@@ -427,6 +427,9 @@ impl<'a> Replay<'a> {
                 })
                 .collect(),
             oom_failures: self.ooms,
+            // The stand-in fails the newcomer, which has done no work yet: no resident dies.
+            resident_failures: 0,
+            lost_work_s: 0.0,
             separations,
             claims,
             speed_seconds: self.jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
