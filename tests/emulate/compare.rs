@@ -69,7 +69,13 @@ pub(crate) fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, fo
         sim.iter()
             .find(|s| s.get("policy").and_then(Value::as_str) == Some(policy))
     };
-    let (sp, sd) = (sim_of("first-fit"), sim_of("learned"));
+    // The plain cluster's placement as simulated: least-loaded where its Slurm has
+    // LL_SHARED_GRES (23.11+), else first-fit (tests/emulate/run simulates the one it ran).
+    let base = ["least-loaded", "first-fit"]
+        .into_iter()
+        .find(|p| sim_of(p).is_some())
+        .unwrap_or("first-fit");
+    let (sp, sd) = (sim_of(base), sim_of("learned"));
     let ratio = d.avg_jct_s / p.avg_jct_s;
     let vs_sim = |run: &Summary, s: Option<&Value>| {
         s.and_then(|s| s.get("avg_jct_s"))
@@ -82,7 +88,7 @@ pub(crate) fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, fo
                 "plain": p,
                 "daemons": d,
                 "daemons_vs_plain_avg_jct": ratio,
-                "simulated": { "first-fit": sp, "learned": sd },
+                "simulated": { base: sp, "learned": sd },
                 "plain_vs_simulated_avg_jct": vs_sim(&p, sp),
                 "daemons_vs_simulated_avg_jct": vs_sim(&d, sd),
                 "time_scale": dv.get("time_scale"),
@@ -90,8 +96,8 @@ pub(crate) fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, fo
             });
             println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
         }
-        "table" => print_table((&p, &d), (sp, sd)),
-        "csv" => print_csv((&p, &d), (sp, sd)),
+        "table" => print_table((&p, &d), (sp, sd), base),
+        "csv" => print_csv((&p, &d), (sp, sd), base),
         "words" => println!("{}", verdict(&p, &d)),
         other => return Err(format!("--format {other}: use table, json, csv or words")),
     }
@@ -99,7 +105,7 @@ pub(crate) fn compare(plain: &Path, daemons: &Path, simulated: Option<&Path>, fo
 }
 
 /// The two replays side by side with the simulator's predictions, as a table.
-fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Value>)) {
+fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Value>), base: &str) {
     let ratio = d.avg_jct_s / p.avg_jct_s;
     let vs_sim = |run: &Summary, s: Option<&Value>| {
         s.and_then(|s| s.get("avg_jct_s"))
@@ -113,7 +119,12 @@ fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&
     };
     println!(
         "{:<24} {:>13} {:>10} {:>8}   {:>19} {:>17}",
-        "trace seconds", "plain shards", "daemons", "ratio", "simulated first-fit", "simulated learned"
+        "trace seconds",
+        "plain shards",
+        "daemons",
+        "ratio",
+        format!("simulated {base}"),
+        "simulated learned"
     );
     let rows: [(&str, f64, f64, &str); 5] = [
         ("average JCT", p.avg_jct_s, d.avg_jct_s, "avg_jct_s"),
@@ -146,7 +157,7 @@ fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&
     println!("daemons vs plain shards: {:+.1}% average JCT", 100.0 * (ratio - 1.0));
     if let (Some(a), Some(b)) = (vs_sim(p, sp), vs_sim(d, sd)) {
         println!(
-            "emulated vs simulated average JCT: plain {:+.1}% (first-fit), daemons {:+.1}% (learned)",
+            "emulated vs simulated average JCT: plain {:+.1}% ({base}), daemons {:+.1}% (learned)",
             100.0 * a,
             100.0 * b
         );
@@ -154,13 +165,14 @@ fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&
 }
 
 /// The two replays' headline numbers and the simulator's, as one CSV row.
-fn print_csv((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Value>)) {
+fn print_csv((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Value>), base: &str) {
     let sim = |v: Option<&Value>, k: &str| {
         v.and_then(|v| v.get(k))
             .and_then(Value::as_f64)
             .map_or(String::new(), |x| format!("{x:.1}"))
     };
-    println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_first_fit_avg_jct_s,simulated_learned_avg_jct_s,simulated_first_fit_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations");
+    let b = base.replace('-', "_");
+    println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_{b}_avg_jct_s,simulated_learned_avg_jct_s,simulated_{b}_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations");
     println!(
         "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{}",
         p.avg_jct_s,
