@@ -115,16 +115,23 @@ fn speed(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// The lines of a CSV text after its header, each with its index among the text's lines
+/// (blank lines left out); an error naming `name` unless the first is `header`.
+fn after_header<'t>(text: &'t str, name: &str, header: &str) -> Result<impl Iterator<Item = (usize, &'t str)>, String> {
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let first = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
+    if first != header {
+        return Err(format!(
+            "{name}: the first line must be the header {header}, not {first:?}"
+        ));
+    }
+    Ok(lines)
+}
+
 impl Table {
     /// Parses a table (`gpu,job_a,job_b,speed_a,speed_b`); `name` is used in errors.
     pub fn parse(text: &str, name: &str) -> Result<Table, String> {
-        let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
-        let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
-        if header != "gpu,job_a,job_b,speed_a,speed_b" {
-            return Err(format!(
-                "{name}: the first line must be the header gpu,job_a,job_b,speed_a,speed_b, not {header:?}"
-            ));
-        }
+        let lines = after_header(text, name, "gpu,job_a,job_b,speed_a,speed_b")?;
         let mut rows = Rows::default();
         for (n, line) in lines {
             let f: Vec<&str> = line.split(',').map(str::trim).collect();
@@ -139,13 +146,7 @@ impl Table {
     /// share, whatever its speeds say. This is the world where memory decides which pairs
     /// fit, as on real GPUs, and what NVML telemetry shows the daemon (`--busy-every`).
     pub fn with_memory(mut self, text: &str, name: &str, gpu_mb: u64) -> Result<Table, String> {
-        let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
-        let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
-        if header != "app,mem_mb" {
-            return Err(format!(
-                "{name}: the first line must be the header app,mem_mb, not {header:?}"
-            ));
-        }
+        let lines = after_header(text, name, "app,mem_mb")?;
         let mut mem: Vec<Option<u64>> = vec![None; self.apps.len()];
         for (n, line) in lines {
             let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
@@ -216,13 +217,7 @@ pub struct TraceJob {
 
 /// Reads a trace (`job_id,submit_s,app,solo_runtime_s`), sorted by submit time (stable).
 pub fn parse_trace(text: &str, name: &str, table: &Table) -> Result<Vec<TraceJob>, String> {
-    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
-    let header = lines.next().map(|(_, l)| l.trim()).unwrap_or("");
-    if header != "job_id,submit_s,app,solo_runtime_s" {
-        return Err(format!(
-            "{name}: the first line must be the header job_id,submit_s,app,solo_runtime_s, not {header:?}"
-        ));
-    }
+    let lines = after_header(text, name, "job_id,submit_s,app,solo_runtime_s")?;
     let mut jobs = Vec::new();
     for (n, line) in lines {
         let at = |msg: String| format!("{name} line {}: {msg}", n + 1);
