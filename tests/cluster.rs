@@ -1424,6 +1424,9 @@ fn a_job_reports_its_progress_and_running_out_of_memory_from_inside() {
         out.contains(&format!("job {job} ran out of memory alone on GPU")),
         "{out}"
     );
+    // Alone, running out of memory is the job's own failure: it is not put back.
+    assert!(!out.contains("put back"), "{out}");
+    assert_eq!(rec["Restarts"], "0", "{rec:?}");
     assert!(
         out.contains("other: multiplexd: job 1 is not running on node n2"),
         "{out}"
@@ -1980,4 +1983,99 @@ fn a_job_measured_to_lose_beside_its_partner_is_given_back_and_claimed_again_apa
     );
     let state = c.node_state("n1");
     assert!(!state.starts_with("drain"), "n1 is {state}");
+}
+
+/// A batch script that, on its first run, says it ran out of GPU memory as a training script
+/// that catches CUDA's error would (`multiplexd report --oom`) and fails; run again (Slurm's
+/// `SLURM_RESTART_COUNT`), it succeeds.
+fn out_of_memory_once(c: &Cluster, hold_s: u32) -> String {
+    format!(
+        "if [ \"${{SLURM_RESTART_COUNT:-0}}\" = 0 ]; then sleep 2; {tool} report --oom; exit 1; fi; echo second run; sleep {hold_s}",
+        tool = c.path("plugins/multiplexd").display()
+    )
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_job_out_of_memory_beside_a_partner_is_put_back_and_runs_again_apart_and_one_that_may_not_requeue_fails() {
+    let c = Cluster::from_env();
+    let submit = |app: &str, mem: &str, node: &str, extra: &[&str], script: String| {
+        let mut args = vec![
+            format!("--multiplex=app={app},mem={mem}"),
+            "--gres=gpu:1".into(),
+            "-w".into(),
+            node.into(),
+            out_arg(&c, "putback"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(["--wrap".to_string(), script]);
+        c.submit(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let running = |j: u32| c.show_job(j)["JobState"] == "RUNNING";
+    // On n1 a filler takes 12 GiB of one GPU for 20 s, x 4 GiB of the other for 45 s; y (5
+    // GiB) then fits only beside x, a pair never seen, which placement tries. On n2 the same
+    // with z, which may not be requeued.
+    let filler = submit("itest-pb-filler", "12G", "n1", &[], "sleep 20".into());
+    let filler2 = submit("itest-pb-filler", "12G", "n2", &[], "sleep 20".into());
+    let x = submit("itest-pb-x", "4G", "n1", &[], "sleep 45".into());
+    let x2 = submit("itest-pb-x2", "4G", "n2", &[], "sleep 45".into());
+    let _cancel = multiplex_tests::Cancel(vec![filler, filler2, x, x2]);
+    for j in [filler, filler2, x, x2] {
+        assert!(wait_until(WAIT, || running(j)), "{:?}", c.show_job(j));
+    }
+    let y = submit("itest-pb-y", "5G", "n1", &[], out_of_memory_once(&c, 10));
+    let z = submit("itest-pb-z", "5G", "n2", &["--no-requeue"], out_of_memory_once(&c, 1));
+    let _cancel_yz = multiplex_tests::Cancel(vec![y, z]);
+    // y ran out of memory beside x: its daemon put it back in the queue (one restart), with
+    // why in its admin comment.
+    assert!(
+        wait_until(WAIT, || c.show_job(y)["Restarts"] != "0"),
+        "y was put back: {:?}",
+        c.show_job(y)
+    );
+    // Its second run is claimed apart from x (the pair never again): on the filler's GPU once
+    // free where Slurm lets a claim change a pending job's GPU type (23.02.6 on), else on its
+    // own GPU once x has left (22.05 keeps a requeued job on its GPU index).
+    assert!(
+        wait_until(WAIT + Duration::from_secs(45), || running(y)),
+        "y runs again: {:?}",
+        c.show_job(y)
+    );
+    let gpu_y = c.job_gpu(y);
+    assert!(
+        !running(x) || c.job_gpu(x) != gpu_y,
+        "y runs beside x again: {:?}",
+        c.show_job(y)
+    );
+    let ry = c.wait(y, WAIT);
+    assert_eq!(ry["JobState"], "COMPLETED", "not failed: it ran again {ry:?}");
+    assert_eq!(ry["Restarts"], "1", "{ry:?}");
+    assert!(
+        ry["AdminComment"].contains(" | multiplex: put back: ran out of GPU memory beside itest-pb-x on n1 GPU "),
+        "{ry:?}"
+    );
+    // Its output says why it ran twice.
+    let out = c.output(&ry);
+    assert!(
+        out.lines()
+            .any(|l| l
+                .starts_with("multiplex: this job was put back: ran out of GPU memory beside itest-pb-x on n1 GPU ")),
+        "{out}"
+    );
+    assert!(out.contains("second run"), "{out}");
+    // z may not be requeued: it fails, as its user asked, and says why it was not put back.
+    let rz = c.wait(z, WAIT);
+    assert_eq!(rz["JobState"], "FAILED", "{rz:?}");
+    assert_eq!(rz["Restarts"], "0", "{rz:?}");
+    let said = std::fs::read_to_string(c.path("log/multiplexd-n2.log")).unwrap();
+    assert!(
+        said.lines().any(|l| l.contains(&format!(
+            "job {z} is not put back in the queue: it may not be requeued (--no-requeue)"
+        ))),
+        "{said}"
+    );
+    for n in ["n1", "n2"] {
+        let state = c.node_state(n);
+        assert!(!state.starts_with("drain"), "{n} is {state}");
+    }
 }

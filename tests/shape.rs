@@ -48,7 +48,7 @@ const CRATES: &[Crate] = &[
             &["config", "placement"],
             // Slurm's one adapter; the claim's choice (purely); the history's database.
             &["slurm", "claim", "history", "gpus"],
-            &["lessons", "inspect", "admission"],
+            &["lessons", "inspect", "admission", "put_back"],
             // A step's start, end or report, in the node's own terms.
             &["node"],
             // The background threads, and the one module that speaks the wire.

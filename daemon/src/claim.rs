@@ -37,6 +37,9 @@ pub struct Candidate {
     pub gpu: Option<u32>,
     /// The nodes it may run on (its `--nodelist`, less its `--exclude`); `None`: any.
     pub nodes: Option<Vec<String>>,
+    /// Put back in the queue after it ran out of memory beside a partner, those partners'
+    /// applications ([`crate::put_back`]): it runs next alone or beside partners known to fit.
+    pub put_back: Option<Vec<String>>,
 }
 
 /// What one look decided for one job.
@@ -85,6 +88,45 @@ fn eligible(gpus: &[GpuState], job: &Candidate) -> Vec<GpuState> {
         .collect()
 }
 
+/// The GPUs of `node` that `job` may join now ([`eligible`] and [`guarded`]), and whether the
+/// node has any it may run on at all.
+fn open_gpus(node: &NodeGpus, job: &Candidate, history: &Estimates) -> (Vec<GpuState>, bool) {
+    let mut gpus = eligible(&node.gpus, job);
+    let any = !gpus.is_empty();
+    gpus.retain(|g| guarded(g, job, history));
+    (gpus, any)
+}
+
+/// Whether `job` may join `gpu` as far as jobs put back are concerned ([`crate::put_back`]):
+/// a job put back after running out of memory beside a partner runs alone or beside partners
+/// known to fit, for the whole of its next run. So it joins only residents whose pair with it
+/// ran on this model without running out of memory (a speed measured on both sides, no
+/// out-of-memory mark either way), and nobody joins it on a pair not known to fit: a pair
+/// never tried is a gamble that job already lost once, whichever side would grow. Both sides:
+/// a resident reports progress beside a newcomer that is about to run out of memory, and that
+/// speed may reach the claimer before the failure does.
+///
+/// The partners it failed beside come with it (its note), not only through the history: what
+/// another node learned reaches the claimer's history up to [`outcome_s`] later, and a job put
+/// back is claimed again within seconds.
+fn guarded(gpu: &GpuState, job: &Candidate, history: &Estimates) -> bool {
+    let failed_beside =
+        |put_back: &Option<Vec<String>>, app: &str| put_back.as_ref().is_some_and(|b| b.iter().any(|a| a == app));
+    gpu.residents
+        .iter()
+        .filter(|r| job.put_back.is_some() || r.put_back.is_some())
+        .all(|r| {
+            if failed_beside(&job.put_back, &r.app) || failed_beside(&r.put_back, &job.app) {
+                return false;
+            }
+            let row = |a: &str, b: &str| history.pair(&gpu.model, a, b);
+            let (mine, theirs) = (row(&job.app, &r.app), row(&r.app, &job.app));
+            let measured = [mine, theirs].iter().all(|e| e.is_some_and(|e| e.observations > 0));
+            let failed = [mine, theirs].iter().flatten().any(|e| e.oom);
+            measured && !failed
+        })
+}
+
 /// Where one job would go now across the cluster.
 #[derive(Debug, Clone, PartialEq)]
 enum Offer {
@@ -107,8 +149,8 @@ fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs)
         if job.nodes.as_ref().is_some_and(|allowed| !allowed.contains(&node.node)) {
             continue;
         }
-        let gpus = eligible(&node.gpus, job);
-        any_gpu |= !gpus.is_empty();
+        let (gpus, any) = open_gpus(node, job, history);
+        any_gpu |= any;
         match placement::place(&gpus, &newcomer, history, knobs) {
             Decision::Place {
                 gpu,
@@ -444,6 +486,7 @@ fn seat(node: &mut NodeGpus, gpu: u32, job: &Candidate, history: &mut Estimates)
         job_id: job.job_id,
         app: job.app.clone(),
         mem_mb: job.mem_mb,
+        put_back: job.put_back.clone(),
     });
 }
 
@@ -544,6 +587,7 @@ mod tests {
                     job_id,
                     app: app.into(),
                     mem_mb: None,
+                    put_back: None,
                 })
                 .collect(),
         }
@@ -564,6 +608,7 @@ mod tests {
             model: None,
             gpu: None,
             nodes: None,
+            put_back: None,
         }
     }
 
@@ -623,6 +668,7 @@ mod tests {
             job_id: 1,
             app: "a".into(),
             mem_mb: None,
+            put_back: None,
         });
         let got = choose(
             &running,
@@ -852,6 +898,69 @@ mod tests {
         assert!(refused[0].1.contains("40000 MiB"), "{}", refused[0].1);
         assert_eq!(refused[1], (1, "no shared GPU of the cluster is of model a100"));
         assert_eq!(pins(&got), vec![(2, 0, 0)]);
+    }
+
+    #[test]
+    fn a_job_put_back_runs_alone_or_beside_a_partner_known_to_fit_never_on_a_gamble() {
+        // GPU 0 holds `b` (never tried with `a`, and a great gain on the prior), GPU 1 `c`
+        // (measured with `a`, a poor pair), GPU 2 `d` (ran out of memory beside `a`).
+        let nodes = [node(
+            "n1",
+            vec![gpu(0, &[(5, "b")]), gpu(1, &[(6, "c")]), gpu(2, &[(7, "d")])],
+        )];
+        let mut h = Estimates::default();
+        pair(&mut h, "a", "c", 0.6, 0.6);
+        let oom = PairEstimate {
+            speed: 0.7,
+            other_speed: 0.7,
+            observations: 0,
+            oom: true,
+        };
+        h.insert_pair("v100", "a", "d", oom);
+        h.insert_pair("v100", "d", "a", oom);
+        let any = Knobs {
+            min_gain: -1.0,
+            ..knobs()
+        };
+        let choose = |pending: &[Candidate]| pins(&choose_once(&nodes, pending, &h, any, &mut Bypasses::default()));
+        let fresh = job(1, "a");
+        let put_back = Candidate {
+            put_back: Some(vec!["x".into()]),
+            ..job(1, "a")
+        };
+        assert_eq!(choose(&[fresh]), vec![(0, 0, 0)], "a newcomer takes the gamble");
+        assert_eq!(
+            choose(std::slice::from_ref(&put_back)),
+            vec![(0, 0, 1)],
+            "put back: beside the known fit"
+        );
+        // With no known fit, it waits for a free GPU, and takes one.
+        let mut h2 = Estimates::default();
+        h2.insert_pair("v100", "a", "d", oom);
+        let got = choose_once(
+            &nodes,
+            std::slice::from_ref(&put_back),
+            &h2,
+            any,
+            &mut Bypasses::default(),
+        );
+        assert!(got.is_empty(), "waits, is not refused: {got:?}");
+        let free = [node("n1", vec![gpu(0, &[(5, "b")]), gpu(1, &[])])];
+        let got = pins(&choose_once(&free, &[put_back], &h2, any, &mut Bypasses::default()));
+        assert_eq!(got, vec![(0, 0, 1)], "the free GPU");
+        // Nobody joins a job put back on a pair not known to fit: the newcomer `a` goes beside
+        // `c` (measured), not beside the put-back `b`, though the prior promises more there.
+        let mut guarded = nodes.clone();
+        guarded[0].gpus[0].residents[0].put_back = Some(vec!["x".into()]);
+        guarded[0].gpus.truncate(2);
+        let got = pins(&choose_once(
+            &guarded,
+            &[job(1, "a")],
+            &h,
+            any,
+            &mut Bypasses::default(),
+        ));
+        assert_eq!(got, vec![(0, 0, 1)], "beside c");
     }
 
     #[test]

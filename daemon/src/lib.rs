@@ -16,6 +16,7 @@ pub mod lessons;
 pub mod metrics;
 pub mod node;
 pub mod placement;
+pub mod put_back;
 pub mod reconcile;
 pub mod separate;
 pub mod serve;

@@ -53,6 +53,7 @@ pub struct Metrics {
     pub config_reloads: Family<Outcome, Counter>,
     /// Jobs given back to Slurm to run apart, by outcome (requeued, refused).
     separations: Family<Outcome, Counter>,
+    put_backs: Family<Outcome, Counter>,
     slots_used: Family<GpuLabel, Gauge>,
     slots_per_gpu: Gauge,
     jobs_by_app: Family<AppLabel, Gauge>,
@@ -82,6 +83,7 @@ impl Metrics {
             prediction_error: speed_error(),
             config_reloads: Family::default(),
             separations: Family::default(),
+            put_backs: Family::default(),
             slots_used: Family::default(),
             slots_per_gpu: Gauge::default(),
             jobs_by_app: Family::default(),
@@ -146,6 +148,11 @@ impl Metrics {
             "Jobs measured to lose beside their partners and given back to Slurm: requeued, or refused (Slurm would not requeue it; it runs on)",
             self.separations.clone(),
         );
+        r.register(
+            "put_backs",
+            "Jobs out of GPU memory beside a partner put back in Slurm's queue: requeued, or refused (it may not requeue, restarted too often, or Slurm failed; it ends failed)",
+            self.put_backs.clone(),
+        );
         r.register("slots_used", "Jobs on each shared GPU", self.slots_used.clone());
         r.register(
             "slots_per_gpu",
@@ -201,6 +208,10 @@ impl Metrics {
 
     pub fn separation(&self, outcome: &str) {
         count(&self.separations, outcome);
+    }
+
+    pub fn put_back(&self, outcome: &str) {
+        count(&self.put_backs, outcome);
     }
 
     pub fn fault(&self, kind: &str) {

@@ -369,6 +369,7 @@ fn given_back_at_once(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs
         job_id: u32::MAX,
         app: job.app.to_string(),
         mem_mb: job.mem_mb,
+        put_back: None,
     });
     // Its text names the partners only, never the newcomer's stand-in id.
     let prior = knobs.unknown_pair_speed;
@@ -520,6 +521,7 @@ mod tests {
                     job_id: *j,
                     app: a.to_string(),
                     mem_mb: None,
+                    put_back: None,
                 })
                 .collect(),
         }

@@ -102,6 +102,7 @@ mod tests {
                     job_id,
                     app: app.into(),
                     mem_mb: None,
+                    put_back: None,
                 })
                 .collect(),
         }

@@ -19,12 +19,13 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
     init_logging();
     let config = crate::config::load(config_path)?;
     let gpus = crate::gpus::discover(&config.gpus).map_err(|e| e.to_string())?;
+    let slurm: Arc<dyn Slurm> = Arc::new(crate::slurm::Commands::new(&config.slurm_bin));
     let access = Access {
         privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
         // Private until Slurm says otherwise: never more than Slurm would show.
         private_jobs: Arc::new(AtomicBool::new(true)),
+        slurm: Some(Arc::clone(&slurm)),
     };
-    let slurm: Arc<dyn Slurm> = Arc::new(crate::slurm::Commands::new(&config.slurm_bin));
     let socket = config.socket.clone();
     // What the background threads read; the node owns the config from here on.
     let wiring = config.clone();

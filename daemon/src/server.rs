@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Who may do what.
-#[derive(Debug, Clone)]
+/// Who may do what, and the Slurm the answers may ask.
+#[derive(Clone)]
 pub struct Access {
     /// Besides root, uids that may place and finish tasks (the Slurm user).
     pub privileged_uids: Vec<u32>,
@@ -21,6 +21,9 @@ pub struct Access {
     /// `status` and `explain`; root and the Slurm user see all. Shared with the thread that
     /// asks Slurm now and then.
     pub private_jobs: Arc<AtomicBool>,
+    /// Slurm, to put back in the queue a job that ran out of memory beside a partner
+    /// ([`crate::put_back`]); `None`: nothing is put back (tests of the socket alone).
+    pub slurm: Option<Arc<dyn crate::slurm::Slurm>>,
 }
 
 impl Access {
@@ -332,9 +335,18 @@ pub(crate) fn handle(
         Request::Finish(req) if access.may_place(cred.uid) => node.finish(&req).map(|()| Response::Finished),
         Request::Finish(_) => return denied("finish tasks"),
         Request::Status => status_seen_by(&node, cred, access),
-        Request::Report(req) => node
-            .report(&req, cred.uid, access.may_place(cred.uid))
-            .map(|message| Response::Reported { message }),
+        Request::Report(req) => match node.report(&req, cred.uid, access.may_place(cred.uid)) {
+            Ok((message, Some(oom))) => {
+                // Slurm is asked outside the node's lock: a slow slurmctld delays this job only.
+                drop(node);
+                crate::metrics::global().request(kind, start.elapsed());
+                return Ok(put_back(message, &oom, access));
+            }
+            other => other.map(|(message, _)| Response::Reported {
+                message,
+                put_back: false,
+            }),
+        },
         Request::Explain { job_id } => explained_to(&node, job_id, cred, access),
     };
     crate::metrics::global().request(kind, start.elapsed());
@@ -344,6 +356,34 @@ pub(crate) fn handle(
         Err(RequestError::History(e)) => Err(e.at(node.database()).to_string()),
         // The asker's: the answer says why.
         Err(e) => Ok(Response::Error { message: e.to_string() }),
+    }
+}
+
+/// The answer to a report that a job ran out of memory beside partners (`said`): it is put
+/// back in Slurm's queue where [`Access::slurm`] is given and Slurm lets it be, and the answer
+/// says which, for the job's output.
+fn put_back(said: String, oom: &crate::put_back::OutOfMemory, access: &Access) -> Response {
+    let Some(slurm) = &access.slurm else {
+        return Response::Reported {
+            message: said,
+            put_back: false,
+        };
+    };
+    let (outcome, put_back) = match crate::put_back::put_back(slurm.as_ref(), oom) {
+        Ok(done) => {
+            tracing::info!(job = oom.job_id, beside = ?oom.beside, gpu = oom.gpu, "put back job={}: ran out of GPU memory beside a partner", oom.job_id);
+            crate::metrics::global().put_back("requeued");
+            (done, true)
+        }
+        Err(why) => {
+            tracing::warn!(job = oom.job_id, "{why}");
+            crate::metrics::global().put_back("refused");
+            (why, false)
+        }
+    };
+    Response::Reported {
+        message: format!("{said}; {outcome}"),
+        put_back,
     }
 }
 
@@ -416,12 +456,75 @@ mod tests {
     }
 
     #[test]
+    fn a_job_out_of_memory_beside_a_partner_is_put_back_and_alone_it_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(dir.path());
+        let running = |id| crate::slurm::Job {
+            id,
+            pending: false,
+            reason: "None".into(),
+            node: Some("n1".into()),
+            excluded: None,
+            gres: "shard:v100_0:1".into(),
+            licenses: String::new(),
+            admin_comment: Some("multiplex:app=b".into()),
+        };
+        let slurm = Arc::new(crate::slurm::Fake::new(crate::slurm::FakeState {
+            jobs: vec![running(1), running(2)],
+            ..Default::default()
+        }));
+        let access = Access {
+            privileged_uids: vec![],
+            private_jobs: Arc::new(AtomicBool::new(false)),
+            slurm: Some(slurm.clone()),
+        };
+        let (root, user) = (PeerCred { pid: 1, uid: 0 }, PeerCred { pid: 1, uid: 1000 });
+        let oom = |job_id| {
+            Request::Report(multiplex_protocol::ReportRequest {
+                job_id,
+                kind: multiplex_protocol::ReportKind::OutOfMemory,
+            })
+        };
+        // Job 1 alone on GPU 0: its own failure, recorded and not put back.
+        handle(start(), root, &node, &access).unwrap();
+        match handle(oom(1), user, &node, &access).unwrap() {
+            Response::Reported { message, put_back } => {
+                assert!(!put_back && !message.contains("put back"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Job 2 joins it: out of memory beside job 1, it is put back in Slurm's queue.
+        handle(
+            Request::Start(StartRequest::new(2, 1000, "b", "n1", 0)),
+            root,
+            &node,
+            &access,
+        )
+        .unwrap();
+        match handle(oom(2), user, &node, &access).unwrap() {
+            Response::Reported { message, put_back } => {
+                assert!(put_back, "{message}");
+                assert!(message.contains("job 2 is put back in the queue"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let s = slurm.state.lock().unwrap();
+        assert!(s.jobs[1].pending && !s.jobs[0].pending, "{:?}", s.jobs);
+        let comment = s.jobs[1].admin_comment.as_deref().unwrap();
+        assert!(
+            comment.contains("put back: ran out of GPU memory beside a on n1 GPU 0"),
+            "{comment}"
+        );
+    }
+
+    #[test]
     fn only_root_and_the_slurm_user_start_and_finish() {
         let dir = tempfile::tempdir().unwrap();
         let node = node(dir.path());
         let access = Access {
             privileged_uids: vec![64030],
             private_jobs: Arc::new(AtomicBool::new(false)),
+            slurm: None,
         };
         let user = PeerCred { pid: 1, uid: 1000 };
         for request in [
@@ -460,6 +563,7 @@ mod tests {
         let access = Access {
             privileged_uids: vec![],
             private_jobs: Arc::new(AtomicBool::new(true)),
+            slurm: None,
         };
         let root = PeerCred { pid: 1, uid: 0 };
         let placed = |job_id: u32, uid: u32| {
@@ -506,6 +610,7 @@ mod tests {
         let (mut daemon_end, mut client_end) = UnixStream::pair().unwrap();
         let big = Response::Reported {
             message: "x".repeat(wire::MAX_FRAME + 1),
+            put_back: false,
         };
         let writer = std::thread::spawn(move || reply(&mut daemon_end, big));
         client_end.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

@@ -222,7 +222,7 @@ pub fn report(
     };
     let request = Request::Report(multiplex_protocol::ReportRequest { job_id, kind });
     match client::call(&socket, Duration::from_secs(5), request).map_err(|e| e.to_string())? {
-        Response::Reported { message } => {
+        Response::Reported { message, .. } => {
             println!("{message}");
             Ok(())
         }

@@ -10,6 +10,10 @@ pub struct Resident {
     pub job_id: u32,
     pub app: String,
     pub mem_mb: Option<u64>,
+    /// Put back in the queue after it ran out of memory beside a partner, those partners'
+    /// applications (its admin comment's note): only a job known to fit beside it may join
+    /// it ([`crate::put_back`]).
+    pub put_back: Option<Vec<String>>,
 }
 
 /// One shared GPU as the policy sees it.

@@ -70,6 +70,7 @@ impl InProcess {
         let access = Access {
             privileged_uids: vec![],
             private_jobs: Arc::new(AtomicBool::new(false)),
+            slurm: None,
         };
         let thread = std::thread::spawn(move || server::run_with(listener, node, access, s, limits, creds_by_name));
         InProcess {

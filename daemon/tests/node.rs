@@ -126,6 +126,7 @@ impl World {
                             job_id: t.job_id,
                             app: t.app.clone(),
                             mem_mb: None,
+                            put_back: None,
                         })
                         .collect(),
                 })
@@ -138,6 +139,7 @@ impl World {
             model: None,
             gpu: None,
             nodes: None,
+            put_back: None,
         }];
         let choices = Scorer::inputs(&self.node, &[node], &pending)
             .unwrap()
@@ -420,14 +422,20 @@ fn an_out_of_memory_report_keeps_the_pair_apart_and_only_the_jobs_user_may_repor
         .at(10.0)
         .report(&report(2, ReportKind::Progress { done: 40.0 }), 1000, false)
         .unwrap();
-    assert_eq!(r, "progress of job 2 recorded: 40");
-    let r = w
+    assert_eq!(r, ("progress of job 2 recorded: 40".to_string(), None));
+    let (said, put_back) = w
         .at(20.0)
         .report(&report(2, ReportKind::OutOfMemory), 1000, false)
         .unwrap();
     assert_eq!(
-        r,
+        said,
         "job 2 (big-b) ran out of memory beside big-a: this node will not pair them again"
+    );
+    // Beside a partner: the server puts it back in the queue.
+    let put_back = put_back.unwrap();
+    assert_eq!(
+        (put_back.job_id, &put_back.beside[..], &put_back.node[..]),
+        (2, &["big-a".to_string()][..], "n1")
     );
     let r = w.at(20.0).report(&report(9, ReportKind::OutOfMemory), 0, true);
     assert_eq!(r.unwrap_err().to_string(), "job 9 is not running on node n1");

@@ -59,6 +59,7 @@ impl InProcess {
                 Access {
                     privileged_uids: vec![],
                     private_jobs: Arc::new(AtomicBool::new(false)),
+                    slurm: None,
                 },
                 s,
             )

@@ -179,6 +179,38 @@ pub fn with_note(admin_comment: &str, note: &str) -> String {
     out
 }
 
+/// The first words of the note a node's daemon adds to a job it put back in the queue after
+/// the job ran out of GPU memory beside a partner ([`put_back_note`]).
+pub const PUT_BACK: &str = "put back:";
+
+/// The note of a job put back after running out of GPU memory beside `beside` (its partners'
+/// applications) on GPU `gpu` of `node`: what the claimer reads to claim it again only
+/// alone or beside a partner known to fit, and what the job's next run prints.
+pub fn put_back_note(beside: &str, node: &str, gpu: &str) -> String {
+    format!(
+        "{PUT_BACK} ran out of GPU memory beside {beside} on {node} GPU {gpu}; runs again alone \
+         or beside a partner known to fit"
+    )
+}
+
+/// Where a job's admin comment has a put-back note ([`put_back_note`]), the applications it
+/// names as the partners the job ran out of memory beside.
+pub fn put_back_beside(admin_comment: Option<&str>) -> Option<Vec<String>> {
+    let note = put_back(admin_comment)?;
+    let beside = note.split_once(" beside ").map_or("", |(_, rest)| rest);
+    let apps = beside.split_once(" on ").map_or("", |(apps, _)| apps);
+    Some(apps.split(", ").filter(|a| !a.is_empty()).map(str::to_string).collect())
+}
+
+/// The put-back note of a job's admin comment, if it has one ([`put_back_note`]).
+pub fn put_back(admin_comment: Option<&str>) -> Option<&str> {
+    admin_comment?
+        .split(NOTE)
+        .skip(1)
+        .map(str::trim)
+        .find(|n| n.starts_with(PUT_BACK))
+}
+
 impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts = Vec::new();
@@ -262,6 +294,31 @@ pub fn parse_mem_mb(s: &str) -> Result<u64, SpecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_put_back_note_is_found_among_the_others_and_a_later_claim_keeps_it() {
+        let put = with_note("multiplex:app=a", &put_back_note("b, c", "n1", "0"));
+        let claimed = with_note(&put, "claim node:n2 gpu:v100_1 beside: speed:1.000");
+        for comment in [&put, &claimed] {
+            let note = put_back(Some(comment)).unwrap();
+            assert!(
+                note.starts_with("put back: ran out of GPU memory beside b, c on n1 GPU 0;"),
+                "{note}"
+            );
+        }
+        assert!(
+            claimed.ends_with("claim node:n2 gpu:v100_1 beside: speed:1.000"),
+            "{claimed}"
+        );
+        assert_eq!(
+            put_back_beside(Some(&claimed)),
+            Some(vec!["b".to_string(), "c".to_string()])
+        );
+        assert_eq!(put_back(Some("multiplex:app=a | multiplex: claim node:n1")), None);
+        assert_eq!(put_back_beside(Some("multiplex:app=a")), None);
+        // The user's own text before the tag cannot forge it: only a note after the tag counts.
+        assert_eq!(put_back(Some("put back: x")), None);
+    }
 
     #[test]
     fn a_note_replaces_the_last_one_of_its_kind_and_keeps_the_tag_first() {

@@ -145,6 +145,10 @@ pub enum Response {
     /// The report was recorded; the text says what follows from it.
     Reported {
         message: String,
+        /// The job ran out of memory beside a partner and the daemon put it back in Slurm's
+        /// queue: it runs again from the start, and should exit without counting as failed.
+        #[serde(default)]
+        put_back: bool,
     },
     /// A job explained: the text for people, and the same as JSON (`null`, with no text,
     /// when the node's history has nothing on the job).

@@ -119,6 +119,7 @@ fn choice_grades(h: &History, table: &Table, knobs: Knobs, gpu_memory_mb: u64) -
                 job_id: i as u32 + 1,
                 app: app.clone(),
                 mem_mb: memory(app),
+                put_back: None,
             }],
         })
         .collect();

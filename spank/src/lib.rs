@@ -49,6 +49,9 @@ struct State {
     /// (job, step, node) the daemon placed, to report the end to.
     placed: Option<(u32, u32, String)>,
     worst_exit: i32,
+    /// One line for the job's output before its batch script runs: why this run is a rerun
+    /// (the daemon put the job back in the queue after it ran out of memory beside a partner).
+    notice: Option<String>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -61,6 +64,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     plan: None,
     placed: None,
     worst_exit: 0,
+    notice: None,
 });
 
 pub(crate) fn state() -> std::sync::MutexGuard<'static, State> {
@@ -168,7 +172,14 @@ pub unsafe extern "C" fn slurm_spank_task_init(sp: spank_t, _ac: c_int, _av: *mu
     slurm_ffi::guard(PREFIX, "slurm_spank_task_init", -1, || {
         // SAFETY: the handle of this callback.
         let spank = unsafe { Spank::from_raw(sp) };
-        let plan = state().plan.clone();
+        let (plan, notice) = {
+            let s = state();
+            (s.plan.clone(), s.notice.clone())
+        };
+        if let Some(notice) = notice.filter(|_| spank.task_local_id() == Ok(0)) {
+            // This process becomes the task: its stderr is the job's output.
+            eprintln!("{notice}");
+        }
         match plan {
             Some(StepPlan::Recorded { env }) => {
                 for (k, v) in env {

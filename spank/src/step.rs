@@ -40,6 +40,9 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
             return 0;
         }
     };
+    if step_id == multiplex_protocol::BATCH_STEP {
+        state().notice = rerun_notice(facts.admin_comment.as_deref());
+    }
     let info = StepInfo {
         job_id,
         step_id,
@@ -77,6 +80,14 @@ fn keep(plan: StepPlan, (job_id, step_id): (u32, u32), node: String) {
         }
     }
     state().plan = Some(plan);
+}
+
+/// What a rerun's output says first, where the daemon put the job back in the queue (its
+/// admin comment's note, [`multiplex_protocol::spec::put_back_note`]): the output of the run
+/// that failed is gone where Slurm truncates it for the rerun.
+fn rerun_notice(admin_comment: Option<&str>) -> Option<String> {
+    multiplex_protocol::spec::put_back(admin_comment)
+        .map(|note| format!("{PREFIX}: this job was {note} (sacct -o AdminComment keeps it)"))
 }
 
 /// Logs `message` and makes every task of the step fail with it (see task_init).
@@ -133,7 +144,21 @@ fn is_plain_node_name(name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::is_plain_node_name;
+    use super::{is_plain_node_name, rerun_notice};
+    use multiplex_protocol::spec::{put_back_note, with_note};
+
+    #[test]
+    fn a_rerun_after_a_put_back_says_why_and_a_first_run_says_nothing() {
+        let tag = "multiplex:app=a | multiplex: claim node:n1 gpu:v100_0 beside: speed:1.000";
+        assert_eq!(rerun_notice(Some(tag)), None);
+        assert_eq!(rerun_notice(None), None);
+        let put = with_note(tag, &put_back_note("bert", "n2", "1"));
+        let said = rerun_notice(Some(&put)).unwrap();
+        assert!(
+            said.starts_with("multiplex: this job was put back: ran out of GPU memory beside bert on n2 GPU 1;"),
+            "{said}"
+        );
+    }
 
     #[test]
     fn only_a_plain_host_name_becomes_part_of_a_socket_path() {

@@ -370,6 +370,7 @@ impl Claimer {
                 .and_then(split_gpu_type)
                 .map(|(_, index)| index),
             nodes,
+            put_back: multiplex_protocol::spec::put_back_beside(job.admin_comment.as_deref()),
         })
     }
 
@@ -539,6 +540,7 @@ fn add_resident(
         job_id: job.id,
         app: spec.and_then(|s| s.app.clone()).unwrap_or_default(),
         mem_mb: spec.and_then(|s| s.mem_mb),
+        put_back: multiplex_protocol::spec::put_back_beside(job.admin_comment.as_deref()),
     });
 }
 
@@ -797,6 +799,12 @@ mod tests {
             }
             fn requeue(&self, j: u32) -> Result<(), SlurmError> {
                 self.0.requeue(j)
+            }
+            fn job_record(&self, j: u32) -> Result<crate::slurm::JobRecord, SlurmError> {
+                self.0.job_record(j)
+            }
+            fn set_admin_comment(&self, j: u32, c: &str) -> Result<(), SlurmError> {
+                self.0.set_admin_comment(j, c)
             }
             fn running_here(&self, n: &str) -> Result<std::collections::HashSet<u32>, SlurmError> {
                 self.0.running_here(n)

@@ -322,6 +322,7 @@ impl ActiveJob {
             job_id: self.job_id,
             app: self.app.clone(),
             mem_mb: self.mem_mb,
+            put_back: None,
         }
     }
 }

@@ -6,6 +6,7 @@ use super::{gpu_model, Node, UnrecordedEnd};
 use crate::history::{ActiveJob, HistoryError, NewJob};
 use crate::lessons::Lesson;
 use crate::placement::{self, Estimates, Wanted};
+use crate::put_back::OutOfMemory;
 use multiplex_protocol::spec::Spec;
 use multiplex_protocol::Claim;
 use multiplex_protocol::{step_label, FinishRequest, Placement, ReportKind, ReportRequest, StartRequest};
@@ -388,8 +389,14 @@ impl Node {
 
     /// Records what a running job reports about itself. `uid` is the reporting peer's; unless
     /// `privileged`, it must be the job's own user.
-    /// Returns what was recorded, in words.
-    pub fn report(&mut self, req: &ReportRequest, uid: u32, privileged: bool) -> Result<String, RequestError> {
+    /// Returns what was recorded, in words, and for a job out of memory beside partners what
+    /// putting it back in the queue needs ([`crate::put_back`], done outside the node's lock).
+    pub fn report(
+        &mut self,
+        req: &ReportRequest,
+        uid: u32,
+        privileged: bool,
+    ) -> Result<(String, Option<OutOfMemory>), RequestError> {
         self.history.request_seen();
         let Some((job, partners)) = self.history.running_job(&self.config.node, req.job_id)? else {
             return Err(RequestError::NotRunning {
@@ -406,38 +413,50 @@ impl Node {
         }
         let now = (self.clock)();
         let prior = self.config.policy.unknown_pair_speed;
-        let message = match &req.kind {
+        match &req.kind {
             ReportKind::Progress { done } if done.is_finite() && *done >= 0.0 => {
                 self.history
                     .record_report(job.row, "progress", Some(*done), &partners, prior, now)?;
                 if !partners.is_empty() {
                     self.teach(Lesson::Progress((&job).into()));
                 }
-                format!("progress of job {} recorded: {done}", job.job_id)
+                Ok((format!("progress of job {} recorded: {done}", job.job_id), None))
             }
-            ReportKind::Progress { done } => return Err(RequestError::BadProgress { done: *done }),
+            ReportKind::Progress { done } => Err(RequestError::BadProgress { done: *done }),
             ReportKind::OutOfMemory => {
                 let names = self
                     .history
                     .record_report(job.row, "oom", None, &partners, prior, now)?;
-                tracing::warn!(job = job.job_id, app = %job.app, partners = ?names, "job ran out of GPU memory");
-                crate::metrics::global().oom_marks.inc();
-                if names.is_empty() {
-                    format!(
-                        "job {} ran out of memory alone on GPU {}: recorded",
-                        job.job_id, job.gpu
-                    )
-                } else {
-                    format!(
-                        "job {} ({}) ran out of memory beside {}: this node will not pair them again",
-                        job.job_id,
-                        job.app,
-                        names.join(", ")
-                    )
-                }
+                Ok(self.ran_out_of_memory(&job, names))
             }
+        }
+    }
+
+    /// What follows from `job` running out of memory beside the applications `beside`
+    /// (recorded): alone, nothing more; beside partners, putting it back in the queue.
+    fn ran_out_of_memory(&self, job: &ActiveJob, beside: Vec<String>) -> (String, Option<OutOfMemory>) {
+        tracing::warn!(job = job.job_id, app = %job.app, partners = ?beside, "job ran out of GPU memory");
+        crate::metrics::global().oom_marks.inc();
+        if beside.is_empty() {
+            let said = format!(
+                "job {} ran out of memory alone on GPU {}: recorded",
+                job.job_id, job.gpu
+            );
+            return (said, None);
+        }
+        let said = format!(
+            "job {} ({}) ran out of memory beside {}: this node will not pair them again",
+            job.job_id,
+            job.app,
+            beside.join(", ")
+        );
+        let put_back = OutOfMemory {
+            job_id: job.job_id,
+            beside,
+            node: self.config.node.clone(),
+            gpu: job.gpu,
         };
-        Ok(message)
+        (said, Some(put_back))
     }
 }
 

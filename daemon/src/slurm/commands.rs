@@ -118,6 +118,24 @@ pub fn parse_jobs(out: &str) -> Result<Vec<Job>, SlurmError> {
     Ok(jobs)
 }
 
+/// The fields of one job asked of squeue for [`Slurm::job_record`], the admin comment last.
+const RECORD_FORMAT: &str = "BatchFlag:0|,Requeue:0|,RestartCnt:0|,admin_comment:0";
+
+/// Reads squeue's line of [`RECORD_FORMAT`]; `None` for no line (the job is gone).
+pub fn parse_job_record(out: &str) -> Option<JobRecord> {
+    let line = out.lines().find(|l| !l.trim().is_empty())?;
+    let f: Vec<&str> = line.splitn(4, '|').map(str::trim).collect();
+    let [batch, requeue, restarts, comment] = f[..] else {
+        return None;
+    };
+    Some(JobRecord {
+        batch: batch == "1",
+        requeue: requeue == "1",
+        restarts: restarts.parse().ok()?,
+        admin_comment: (!comment.is_empty() && comment != "(null)").then(|| comment.to_string()),
+    })
+}
+
 /// Reads sinfo's lines of `NodeList|StateLong|Gres`.
 pub fn parse_nodes(out: &str) -> Result<Vec<NodeInfo>, SlurmError> {
     out.lines()
@@ -223,6 +241,28 @@ impl Slurm for Commands {
     fn requeue(&self, job: u32) -> Result<(), SlurmError> {
         self.run("scontrol", &["requeue".to_string(), job.to_string()])
             .map(|_| ())
+    }
+
+    fn job_record(&self, id: u32) -> Result<JobRecord, SlurmError> {
+        let args = [
+            "--noheader".to_string(),
+            format!("--jobs={id}"),
+            format!("--Format={RECORD_FORMAT}"),
+        ];
+        match self.run("squeue", &args) {
+            Ok(out) => parse_job_record(&out).ok_or(SlurmError::NotPending(id)),
+            Err(SlurmError::Failed(e)) if e.contains("Invalid job id") => Err(SlurmError::NotPending(id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn set_admin_comment(&self, id: u32, admin_comment: &str) -> Result<(), SlurmError> {
+        let args = [
+            "update".to_string(),
+            format!("JobId={id}"),
+            format!("AdminComment={admin_comment}"),
+        ];
+        self.run("scontrol", &args).map(|_| ())
     }
 
     fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError> {

@@ -32,6 +32,11 @@ pub struct FakeState {
     pub licenses: u32,
     /// Whether the Slurm faked merges gres updates (22.05).
     pub merges: bool,
+    /// Jobs submitted `--no-requeue`, and jobs that are not batch jobs.
+    pub no_requeue: Vec<u32>,
+    pub not_batch: Vec<u32>,
+    /// How often each job was requeued.
+    pub restarts: Vec<(u32, u32)>,
     /// The next call of these kinds fails with this text.
     pub fail: Option<String>,
 }
@@ -118,13 +123,49 @@ impl Slurm for Fake {
     fn requeue(&self, job: u32) -> Result<(), SlurmError> {
         self.with(|s| {
             s.updates += 1;
+            if s.no_requeue.contains(&job) || s.not_batch.contains(&job) {
+                return Err(SlurmError::Failed(format!(
+                    "Requested operation is presently disabled for job {job}"
+                )));
+            }
             match s.jobs.iter_mut().find(|j| j.id == job && !j.pending) {
                 Some(j) => {
                     j.pending = true;
-                    Ok(())
+                    j.reason = "BeginTime".into();
                 }
-                None => Err(SlurmError::Failed(format!("job {job} is not running"))),
+                None => return Err(SlurmError::Failed(format!("job {job} is not running"))),
             }
+            match s.restarts.iter_mut().find(|(j, _)| *j == job) {
+                Some((_, n)) => *n += 1,
+                None => s.restarts.push((job, 1)),
+            }
+            Ok(())
+        })
+    }
+
+    fn job_record(&self, id: u32) -> Result<JobRecord, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            let job = s.jobs.iter().find(|j| j.id == id).ok_or(SlurmError::NotPending(id))?;
+            Ok(JobRecord {
+                batch: !s.not_batch.contains(&id),
+                requeue: !s.no_requeue.contains(&id),
+                restarts: s.restarts.iter().find(|(j, _)| *j == id).map_or(0, |(_, n)| *n),
+                admin_comment: job.admin_comment.clone(),
+            })
+        })
+    }
+
+    fn set_admin_comment(&self, id: u32, admin_comment: &str) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            let job = s
+                .jobs
+                .iter_mut()
+                .find(|j| j.id == id)
+                .ok_or(SlurmError::NotPending(id))?;
+            job.admin_comment = Some(admin_comment.to_string());
+            Ok(())
         })
     }
 

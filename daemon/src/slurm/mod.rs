@@ -197,6 +197,11 @@ pub trait Slurm: Send + Sync {
     fn release(&self, job: u32, licenses: &str, admin_comment: &str) -> Result<(), SlurmError>;
     /// Requeues a running job. One scontrol requeue.
     fn requeue(&self, job: u32) -> Result<(), SlurmError>;
+    /// What slurmctld holds of job `id` that decides whether it may be put back in the queue
+    /// (one squeue of that job). `Err(NotPending)`: slurmctld no longer knows it.
+    fn job_record(&self, id: u32) -> Result<JobRecord, SlurmError>;
+    /// Sets job `id`'s admin comment (running or pending). One scontrol update.
+    fn set_admin_comment(&self, id: u32, admin_comment: &str) -> Result<(), SlurmError>;
     /// The jobs that the slurmd of `node` runs (asks that slurmd, not slurmctld).
     fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError>;
     /// Whether Slurm keeps jobs private (`PrivateData` of `scontrol show config` names `jobs`,
@@ -219,6 +224,19 @@ pub trait Slurm: Send + Sync {
 
 mod commands;
 mod fake;
+
+/// What slurmctld holds of a job that decides whether it may be put back in the queue.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobRecord {
+    /// A batch job (`sbatch`): only those can be requeued.
+    pub batch: bool,
+    /// Whether it may be requeued (`--no-requeue` says no; `JobRequeue` the default).
+    pub requeue: bool,
+    /// How often Slurm restarted it so far (requeues of every kind).
+    pub restarts: u32,
+    /// slurmctld's admin comment (job_submit's tag first).
+    pub admin_comment: Option<String>,
+}
 
 /// slurmctld's record of a node: its gres and partitions.
 #[derive(Debug, Clone, Default, PartialEq)]
