@@ -98,33 +98,35 @@ fn open_gpus(node: &NodeGpus, job: &Candidate, history: &Estimates) -> (Vec<GpuS
 }
 
 /// Whether `job` may join `gpu` as far as jobs put back are concerned ([`crate::put_back`]):
-/// a job put back after running out of memory beside a partner runs alone or beside partners
-/// known to fit, for the whole of its next run. So it joins only residents whose pair with it
-/// ran on this model without running out of memory (a speed measured on both sides, no
-/// out-of-memory mark either way), and nobody joins it on a pair not known to fit: a pair
-/// never tried is a gamble that job already lost once, whichever side would grow. Both sides:
-/// a resident reports progress beside a newcomer that is about to run out of memory, and that
-/// speed may reach the claimer before the failure does.
+/// a job put back after running out of memory beside a partner runs next alone or beside
+/// partners known to fit, so it joins only residents whose pair with it ran on this model
+/// without running out of memory (a speed measured on both sides, no out-of-memory mark
+/// either way: a resident reports progress beside a newcomer about to run out of memory, and
+/// that speed may reach the claimer before the failure does). And the pair it failed in is
+/// never made again either way round: the partners its note names are ruled out even before
+/// the history hears of the failure (what another node learns reaches the claimer up to
+/// [`outcome_s`] later, and a job put back is claimed again within seconds).
 ///
-/// The partners it failed beside come with it (its note), not only through the history: what
-/// another node learned reaches the claimer's history up to [`outcome_s`] later, and a job put
-/// back is claimed again within seconds.
+/// Others may join a resident put back on any pair but the one it failed in: guarding it
+/// against every pair not known to fit cost 12-13% of average JCT on the `most-oom` table at
+/// load 1.5 (three seeds) and saved 1 to 3 failures per 1,000 jobs
+/// (docs/notebook/2026-11-results.md, "Putting back").
 fn guarded(gpu: &GpuState, job: &Candidate, history: &Estimates) -> bool {
-    let failed_beside =
+    let named =
         |put_back: &Option<Vec<String>>, app: &str| put_back.as_ref().is_some_and(|b| b.iter().any(|a| a == app));
-    gpu.residents
-        .iter()
-        .filter(|r| job.put_back.is_some() || r.put_back.is_some())
-        .all(|r| {
-            if failed_beside(&job.put_back, &r.app) || failed_beside(&r.put_back, &job.app) {
-                return false;
-            }
-            let row = |a: &str, b: &str| history.pair(&gpu.model, a, b);
-            let (mine, theirs) = (row(&job.app, &r.app), row(&r.app, &job.app));
-            let measured = [mine, theirs].iter().all(|e| e.is_some_and(|e| e.observations > 0));
-            let failed = [mine, theirs].iter().flatten().any(|e| e.oom);
-            measured && !failed
-        })
+    gpu.residents.iter().all(|r| {
+        if named(&job.put_back, &r.app) || named(&r.put_back, &job.app) {
+            return false;
+        }
+        if job.put_back.is_none() {
+            return true;
+        }
+        let row = |a: &str, b: &str| history.pair(&gpu.model, a, b);
+        let (mine, theirs) = (row(&job.app, &r.app), row(&r.app, &job.app));
+        let measured = [mine, theirs].iter().all(|e| e.is_some_and(|e| e.observations > 0));
+        let failed = [mine, theirs].iter().flatten().any(|e| e.oom);
+        measured && !failed
+    })
 }
 
 /// Where one job would go now across the cluster.
@@ -946,12 +948,18 @@ mod tests {
         );
         assert!(got.is_empty(), "waits, is not refused: {got:?}");
         let free = [node("n1", vec![gpu(0, &[(5, "b")]), gpu(1, &[])])];
-        let got = pins(&choose_once(&free, &[put_back], &h2, any, &mut Bypasses::default()));
+        let got = pins(&choose_once(
+            &free,
+            std::slice::from_ref(&put_back),
+            &h2,
+            any,
+            &mut Bypasses::default(),
+        ));
         assert_eq!(got, vec![(0, 0, 1)], "the free GPU");
-        // Nobody joins a job put back on a pair not known to fit: the newcomer `a` goes beside
-        // `c` (measured), not beside the put-back `b`, though the prior promises more there.
+        // Nobody joins a job put back on the pair it failed in, whatever the history says: `b`
+        // was put back after running out of memory beside `a`, and the history has not heard.
         let mut guarded = nodes.clone();
-        guarded[0].gpus[0].residents[0].put_back = Some(vec!["x".into()]);
+        guarded[0].gpus[0].residents[0].put_back = Some(vec!["a".into()]);
         guarded[0].gpus.truncate(2);
         let got = pins(&choose_once(
             &guarded,
@@ -960,7 +968,34 @@ mod tests {
             any,
             &mut Bypasses::default(),
         ));
-        assert_eq!(got, vec![(0, 0, 1)], "beside c");
+        assert_eq!(got, vec![(0, 0, 1)], "beside c, not b");
+        // Put back beside `x`, `b` takes any other newcomer, on a gamble too.
+        guarded[0].gpus[0].residents[0].put_back = Some(vec!["x".into()]);
+        let got = pins(&choose_once(
+            &guarded,
+            &[job(1, "a")],
+            &h,
+            any,
+            &mut Bypasses::default(),
+        ));
+        assert_eq!(got, vec![(0, 0, 0)], "beside b");
+        // A pair measured on one side only is not known to fit.
+        let mut h3 = Estimates::default();
+        let seen = PairEstimate {
+            speed: 0.9,
+            other_speed: 0.9,
+            observations: 3,
+            oom: false,
+        };
+        h3.insert_pair("v100", "c", "a", seen);
+        let got = choose_once(
+            &nodes,
+            std::slice::from_ref(&put_back),
+            &h3,
+            any,
+            &mut Bypasses::default(),
+        );
+        assert!(got.is_empty(), "{got:?}");
     }
 
     #[test]

@@ -24,7 +24,8 @@ pub fn serve(config_path: &Path) -> Result<(), String> {
         privileged_uids: uid_of(&config.slurm_user).into_iter().collect(),
         // Private until Slurm says otherwise: never more than Slurm would show.
         private_jobs: Arc::new(AtomicBool::new(true)),
-        slurm: Some(Arc::clone(&slurm)),
+        // Jobs out of memory beside a partner are put back through Slurm, unless turned off.
+        slurm: config.policy.put_back.then(|| Arc::clone(&slurm)),
     };
     let socket = config.socket.clone();
     // What the background threads read; the node owns the config from here on.

@@ -60,6 +60,11 @@ pub const MPS: Plain<bool> = Plain {
     default: false,
     range: "",
 };
+pub const PUT_BACK: Plain<bool> = Plain {
+    name: "policy.put_back",
+    default: true,
+    range: "",
+};
 pub const CLAIM_ENABLED: Plain<bool> = Plain {
     name: "claim.enabled",
     default: false,
@@ -291,6 +296,11 @@ pub const KEYS: &[Key] = &[
         "Milliseconds between looks for jobs to give back.",
     )
     .test("1000", Some("10")),
+    switch(
+        &PUT_BACK,
+        "Whether a job that reports running out of GPU memory beside a partner is put back in Slurm's queue (requeued, its AdminComment saying why) instead of failing.",
+    )
+    .test("false", None),
     bounded(
         &RECONCILE_INTERVAL_S,
         "Seconds between asking slurmd which jobs run here (no slurmctld RPC), to free the slots of jobs whose end was never reported.",

@@ -91,6 +91,7 @@ struct RawPolicy {
     min_gain: Option<f64>,
     separate_below: Option<f64>,
     separate_look_ms: Option<u64>,
+    put_back: Option<bool>,
 }
 
 /// One shared GPU of the node. Slurm knows it by the gres type `MODEL_INDEX`
@@ -127,6 +128,9 @@ pub struct PolicyConfig {
     pub separate_below: f64,
     /// How often the daemon looks for jobs to give back, milliseconds (read at start).
     pub separate_look_ms: u64,
+    /// Whether a job out of GPU memory beside a partner is put back in the queue (read at
+    /// start; see [`crate::put_back`]).
+    pub put_back: bool,
 }
 
 /// The resolved configuration.
@@ -271,6 +275,7 @@ impl PolicyConfig {
             min_gain: MIN_GAIN.read(raw.min_gain)?,
             separate_below: SEPARATE_BELOW.read(raw.separate_below)?,
             separate_look_ms: SEPARATE_LOOK_MS.read(raw.separate_look_ms)?,
+            put_back: PUT_BACK.read(raw.put_back),
         })
     }
 }
@@ -390,6 +395,7 @@ impl Config {
             min_gain: _,
             separate_below: _,
             separate_look_ms,
+            put_back,
         } = policy;
         [
             (*node != self.node, "node"),
@@ -410,6 +416,7 @@ impl Config {
             (*metrics_listen != self.metrics_listen, "metrics"),
             (*claim != self.claim, "claim"),
             (*separate_look_ms != self.policy.separate_look_ms, SEPARATE_LOOK_MS.name),
+            (*put_back != self.policy.put_back, PUT_BACK.name),
             (
                 *unknown_pair_speed != self.policy.unknown_pair_speed,
                 UNKNOWN_PAIR_SPEED.name,
