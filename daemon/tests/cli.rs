@@ -194,14 +194,26 @@ fn a_user_who_may_not_read_the_history_asks_the_daemon_about_their_own_jobs() {
     std::fs::copy(env!("CARGO_BIN_EXE_multiplexd"), &tool).unwrap();
     std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
     let as_nobody = |args: &[&str]| {
-        let out = Command::new(&tool)
-            .args(args)
-            .arg("--config")
-            .arg(&config)
-            .uid(65534)
-            .gid(65534)
-            .output()
-            .unwrap();
+        // The copy was just written: a test forking on another thread meanwhile holds it open
+        // for writing for a moment, and exec says "Text file busy" (ETXTBSY) until it lets go.
+        let out = (0..100)
+            .find_map(|_| {
+                match Command::new(&tool)
+                    .args(args)
+                    .arg("--config")
+                    .arg(&config)
+                    .uid(65534)
+                    .gid(65534)
+                    .output()
+                {
+                    Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        None
+                    }
+                    other => Some(other.unwrap()),
+                }
+            })
+            .expect("the copy of the tool stayed busy for 2 s");
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
