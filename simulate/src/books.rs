@@ -8,7 +8,7 @@
 use super::input::Table;
 use super::model::JobRef;
 use multiplex_protocol::gres::{gpu_type, split_gpu_type, type_of};
-use multiplex_protocol::spec::{Spec, GATE_LICENSE};
+use multiplex_protocol::spec::{put_back_note, with_note, Spec, GATE_LICENSE};
 use multiplexd::claimer::{Claimer, Scorer};
 use multiplexd::slurm::{Fake, FakeState, Job, NodeInfo};
 
@@ -71,9 +71,10 @@ fn books(table: &Table, view: &View) -> FakeState {
         slots,
         fixed_gpu,
     } = *view;
-    // Each application's tag and each GPU's gres, written once per look.
+    // Each application's tag (and with the note of a job the daemon put back after it ran
+    // out of memory beside a partner) and each GPU's gres, written once per look.
     let tags: Vec<String> = table.apps.iter().map(|app| tag(app)).collect();
-    let tag = |j: &JobRef| Some(tags[j.app].clone());
+    let tag = |j: &JobRef| Some(admin_comment(table, &tags, j));
     let gpus = cluster.first().map_or(1, Vec::len);
     let shards: Vec<String> = (0..gpus as u32)
         .map(|g| format!("shard:{}:1", gpu_type(&table.model, g)))
@@ -119,6 +120,15 @@ fn books(table: &Table, view: &View) -> FakeState {
             .collect(),
         merges: fixed_gpu,
         ..FakeState::default()
+    }
+}
+
+/// A job's admin comment: its tag (`tags`, by application), and where the daemon put it back
+/// after it ran out of memory beside a partner, the note saying so.
+fn admin_comment(table: &Table, tags: &[String], j: &JobRef) -> String {
+    match j.put_back {
+        Some(beside) => with_note(&tags[j.app], &put_back_note(&table.apps[beside], "sim", "0")),
+        None => tags[j.app].clone(),
     }
 }
 
@@ -181,7 +191,11 @@ mod tests {
     fn the_claimer_reads_the_worlds_view_as_slurms_books_and_its_pins_come_back() {
         let table = table();
         // Two nodes of two GPUs: node 0's GPU 0 and node 1's GPU 1 hold a job each.
-        let job = |id| JobRef { id, app: 0 };
+        let job = |id| JobRef {
+            id,
+            app: 0,
+            put_back: None,
+        };
         let cluster = vec![vec![vec![job(1)], vec![]], vec![vec![], vec![job(2)]]];
         let pending = [job(3), job(4), job(5)];
         let view = View {
@@ -200,7 +214,11 @@ mod tests {
     #[test]
     fn where_jobs_are_bound_to_a_gpu_index_a_claim_chooses_only_the_node() {
         let table = table();
-        let job = |id| JobRef { id, app: 0 };
+        let job = |id| JobRef {
+            id,
+            app: 0,
+            put_back: None,
+        };
         // Job 3 is bound to GPU 0 ((3 - 1) % 2), held on node 0 and idle on node 1.
         let cluster = vec![vec![vec![job(1)], vec![]], vec![vec![], vec![job(2)]]];
         let view = View {

@@ -8,7 +8,7 @@ use super::world::{JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
 use multiplexd::claim::outcome_s;
 use multiplexd::claimer::Claimer;
-use multiplexd::config::keys::{MIN_GAIN, SEPARATE_BELOW};
+use multiplexd::config::keys::{MIN_GAIN, PUT_BACK, SEPARATE_BELOW};
 use multiplexd::config::{Config, GpuSpec, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export};
 use multiplexd::node::{Node, Started};
@@ -36,6 +36,9 @@ pub struct Options {
     /// Slurm cannot move a pending job to another GPU type: 22.05), and a claim chooses only
     /// its node.
     pub fixed_gpu: bool,
+    /// The daemon's `policy.put_back`: a job out of GPU memory beside a partner is put back in
+    /// the queue at once (false: it fails, and its user submits it again).
+    pub put_back: bool,
 }
 
 impl Default for Options {
@@ -46,6 +49,7 @@ impl Default for Options {
             separate_below: SEPARATE_BELOW.default,
             lookahead: multiplexd::config::ClaimConfig::default().lookahead,
             fixed_gpu: false,
+            put_back: PUT_BACK.default,
         }
     }
 }
@@ -60,8 +64,8 @@ impl Options {
     pub(crate) fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
         Config::parse(&format!(
             "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
-             min_gain = {}\nseparate_below = {}\n[claim]\nlookahead = {}\n",
-            self.min_gain, self.separate_below, self.lookahead
+             min_gain = {}\nseparate_below = {}\nput_back = {}\n[claim]\nlookahead = {}\n",
+            self.min_gain, self.separate_below, self.put_back, self.lookahead
         ))
     }
 }
@@ -84,6 +88,7 @@ pub(crate) struct Learned<'a> {
     lookahead: usize,
     slots: u32,
     fixed_gpu: bool,
+    put_back: bool,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
@@ -239,6 +244,7 @@ impl<'a> Learned<'a> {
             lookahead: options.lookahead,
             slots: shape.jobs_per_gpu,
             fixed_gpu: options.fixed_gpu,
+            put_back: options.put_back,
             next_share: share_every_s,
             nodes,
             learner: Some(learner),
@@ -330,6 +336,10 @@ impl Policy for Learned<'_> {
             .share()
             .and_then(|()| self.node(0)?.history().export().map_err(|e| e.to_string()));
         Some(merged)
+    }
+    /// The node's daemon puts a job out of memory beside a partner back in the queue.
+    fn puts_back(&self) -> bool {
+        self.put_back
     }
     fn claims(&self) -> bool {
         true

@@ -62,6 +62,9 @@ pub struct Summary {
     pub resident_failures: u64,
     /// The work the failed runs had done and lost, hours of work alone.
     pub lost_work_h: f64,
+    /// Runs out of memory beside a partner that the daemon put back in the queue at once:
+    /// failures no user saw (not in `oom_failures`; their work is in `lost_work_h`).
+    pub put_back: u64,
 }
 
 /// One policy's results with every job's completion time, for plots.
@@ -217,6 +220,7 @@ pub fn summarise(name: &str, o: &Outcome) -> Run {
             claims: o.claims,
             resident_failures: o.resident_failures,
             lost_work_h: o.lost_work_s / 3600.0,
+            put_back: o.put_back,
         },
         jct,
         grade: None,
@@ -242,7 +246,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
         .find(|r| r.summary.policy == "least-loaded")
         .map(|r| r.summary.avg_jct_s);
     out.push_str(&format!(
-        "{:<13} {:>6} {:>10} {:>9} {:>10} {:>11} {:>9} {:>6} {:>8} {:>8} {:>9} {:>12}\n",
+        "{:<13} {:>6} {:>10} {:>9} {:>10} {:>11} {:>9} {:>6} {:>8} {:>8} {:>8} {:>9} {:>12}\n",
         "policy",
         "jobs",
         "avg JCT s",
@@ -251,6 +255,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
         "makespan s",
         "wait s",
         "OOM",
+        "put back",
         "lost h",
         "claims",
         "thru/GPU",
@@ -260,7 +265,7 @@ pub fn table(runs: &[Run], heading: &str) -> String {
         let s = &r.summary;
         let vs = base.map_or("-".to_string(), |b| format!("{:+.1}%", 100.0 * (s.avg_jct_s / b - 1.0)));
         out.push_str(&format!(
-            "{:<13} {:>6} {:>10.0} {:>9.0} {:>10.0} {:>11.0} {:>9.0} {:>6} {:>8.1} {:>8} {:>9.3} {:>12}\n",
+            "{:<13} {:>6} {:>10.0} {:>9.0} {:>10.0} {:>11.0} {:>9.0} {:>6} {:>8} {:>8.1} {:>8} {:>9.3} {:>12}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -269,23 +274,14 @@ pub fn table(runs: &[Run], heading: &str) -> String {
             s.makespan_s,
             s.avg_wait_s,
             s.oom_failures,
+            s.put_back,
             s.lost_work_h,
             s.claims,
             s.throughput_per_gpu,
             vs
         ));
     }
-    // The learned policy's gap to the oracle, over all jobs and over the last fifth of them
-    // (in submit order): how far it is once it has learned.
-    let find = |p: &str| runs.iter().find(|r| r.summary.policy == p);
-    if let (Some(l), Some(o)) = (find("learned"), find("oracle")) {
-        let (l, o) = (&l.summary, &o.summary);
-        out.push_str(&format!(
-            "learned vs oracle: {:+.1}% average JCT over all jobs, {:+.1}% over the last fifth\n",
-            100.0 * (l.avg_jct_s / o.avg_jct_s - 1.0),
-            100.0 * (l.last_fifth_avg_jct_s / o.last_fifth_avg_jct_s - 1.0)
-        ));
-    }
+    out.push_str(&learned_vs_oracle(runs));
     for r in runs {
         if let Some(g) = &r.grade {
             out.push_str(g);
@@ -295,15 +291,30 @@ pub fn table(runs: &[Run], heading: &str) -> String {
     out
 }
 
+/// The learned policy's gap to the oracle, over all jobs and over the last fifth of them (in
+/// submit order): how far it is once it has learned. Empty unless both ran.
+fn learned_vs_oracle(runs: &[Run]) -> String {
+    let find = |p: &str| runs.iter().find(|r| r.summary.policy == p);
+    let (Some(l), Some(o)) = (find("learned"), find("oracle")) else {
+        return String::new();
+    };
+    let (l, o) = (&l.summary, &o.summary);
+    format!(
+        "learned vs oracle: {:+.1}% average JCT over all jobs, {:+.1}% over the last fifth\n",
+        100.0 * (l.avg_jct_s / o.avg_jct_s - 1.0),
+        100.0 * (l.last_fifth_avg_jct_s / o.last_fifth_avg_jct_s - 1.0)
+    )
+}
+
 /// The results as CSV, with the JSON keys as the header.
 pub fn csv(runs: &[Run]) -> String {
     let mut out = String::from(
-        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,throughput_per_gpu,last_fifth_avg_jct_s,p99_wait_s,separations,claims,resident_failures,lost_work_h\n",
+        "policy,jobs,avg_jct_s,p50_jct_s,p95_jct_s,makespan_s,avg_wait_s,oom_failures,throughput_per_gpu,last_fifth_avg_jct_s,p99_wait_s,separations,claims,resident_failures,lost_work_h,put_back\n",
     );
     for r in runs {
         let s = &r.summary;
         out.push_str(&format!(
-            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{:.4},{:.1},{:.1},{},{},{},{:.2}\n",
+            "{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{},{:.4},{:.1},{:.1},{},{},{},{:.2},{}\n",
             s.policy,
             s.jobs,
             s.avg_jct_s,
@@ -318,7 +329,8 @@ pub fn csv(runs: &[Run]) -> String {
             s.separations,
             s.claims,
             s.resident_failures,
-            s.lost_work_h
+            s.lost_work_h,
+            s.put_back
         ));
     }
     out

@@ -107,6 +107,11 @@ struct Args {
     /// move a pending job to another GPU type (22.05): a claim then chooses only the node.
     #[arg(long)]
     fixed_gpu: bool,
+    /// The daemon's `policy.put_back = false` for the learned policy and the oracle: a job out
+    /// of GPU memory beside a partner fails and its user submits it again, as under Slurm's
+    /// own placement.
+    #[arg(long)]
+    no_put_back: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
     /// Also draw the JCT distributions and the learned policy's gap to the oracle as SVG.
@@ -201,6 +206,7 @@ fn simulate(a: Args) -> Result<(), String> {
             separate_below: a.separate_below,
             lookahead: a.lookahead,
             fixed_gpu: a.fixed_gpu,
+            put_back: !a.no_put_back,
         },
         history,
     };

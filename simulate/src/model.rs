@@ -65,6 +65,10 @@ pub struct Progress {
 pub struct JobRef {
     pub id: u32,
     pub app: usize,
+    /// The daemon put it back in the queue after it ran out of memory beside a partner, of
+    /// this application: its admin comment says so, and the claimer claims it only alone or
+    /// beside a known fit.
+    pub put_back: Option<usize>,
 }
 
 /// A policy: Slurm's own GPU choice, or the claimer and the node daemons.
@@ -102,6 +106,11 @@ pub trait Policy {
         _pending: &[JobRef],
     ) -> Result<Vec<(usize, usize, usize)>, String> {
         Ok(Vec::new())
+    }
+    /// Whether a job out of GPU memory beside a partner is put back in the queue at once (the
+    /// node's daemon does it: `multiplexd::put_back`), not left failed for its user to find.
+    fn puts_back(&self) -> bool {
+        false
     }
     /// Slurm started `job` on GPU `gpu` of `node` (pinned there by a claim, or placed by
     /// Slurm): its step tells the node's daemon.
@@ -148,11 +157,16 @@ pub trait Policy {
 pub struct Outcome {
     /// Per job, in trace order: (submit, start of the run that completed, completion).
     pub jobs: Vec<(f64, f64, f64)>,
+    /// Failures users saw: runs that died out of GPU memory beside a partner and were not
+    /// put back.
     pub oom_failures: u64,
-    /// Of those, how many killed a job that ran first (the resident), and the work the
-    /// failed runs had done and lost, seconds of work alone.
+    /// Of those, how many killed a job that ran first (the resident), and the work every
+    /// failed run (put back or not) had done and lost, seconds of work alone.
     pub resident_failures: u64,
     pub lost_work_s: f64,
+    /// Runs out of memory beside a partner that the daemon put back in the queue
+    /// ([`Policy::puts_back`]): failures no user saw.
+    pub put_back: u64,
     /// How many running jobs a policy gave back to Slurm to run apart ([`Policy::separations`]).
     pub separations: u64,
     /// How many claims a policy made ([`Policy::claim`]), each one `scontrol update` of a

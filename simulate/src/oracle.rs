@@ -41,6 +41,7 @@ pub(crate) struct Oracle<'a> {
     lookahead: usize,
     slots: u32,
     fixed_gpu: bool,
+    put_back: bool,
 }
 
 impl<'a> Oracle<'a> {
@@ -66,6 +67,7 @@ impl<'a> Oracle<'a> {
             claimer: Claimer::new(config.claim, 1),
             slots: shape.jobs_per_gpu,
             fixed_gpu: options.fixed_gpu,
+            put_back: config.policy.put_back,
         })
     }
 }
@@ -108,6 +110,10 @@ impl Scorer for Truth {
 }
 
 impl Policy for Oracle<'_> {
+    /// The node's daemon puts a job out of memory beside a partner back in the queue.
+    fn puts_back(&self) -> bool {
+        self.put_back
+    }
     fn claims(&self) -> bool {
         true
     }

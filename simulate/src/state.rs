@@ -29,6 +29,12 @@ pub(crate) struct Job {
     pub(crate) finished: Option<f64>,
     /// Claimed: the node and GPU it was pinned to, until Slurm starts it there.
     pub(crate) pinned: Option<(usize, usize)>,
+    /// How often Slurm requeued it (given back to run apart, or put back after running out
+    /// of memory), and the application it last ran out of memory beside, once put back.
+    pub(crate) restarts: u32,
+    pub(crate) put_back: Option<usize>,
+    /// Doomed: the application of the partner it does not fit beside.
+    pub(crate) clashed_with: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -59,6 +65,9 @@ impl Job {
             outgrown: false,
             finished: None,
             pinned: None,
+            restarts: 0,
+            put_back: None,
+            clashed_with: None,
         }
     }
 }

@@ -64,6 +64,7 @@ struct World<'a> {
     oom_failures: u64,
     resident_failures: u64,
     lost_work_s: f64,
+    put_back: u64,
     /// Which side of a pair that does not fit dies ([`Failures::resident_dies`]).
     fate: Rng,
     speed_seconds: f64,
@@ -122,6 +123,7 @@ pub fn run(
             .collect(),
         oom_failures: w.oom_failures,
         resident_failures: w.resident_failures,
+        put_back: w.put_back,
         lost_work_s: w.lost_work_s,
         separations: w.separations,
         claims: w.claimed,
@@ -175,6 +177,7 @@ impl<'a> World<'a> {
             oom_failures: 0,
             resident_failures: 0,
             lost_work_s: 0.0,
+            put_back: 0,
             fate: Rng::new(seed ^ 0x00fa_7e5e),
             speed_seconds: 0.0,
             busy_seconds: 0.0,
@@ -234,12 +237,11 @@ impl<'a> World<'a> {
             return Ok(false);
         }
         let (node, _) = self.leave(now, j);
-        self.oom_failures += 1;
-        self.resident_failures += u64::from(self.jobs[j].outgrown);
         self.lost_work_s += self.jobs[j].done;
         policy.out_of_memory(now, node, self.job_ref(j))?;
         policy.finished(now, node, self.job_ref(j), false)?;
-        self.requeue_for(now, j, self.progress.failures.resubmit_after_s);
+        let wait = self.after_failure(j, policy.puts_back());
+        self.requeue_for(now, j, wait);
         Ok(true)
     }
 
@@ -348,6 +350,7 @@ impl World<'_> {
         JobRef {
             id: j as u32 + 1,
             app: self.jobs[j].app,
+            put_back: self.jobs[j].put_back,
         }
     }
 
@@ -409,6 +412,7 @@ impl World<'_> {
         let resident = clash && self.fate.uniform() < self.progress.failures.resident_dies;
         let victim = if resident { self.victim(j, gi) } else { None };
         let doomed = clash && victim.is_none();
+        let partner = if doomed { self.clash_partner(j, gi) } else { None };
         self.settle(now, gi);
         let job = &mut self.jobs[j];
         job.at = Some((node, g));
@@ -418,6 +422,7 @@ impl World<'_> {
         job.counted_at = now;
         job.last = now;
         job.doomed = doomed;
+        job.clashed_with = partner;
         job.outgrown = false;
         job.run += 1;
         let run = job.run;
@@ -433,8 +438,10 @@ impl World<'_> {
             // From now on it does no work and slows no one, and fails as a doomed newcomer
             // would, unless the newcomer leaves first.
             // A new run as far as events go: its reports stop, and start again if rescued.
+            let newcomer = self.jobs[j].app;
             let victim = &mut self.jobs[v];
             victim.doomed = true;
+            victim.clashed_with = Some(newcomer);
             victim.outgrown = true;
             victim.run += 1;
             let run = victim.run;
@@ -460,6 +467,7 @@ impl World<'_> {
             }
             self.leave(now, j);
             self.separations += 1;
+            self.jobs[j].restarts += 1;
             policy.finished(now, node, self.job_ref(j), false)?;
             self.requeue_for(now, j, SEPARATED_WAIT_S);
         }

@@ -3,6 +3,11 @@
 
 use super::{Kind, World};
 
+/// How long a job the daemon put back waits before the claimer may claim it again: Slurm's
+/// requeue ends the run and makes the job pending within seconds, and the claimer's next look
+/// claims it at once (its old pin is stale); counted generously.
+pub const PUT_BACK_S: f64 = 30.0;
+
 impl World<'_> {
     /// Whether job `j` cannot share with one of the jobs on GPU `gi` that hold their memory
     /// for good: those not doomed themselves (a doomed job is about to fail and free it).
@@ -25,6 +30,19 @@ impl World<'_> {
         }
     }
 
+    /// The application of a job on GPU `gi` that job `j` cannot share with (what its note
+    /// names, once put back): one the table says cannot share, else (memory decides) the one
+    /// that needs the most.
+    pub(super) fn clash_partner(&self, j: usize, gi: usize) -> Option<usize> {
+        let app = self.jobs[j].app;
+        let holding = || (self.gpus[gi].jobs.iter()).filter(|&&o| o != j && !self.jobs[o].doomed);
+        let memory = |o: usize| self.table.memory_of(self.jobs[o].app).unwrap_or(0);
+        holding()
+            .find(|&&o| self.table.speed(app, self.jobs[o].app).is_none())
+            .or_else(|| holding().max_by_key(|&&o| memory(o)))
+            .map(|&o| self.jobs[o].app)
+    }
+
     /// The resident of GPU `gi` that dies growing beside newcomer `j`, which does not fit: one
     /// it cannot share with at all, else (memory decides) the one that needs the most.
     pub(super) fn victim(&self, j: usize, gi: usize) -> Option<usize> {
@@ -42,6 +60,23 @@ impl World<'_> {
                     .copied()
                     .max_by_key(|&o| (memory(o), std::cmp::Reverse(o)))
             })
+    }
+
+    /// Job `j` failed out of memory beside a partner: the daemon puts it back in the queue
+    /// where the policy is the daemon's and Slurm may still restart it
+    /// (`multiplexd::put_back::MAX_RESTARTS`); otherwise its user sees the failure and submits
+    /// it again later. How long it waits to be eligible again.
+    pub(super) fn after_failure(&mut self, j: usize, puts_back: bool) -> f64 {
+        let job = &mut self.jobs[j];
+        if puts_back && job.restarts < multiplexd::put_back::MAX_RESTARTS {
+            job.restarts += 1;
+            job.put_back = job.clashed_with;
+            self.put_back += 1;
+            return PUT_BACK_S;
+        }
+        self.oom_failures += 1;
+        self.resident_failures += u64::from(job.outgrown);
+        self.progress.failures.resubmit_after_s
     }
 
     /// A doomed job whose clashing partners have all left before it ran out of memory has
