@@ -202,6 +202,15 @@ pub fn put_back_beside(admin_comment: Option<&str>) -> Option<Vec<String>> {
     Some(apps.split(", ").filter(|a| !a.is_empty()).map(str::to_string).collect())
 }
 
+/// Whether a job's admin comment says it was put back after its last claim: its put-back
+/// note is the last one (a claim's note comes after it once the job is claimed again).
+pub fn put_back_since_claim(admin_comment: Option<&str>) -> bool {
+    admin_comment
+        .filter(|c| c.contains(NOTE))
+        .and_then(|c| c.rsplit(NOTE).next())
+        .is_some_and(|last| last.trim().starts_with(PUT_BACK))
+}
+
 /// The put-back note of a job's admin comment, if it has one ([`put_back_note`]).
 pub fn put_back(admin_comment: Option<&str>) -> Option<&str> {
     admin_comment?
@@ -314,6 +323,8 @@ mod tests {
             put_back_beside(Some(&claimed)),
             Some(vec!["b".to_string(), "c".to_string()])
         );
+        assert!(put_back_since_claim(Some(&put)) && !put_back_since_claim(Some(&claimed)));
+        assert!(!put_back_since_claim(Some("put back: x")) && !put_back_since_claim(None));
         assert_eq!(put_back(Some("multiplex:app=a | multiplex: claim node:n1")), None);
         assert_eq!(put_back_beside(Some("multiplex:app=a")), None);
         // The user's own text before the tag cannot forge it: only a note after the tag counts.

@@ -20,9 +20,19 @@ fn verdict(p: &Summary, d: &Summary) -> String {
         1 => "1 ran".to_string(),
         n => format!("{n} ran"),
     };
+    let put_back = match d.put_back {
+        0 => String::new(),
+        1 => "; 1 job that ran out of memory beside a partner was put back in the queue by its \
+              daemon and ran again"
+            .to_string(),
+        n => format!(
+            "; {n} jobs that ran out of memory beside a partner were put back in the queue by \
+             their daemons and ran again"
+        ),
+    };
     format!(
         "With the daemons deciding, jobs {how} ({:.0} s against {:.0} s with plain Slurm shards) \
-         and {} out of GPU memory, against {}.",
+         and {} out of GPU memory as failures their users saw, against {}{put_back}.",
         d.avg_jct_s,
         p.avg_jct_s,
         ran_out(d.oom_failures),
@@ -53,6 +63,7 @@ fn summary_of(path: &Path) -> Result<(Summary, Value), String> {
             claims: get("claims") as u64,
             resident_failures: get("resident_failures") as u64,
             lost_work_h: get("lost_work_h"),
+            put_back: get("put_back").max(0.0) as u64,
         },
         v,
     ))
@@ -143,6 +154,7 @@ fn print_table((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&
     }
     let counts = [
         ("out-of-memory failures", p.oom_failures, d.oom_failures, "oom_failures"),
+        ("put back (out of memory)", p.put_back, d.put_back, "put_back"),
         ("claims", p.claims, d.claims, "claims"),
         ("given back to run apart", p.separations, d.separations, "separations"),
     ];
@@ -172,9 +184,9 @@ fn print_csv((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Va
             .map_or(String::new(), |x| format!("{x:.1}"))
     };
     let b = base.replace('-', "_");
-    println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_{b}_avg_jct_s,simulated_learned_avg_jct_s,simulated_{b}_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations");
+    println!("plain_avg_jct_s,daemons_avg_jct_s,plain_p95_jct_s,daemons_p95_jct_s,plain_oom_failures,daemons_oom_failures,simulated_{b}_avg_jct_s,simulated_learned_avg_jct_s,simulated_{b}_oom_failures,simulated_learned_oom_failures,daemons_claims,daemons_separations,daemons_put_back");
     println!(
-        "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{}",
+        "{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{},{},{},{}",
         p.avg_jct_s,
         d.avg_jct_s,
         p.p95_jct_s,
@@ -186,6 +198,7 @@ fn print_csv((p, d): (&Summary, &Summary), (sp, sd): (Option<&Value>, Option<&Va
         sim(sp, "oom_failures"),
         sim(sd, "oom_failures"),
         d.claims,
-        d.separations
+        d.separations,
+        d.put_back
     );
 }

@@ -85,10 +85,11 @@ struct ReplayArgs {
     daemon_logs: Option<PathBuf>,
 }
 
-/// What the daemons' logs under `dir` say they did: (claims, jobs given back to run apart),
-/// each counted by the line its daemon logs for it (`tracing`'s message text).
-fn actions_in_logs(dir: &Path) -> Result<(u64, u64), String> {
-    let mut counts = (0, 0);
+/// What the daemons' logs under `dir` say they did: (claims, jobs given back to run apart,
+/// jobs put back after running out of memory beside a partner), each counted by the line its
+/// daemon logs for it (`tracing`'s message text).
+fn actions_in_logs(dir: &Path) -> Result<(u64, u64, u64), String> {
+    let mut counts = (0, 0, 0);
     let entries = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for e in entries.flatten() {
         let name = e.file_name();
@@ -103,6 +104,8 @@ fn actions_in_logs(dir: &Path) -> Result<(u64, u64), String> {
                 counts.0 += 1;
             } else if line.contains(" requeued to run apart: ") {
                 counts.1 += 1;
+            } else if line.contains(" multiplexd::server") && line.contains(": put back job=") {
+                counts.2 += 1;
             }
         }
     }
@@ -415,9 +418,9 @@ impl<'a> Replay<'a> {
         let (a, scale) = (self.a, self.a.time_scale);
         let wall_s = self.now();
         // Not seen from the jobs' side: the daemons log each claim and each job given back.
-        let (claims, separations) = match &a.daemon_logs {
+        let (claims, separations, put_back) = match &a.daemon_logs {
             Some(dir) => actions_in_logs(dir)?,
-            None => (0, 0),
+            None => (0, 0, 0),
         };
         let outcome = Outcome {
             jobs: (self.jobs.iter())
@@ -430,6 +433,7 @@ impl<'a> Replay<'a> {
             // The stand-in fails the newcomer, which has done no work yet: no resident dies.
             resident_failures: 0,
             lost_work_s: 0.0,
+            put_back,
             separations,
             claims,
             speed_seconds: self.jobs.iter().map(|j| j.trace.solo_runtime_s).sum(),
@@ -449,11 +453,12 @@ impl<'a> Replay<'a> {
         )
         .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
         eprintln!(
-            "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} claims",
+            "emulate {}: {} jobs in {wall_s:.0} s; average JCT {:.0} s (trace seconds), {} out-of-memory failures, {} put back, {} claims",
             a.label,
             self.jobs.len(),
             run.summary.avg_jct_s,
             self.ooms,
+            put_back,
             claims
         );
         Ok(())
@@ -510,7 +515,7 @@ mod tests {
     use super::actions_in_logs;
 
     #[test]
-    fn claims_and_separations_are_counted_from_the_lines_each_daemon_logs() {
+    fn claims_separations_and_put_backs_are_counted_from_the_lines_each_daemon_logs() {
         let dir = tempfile::tempdir().unwrap();
         let line =
             |target: &str, what: &str| format!("2026-11-25T04:04:44.650599Z  INFO multiplexd::{target}: {what}\n");
@@ -528,6 +533,14 @@ mod tests {
                 "separate",
                 "requeued to run apart: measured beside a (job 3) job=4 gpu=0",
             ),
+            line(
+                "server",
+                "put back job=9: ran out of GPU memory beside a partner job=9 beside=[\"a\"] gpu=1",
+            ),
+            line(
+                "server",
+                "job 10 is not put back in the queue: it may not be requeued (--no-requeue)",
+            ),
         ];
         std::fs::write(dir.path().join("multiplexd-n1.log"), n1.concat()).unwrap();
         std::fs::write(dir.path().join("multiplexd-n2.log"), n2.concat()).unwrap();
@@ -537,7 +550,7 @@ mod tests {
             line("claimer::thread", "claimed job=1 node=n1 gpu=x"),
         )
         .unwrap();
-        assert_eq!(actions_in_logs(dir.path()).unwrap(), (2, 1));
+        assert_eq!(actions_in_logs(dir.path()).unwrap(), (2, 1, 1));
         let e = actions_in_logs(&dir.path().join("missing")).unwrap_err();
         assert!(e.contains("missing"), "{e}");
     }

@@ -18,7 +18,7 @@
 //! the node's daemon over `MULTIPLEX_SOCKET` when that is set.
 
 use clap::Parser;
-use multiplex_protocol::{client, ReportKind, ReportRequest, Request};
+use multiplex_protocol::{client, ReportKind, ReportRequest, Request, Response};
 use multiplex_simulate::input::Table;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -127,7 +127,8 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     );
     let end_unix = unix_now();
     drop(entry);
-    if let Some(path) = &a.result {
+    // Put back, Slurm ends this run as requeued: the next run writes the result.
+    if let Some(path) = a.result.as_ref().filter(|_| outcome != "put-back") {
         let result = serde_json::json!({
             "job_id": job,
             "app": a.app,
@@ -174,7 +175,8 @@ fn tick(a: &Args) -> Duration {
 
 /// The job's life once it joined its GPU: `doomed` (beside a partner it cannot share with,
 /// `partners`, and not rescued), it fails out of memory at once; else it trains (`started`:
-/// when it joined). Its status: `ok` or `oom`.
+/// when it joined). Its status: `ok`, `oom`, or `put-back` (the daemon put it back in the
+/// queue: it runs again).
 fn live(
     a: &Args,
     (dir, job, gpu): (&Path, u32, &str),
@@ -189,12 +191,23 @@ fn live(
         errors: 0,
     };
     if doomed {
-        reporter.send(ReportKind::OutOfMemory);
         eprintln!(
             "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU {gpu}; {} beside [{partners}] does not fit) [emulated by multiplex-standin]",
             a.app,
         );
-        return "oom";
+        // As a training script that catches CUDA's error would: tell the daemon, and say
+        // what it answered. Put back in the queue, the job runs again: no result yet.
+        return match reporter.send(ReportKind::OutOfMemory) {
+            Some(Response::Reported { message, put_back }) => {
+                eprintln!("multiplexd: {message}");
+                if put_back {
+                    "put-back"
+                } else {
+                    "oom"
+                }
+            }
+            _ => "oom",
+        };
     }
     let speeds = train(a, (dir, job), (table, me), tick(a), &mut reporter);
     println!(
@@ -234,14 +247,24 @@ struct Reporter {
 }
 
 impl Reporter {
-    fn send(&mut self, kind: ReportKind) {
-        let Some(s) = &self.socket else { return };
+    /// Sends one report; the daemon's answer, if it gave one. An out-of-memory report waits
+    /// longer: the daemon asks slurmctld to put the job back before it answers.
+    fn send(&mut self, kind: ReportKind) -> Option<Response> {
+        let s = self.socket.as_ref()?;
+        let wait = match kind {
+            ReportKind::OutOfMemory => Duration::from_secs(30),
+            _ => Duration::from_secs(2),
+        };
         let request = Request::Report(ReportRequest { job_id: self.job, kind });
-        if let Err(e) = client::call(s, Duration::from_secs(2), request) {
-            if self.errors == 0 {
-                eprintln!("standin: cannot report to the daemon at {}: {e}", s.display());
+        match client::call(s, wait, request) {
+            Ok(answer) => Some(answer),
+            Err(e) => {
+                if self.errors == 0 {
+                    eprintln!("standin: cannot report to the daemon at {}: {e}", s.display());
+                }
+                self.errors += 1;
+                None
             }
-            self.errors += 1;
         }
     }
 }

@@ -296,8 +296,10 @@ impl Claimer {
     fn classify<'s>(&mut self, slurm: &dyn Slurm, job: &'s Job, spec: Option<&'s Spec>, now: f64) -> Seen<'s> {
         let pinned = pinned(job);
         if job.pending && pinned {
+            // Put back by its node's daemon since its claim: its pin is stale at once.
+            let put_back = multiplex_protocol::spec::put_back_since_claim(job.admin_comment.as_deref());
             let since = *self.pinned_since.entry(job.id).or_insert(now);
-            if now - since < PIN_GRACE.as_secs_f64() {
+            if !put_back && now - since < PIN_GRACE.as_secs_f64() {
                 let gpu = job.gres_type().and_then(split_gpu_type).map(|(m, i)| (Some(m), i));
                 return Seen::Resident(gpu);
             }
@@ -663,7 +665,7 @@ mod tests {
             licenses: String::new(),
             ..gated(1, "a")
         };
-        let slurm = fake(vec![requeued]);
+        let slurm = fake(vec![requeued.clone()]);
         let node = daemon();
         let mut c = Claimer::new(config(), 1);
         let t0 = 0.0;
@@ -680,6 +682,18 @@ mod tests {
         let slurm = fake(vec![gated(2, "a")]);
         c.look(&slurm, &node, t0).unwrap();
         assert!(!slurm.state.lock().unwrap().claims[0].start_now);
+        // Put back by its daemon since its claim (the note after the claim's), it is claimed
+        // again at once, and at once again if put back again.
+        let mut c = Claimer::new(config(), 1);
+        let put_back = |claim: &str| Job {
+            admin_comment: Some(format!(
+                "multiplex:app=a | multiplex: {claim} | multiplex: {}",
+                multiplex_protocol::spec::put_back_note("b", "n1", "1")
+            )),
+            ..requeued.clone()
+        };
+        let slurm = fake(vec![put_back("claim node:n1 gpu:v100_1 beside:2 speed:0.70")]);
+        assert_eq!(c.look(&slurm, &node, t0).unwrap().claimed.len(), 1);
     }
 
     #[test]
