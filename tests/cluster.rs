@@ -2016,7 +2016,13 @@ fn a_job_out_of_memory_beside_a_partner_is_put_back_and_runs_again_apart_and_one
     // GiB) then fits only beside x, a pair the history holds as a good one (so that what
     // earlier tests taught the model's typical pair does not keep y waiting). On n2 the same
     // with z, which may not be requeued.
-    import_pairs(&c, &[("itest-pb-y", "itest-pb-x", 0.9, 0.9), ("itest-pb-z", "itest-pb-x2", 0.9, 0.9)]);
+    import_pairs(
+        &c,
+        &[
+            ("itest-pb-y", "itest-pb-x", 0.9, 0.9),
+            ("itest-pb-z", "itest-pb-x2", 0.9, 0.9),
+        ],
+    );
     let filler = submit("itest-pb-filler", "12G", "n1", &[], "sleep 20".into());
     let filler2 = submit("itest-pb-filler", "12G", "n2", &[], "sleep 20".into());
     let x = submit("itest-pb-x", "4G", "n1", &[], "sleep 45".into());
