@@ -61,7 +61,14 @@ pub fn put_back(slurm: &dyn Slurm, oom: &OutOfMemory) -> Result<String, String> 
     let note = put_back_note(&oom.beside.join(", "), &oom.node, &oom.gpu.to_string());
     let comment = with_note(record.admin_comment.as_deref().unwrap_or_default(), &note);
     slurm.set_admin_comment(job, &comment).map_err(|e| cannot(job, &e))?;
-    slurm.requeue(job).map_err(|e| cannot(job, &e))?;
+    if let Err(e) = slurm.requeue(job) {
+        // Not put back after all: the comment must not say it was.
+        let was = record.admin_comment.as_deref().unwrap_or_default();
+        if let Err(undo) = slurm.set_admin_comment(job, was) {
+            tracing::warn!(job, error = %undo, "cannot take back the put-back note of a job Slurm did not requeue");
+        }
+        return Err(cannot(job, &e));
+    }
     Ok(format!(
         "job {job} is put back in the queue: it starts again from the beginning, alone or beside \
          a partner known to fit (restart {} of at most {MAX_RESTARTS})",
@@ -165,6 +172,20 @@ mod tests {
             slurm.state.lock().unwrap().jobs[0].pending = false; // it runs again
         }
         assert_eq!(put, MAX_RESTARTS);
+    }
+
+    #[test]
+    fn a_job_slurm_will_not_requeue_keeps_the_comment_it_had() {
+        let slurm = Fake::new(FakeState {
+            jobs: vec![running(7)],
+            ..FakeState::default()
+        });
+        let was = slurm.state.lock().unwrap().jobs[0].admin_comment.clone();
+        // The requeue fails after the comment was written (slurmctld's answer, not ours).
+        slurm.state.lock().unwrap().jobs[0].pending = true;
+        let why = put_back(&slurm, &oom(7)).unwrap_err();
+        assert!(why.contains("could not be put back"), "{why}");
+        assert_eq!(slurm.state.lock().unwrap().jobs[0].admin_comment, was);
     }
 
     #[test]
