@@ -220,8 +220,14 @@ pub fn report(
         Some(done) if !oom => multiplex_protocol::ReportKind::Progress { done },
         _ => multiplex_protocol::ReportKind::OutOfMemory,
     };
+    // Out of memory beside a partner, the daemon asks slurmctld to put the job back before it
+    // answers (three calls, each bounded by the Slurm adapter's 10 s).
+    let wait = match kind {
+        multiplex_protocol::ReportKind::OutOfMemory => Duration::from_secs(35),
+        _ => Duration::from_secs(5),
+    };
     let request = Request::Report(multiplex_protocol::ReportRequest { job_id, kind });
-    match client::call(&socket, Duration::from_secs(5), request).map_err(|e| e.to_string())? {
+    match client::call(&socket, wait, request).map_err(|e| e.to_string())? {
         Response::Reported { message, .. } => {
             println!("{message}");
             Ok(())
