@@ -924,7 +924,10 @@ mod tests {
             min_gain: -1.0,
             ..knobs()
         };
-        let choose = |pending: &[Candidate]| pins(&choose_once(&nodes, pending, &h, any, &mut Bypasses::default()));
+        let on = |nodes: &[NodeGpus], pending: &[Candidate], h: &Estimates| {
+            choose_once(nodes, pending, h, any, &mut Bypasses::default())
+        };
+        let choose = |pending: &[Candidate]| pins(&on(&nodes, pending, &h));
         let fresh = job(1, "a");
         let put_back = Candidate {
             put_back: Some(vec!["x".into()]),
@@ -939,45 +942,21 @@ mod tests {
         // With no known fit, it waits for a free GPU, and takes one.
         let mut h2 = Estimates::default();
         h2.insert_pair("v100", "a", "d", oom);
-        let got = choose_once(
-            &nodes,
-            std::slice::from_ref(&put_back),
-            &h2,
-            any,
-            &mut Bypasses::default(),
-        );
+        let got = on(&nodes, std::slice::from_ref(&put_back), &h2);
         assert!(got.is_empty(), "waits, is not refused: {got:?}");
         let free = [node("n1", vec![gpu(0, &[(5, "b")]), gpu(1, &[])])];
-        let got = pins(&choose_once(
-            &free,
-            std::slice::from_ref(&put_back),
-            &h2,
-            any,
-            &mut Bypasses::default(),
-        ));
+        let got = pins(&on(&free, std::slice::from_ref(&put_back), &h2));
         assert_eq!(got, vec![(0, 0, 1)], "the free GPU");
         // Nobody joins a job put back on the pair it failed in, whatever the history says: `b`
         // was put back after running out of memory beside `a`, and the history has not heard.
         let mut guarded = nodes.clone();
         guarded[0].gpus[0].residents[0].put_back = Some(vec!["a".into()]);
         guarded[0].gpus.truncate(2);
-        let got = pins(&choose_once(
-            &guarded,
-            &[job(1, "a")],
-            &h,
-            any,
-            &mut Bypasses::default(),
-        ));
+        let got = pins(&on(&guarded, &[job(1, "a")], &h));
         assert_eq!(got, vec![(0, 0, 1)], "beside c, not b");
         // Put back beside `x`, `b` takes any other newcomer, on a gamble too.
         guarded[0].gpus[0].residents[0].put_back = Some(vec!["x".into()]);
-        let got = pins(&choose_once(
-            &guarded,
-            &[job(1, "a")],
-            &h,
-            any,
-            &mut Bypasses::default(),
-        ));
+        let got = pins(&on(&guarded, &[job(1, "a")], &h));
         assert_eq!(got, vec![(0, 0, 0)], "beside b");
         // A pair measured on one side only is not known to fit.
         let mut h3 = Estimates::default();
@@ -988,13 +967,7 @@ mod tests {
             oom: false,
         };
         h3.insert_pair("v100", "c", "a", seen);
-        let got = choose_once(
-            &nodes,
-            std::slice::from_ref(&put_back),
-            &h3,
-            any,
-            &mut Bypasses::default(),
-        );
+        let got = on(&nodes, std::slice::from_ref(&put_back), &h3);
         assert!(got.is_empty(), "{got:?}");
     }
 

@@ -87,16 +87,10 @@ mod tests {
     use multiplex_protocol::spec::put_back as note_of;
 
     fn running(id: u32) -> Job {
-        Job {
+        Job::running_on_n1(
             id,
-            pending: false,
-            reason: "None".into(),
-            node: Some("n1".into()),
-            excluded: None,
-            gres: "shard:v100_0:1".into(),
-            licenses: String::new(),
-            admin_comment: Some("multiplex:app=big | multiplex: claim node:n1 gpu:v100_0 beside:3 speed:0.800".into()),
-        }
+            "multiplex:app=big | multiplex: claim node:n1 gpu:v100_0 beside:3 speed:0.800",
+        )
     }
 
     fn oom(job_id: u32) -> OutOfMemory {

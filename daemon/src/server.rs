@@ -459,16 +459,7 @@ mod tests {
     fn a_job_out_of_memory_beside_a_partner_is_put_back_and_alone_it_is_not() {
         let dir = tempfile::tempdir().unwrap();
         let node = node(dir.path());
-        let running = |id| crate::slurm::Job {
-            id,
-            pending: false,
-            reason: "None".into(),
-            node: Some("n1".into()),
-            excluded: None,
-            gres: "shard:v100_0:1".into(),
-            licenses: String::new(),
-            admin_comment: Some("multiplex:app=b".into()),
-        };
+        let running = |id| crate::slurm::Job::running_on_n1(id, "multiplex:app=b");
         let slurm = Arc::new(crate::slurm::Fake::new(crate::slurm::FakeState {
             jobs: vec![running(1), running(2)],
             ..Default::default()

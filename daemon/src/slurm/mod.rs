@@ -49,6 +49,24 @@ pub struct Job {
     pub admin_comment: Option<String>,
 }
 
+#[cfg(test)]
+impl Job {
+    /// A job running on GPU 0 of node `n1` (`shard:v100_0:1`) with this admin comment: the
+    /// unit tests' running job.
+    pub(crate) fn running_on_n1(id: u32, admin_comment: &str) -> Job {
+        Job {
+            id,
+            pending: false,
+            reason: "None".into(),
+            node: Some("n1".into()),
+            excluded: None,
+            gres: "shard:v100_0:1".into(),
+            licenses: String::new(),
+            admin_comment: Some(admin_comment.into()),
+        }
+    }
+}
+
 impl Job {
     /// The gres type it asks for (the GPU it is pinned to): `v100_1` of `shard:v100_1:1`.
     pub fn gres_type(&self) -> Option<&str> {
