@@ -499,7 +499,16 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // Reported again in the same run, nothing more is asked of Slurm.
+        let updates = slurm.state.lock().unwrap().updates;
+        match handle(oom(2), user, &node, &access).unwrap() {
+            Response::Reported { message, put_back } => {
+                assert!(!put_back && message.contains("reported already"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
         let s = slurm.state.lock().unwrap();
+        assert_eq!(s.updates, updates);
         assert!(s.jobs[1].pending && !s.jobs[0].pending, "{:?}", s.jobs);
         let comment = s.jobs[1].admin_comment.as_deref().unwrap();
         assert!(

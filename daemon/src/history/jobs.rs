@@ -225,6 +225,14 @@ impl History {
         Ok(())
     }
 
+    /// Whether the run `job_row` reported running out of memory already.
+    pub fn reported_oom(&self, job_row: i64) -> Result<bool, HistoryError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT 1 FROM observations WHERE job_row = ?1 AND kind = 'oom' LIMIT 1")?;
+        Ok(stmt.exists([job_row])?)
+    }
+
     /// Records a job's report. `kind` is `progress` (with `value`) or `oom`; an out-of-memory
     /// report also marks the pair of the job's application with each partner's (both ways) so
     /// that placement never puts them together again. Returns the partners' applications.

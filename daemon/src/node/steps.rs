@@ -423,6 +423,12 @@ impl Node {
                 Ok((format!("progress of job {} recorded: {done}", job.job_id), None))
             }
             ReportKind::Progress { done } => Err(RequestError::BadProgress { done: *done }),
+            // One per run: a job's own user could otherwise repeat the report and have the
+            // daemon ask slurmctld (as root) three times for each.
+            ReportKind::OutOfMemory if self.history.reported_oom(job.row)? => Ok((
+                format!("job {} ran out of memory: reported already, recorded once", job.job_id),
+                None,
+            )),
             ReportKind::OutOfMemory => {
                 let names = self
                     .history
