@@ -2087,3 +2087,84 @@ fn a_job_out_of_memory_beside_a_partner_is_put_back_and_runs_again_apart_and_one
         assert!(!state.starts_with("drain"), "{n} is {state}");
     }
 }
+
+/// Runs `multiplexd gate ARGS` as the admin would, with n1's config; its output.
+fn gate(c: &Cluster, args: &[&str]) -> String {
+    let out = std::process::Command::new(c.path("plugins/multiplexd"))
+        .arg("gate")
+        .args(args)
+        .arg("--config")
+        .arg(c.path("multiplexd/n1/multiplexd.toml"))
+        .output()
+        .expect("run multiplexd gate");
+    assert!(out.status.success(), "multiplexd gate {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Switches the gate on again when the test ends, passed or failed.
+struct GateOn<'a>(&'a Cluster);
+
+impl Drop for GateOn<'_> {
+    fn drop(&mut self) {
+        gate(self.0, &["on"]);
+    }
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn the_off_switch_lets_every_gated_job_go_at_once_and_keeps_the_claimer_from_gating_until_on() {
+    let c = Cluster::from_env();
+    // Twenty jobs wait at the gate while the claimer is stopped (its lease holds the gate).
+    let claimer = c.stop_daemon("n1");
+    let submit = |tag: &str| {
+        c.submit(&[
+            &format!("--multiplex=app=itest-{tag}"),
+            "--gres=gpu:1",
+            &out_arg(&c, tag),
+            "--wrap",
+            "sleep 2",
+        ])
+    };
+    let jobs: Vec<u32> = (0..20).map(|_| submit("off")).collect();
+    let _cancel = multiplex_tests::Cancel(jobs.clone());
+    let gated = |j: &u32| {
+        let rec = c.show_job(*j);
+        rec["JobState"] == "PENDING" && rec["Reason"] == "Licenses"
+    };
+    assert!(wait_until(WAIT, || jobs.iter().all(gated)), "not every job waits at the gate");
+    let on = GateOn(&c);
+    let said = gate(&c, &["off"]);
+    assert!(said.starts_with("switched off:"), "{said}");
+    // All at once: none waits for the gate a pass later, every one runs to its end.
+    assert!(
+        wait_until(Duration::from_secs(10), || !jobs.iter().any(gated)),
+        "jobs still wait at the gate after it was switched off"
+    );
+    for &j in &jobs {
+        let rec = c.wait(j, WAIT);
+        assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+        assert!(!rec["AdminComment"].contains("multiplex: claim "), "{rec:?}");
+    }
+    assert!(gate(&c, &[]).starts_with("off:"));
+    // A claimer that starts while the gate is off neither makes the gate nor claims.
+    drop(on);
+    drop(claimer);
+    gate(&c, &["off"]);
+    let _on = GateOn(&c);
+    let log = c.path("log/multiplexd-n1.log");
+    let says_off = || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("the gate is switched off"));
+    assert!(wait_until(Duration::from_secs(15), says_off), "the claimer did not see the switch");
+    let unclaimed = submit("off-running");
+    let rec = c.wait(unclaimed, WAIT);
+    assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+    assert!(!rec["AdminComment"].contains("multiplex: claim "), "{rec:?}");
+    assert!(!multiplex_tests::gate_held(), "the claimer made the gate while it was off");
+    // Switched on, the claimer gates and claims within seconds.
+    let said = gate(&c, &["on"]);
+    assert!(said.starts_with("switched on:"), "{said}");
+    assert!(wait_until(Duration::from_secs(15), multiplex_tests::gate_held), "no gate after on");
+    let claimed = submit("on-again");
+    let rec = c.wait(claimed, WAIT);
+    assert!(rec["AdminComment"].contains("multiplex: claim "), "{rec:?}");
+    assert!(gate(&c, &[]).starts_with("on: the claimer holds the gate until"));
+}

@@ -1,6 +1,6 @@
 //! `multiplexd`: the command line. `serve` runs the node daemon (see [`multiplexd::serve`]); the
-//! tools (`status`, `report`, `history`, `explain`, `export`, `import`, `check-config`) are in
-//! [`multiplexd::tools`].
+//! tools (`status`, `report`, `history`, `explain`, `export`, `import`, `check-config`, `gate`)
+//! are in [`multiplexd::tools`].
 
 use clap::{Parser, Subcommand};
 use multiplexd::config::DEFAULT_CONFIG;
@@ -84,6 +84,16 @@ enum Command {
         #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
+    /// Switch the cluster's gate off (every multiplexed job waiting at it goes where Slurm
+    /// places it at once, and no claimer gates or claims until it is switched on) or on again;
+    /// without an argument, say where it stands.
+    Gate {
+        #[arg(value_parser = ["on", "off"])]
+        switch: Option<String>,
+        /// The daemon's config (for slurm_bin); where the file is absent, Slurm's commands on PATH.
+        #[arg(long, env = "MULTIPLEXD_CONFIG", default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
     /// Merge another node's export into this node's history (more observations win).
     Import {
         /// The file to read, or - for standard input.
@@ -117,6 +127,7 @@ fn main() -> ExitCode {
         Command::Explain { job_id, config, json } => tools::explain(&config, job_id, json),
         Command::Export { file, config } => tools::export(&config, &file),
         Command::Import { file, config } => tools::import(&config, &file),
+        Command::Gate { switch, config } => tools::gate(&config, switch.as_deref()),
         Command::CheckConfig { config } => match tools::check_config(&config) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),

@@ -139,6 +139,56 @@ fn not_here(config: &Config, job_id: u32) -> String {
     }
 }
 
+/// `multiplexd gate [on|off]`: switches the cluster's gate off (every multiplexed job waiting
+/// at it goes where Slurm places it at once, and no claimer gates or claims) or on again, or
+/// says where it stands. Slurm's commands are found as the daemon's config says; on a host
+/// without that file (the controller), on PATH.
+pub fn gate(config_path: &Path, switch: Option<&str>) -> Result<(), String> {
+    use crate::claimer::{gate, LICENSE, OFF_EVERY_S, OFF_RESERVATION, RESERVATION};
+    use crate::slurm::Slurm;
+    let bin = match config_path.exists() {
+        true => crate::config::load(config_path)?.slurm_bin,
+        false => PathBuf::new(),
+    };
+    let slurm = Commands::new(&bin);
+    let rights = |e: crate::slurm::SlurmError| {
+        format!("{e} (switching the gate takes Slurm's operator or administrator rights: run it as root or SlurmUser)")
+    };
+    match switch {
+        Some("off") => {
+            let count = slurm.license_total(LICENSE).map_err(|e| e.to_string())?;
+            slurm.switch_gate(&gate(count), false).map_err(rights)?;
+            println!(
+                "switched off: every multiplexed job waiting at the gate goes where Slurm places it now, and no \
+                 claimer gates or claims until `multiplexd gate on` (reservation {OFF_RESERVATION} holds one \
+                 {LICENSE} license meanwhile)"
+            );
+        }
+        Some("on") => {
+            slurm.switch_gate(&gate(0), true).map_err(rights)?;
+            println!("switched on: the claimer makes the gate and claims again within {OFF_EVERY_S} s");
+        }
+        Some(other) => return Err(format!("gate: '{other}' is neither on nor off")),
+        None => {
+            let end = |name: &str| slurm.reservation_end(name).map_err(|e| e.to_string());
+            if end(OFF_RESERVATION)?.is_some() {
+                println!(
+                    "off: multiplexed jobs start where Slurm places them, and no claimer gates or claims \
+                     (`multiplexd gate on` switches it on)"
+                );
+            } else if let Some(until) = end(RESERVATION)? {
+                println!("on: the claimer holds the gate until {until} and renews it");
+            } else {
+                println!(
+                    "on, but no claimer holds the gate (no reservation {RESERVATION}): multiplexed jobs start \
+                     where Slurm places them until a daemon with [claim] enabled makes it"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `multiplexd export FILE`: what the history learned, as JSON for another node.
 pub fn export(config_path: &Path, file: &Path) -> Result<(), String> {
     let h = open_history(config_path)?;

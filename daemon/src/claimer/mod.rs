@@ -17,7 +17,7 @@
 
 use crate::claim::{Candidate, Choice, Memory, NodeGpus};
 use crate::placement::{GpuState, Resident};
-use crate::slurm::{Gate, Job, NodeInfo, Pin, Slurm, SlurmError};
+use crate::slurm::{Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
@@ -28,12 +28,11 @@ pub use crate::config::ClaimConfig;
 pub use scorer::Scorer;
 pub use thread::spawn;
 
+mod gate;
 mod scorer;
 mod thread;
 
-pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
-/// The reservation that holds every one of them while a claimer runs.
-pub const RESERVATION: &str = "multiplex-gate";
+pub use gate::{gate, LICENSE, OFF_EVERY_S, OFF_RESERVATION, RESERVATION};
 /// How often the node list is read again (sinfo).
 const NODES_EVERY: Duration = Duration::from_secs(60);
 /// How soon it is read again when a job names a node it lacks (one added since), or when a
@@ -83,6 +82,9 @@ pub struct Looked {
     pub refused: Vec<(u32, String)>,
     /// Claims that came too late (the job started, ended or left meanwhile).
     pub too_late: Vec<u32>,
+    /// The gate was found switched off (`Some(true)`: this look neither gated nor claimed)
+    /// or on again (`Some(false)`) since the look before.
+    pub switched: Option<bool>,
 }
 
 /// The claimer's state between looks.
@@ -91,9 +93,7 @@ pub struct Looked {
 /// counts from its start, the simulator its simulated time).
 pub struct Claimer {
     config: ClaimConfig,
-    gate: Gate,
-    /// The lease was last renewed then.
-    renewed: Option<f64>,
+    gate: gate::Keeper,
     /// The node list, when it was read, and its usable nodes' GPUs as a look starts from them
     /// (each GPU with no job yet).
     nodes: Option<(f64, Vec<NodeInfo>, Vec<NodeGpus>)>,
@@ -121,12 +121,7 @@ impl Claimer {
     pub fn new(config: ClaimConfig, license_count: u32) -> Claimer {
         Claimer {
             config,
-            gate: Gate {
-                reservation: RESERVATION.into(),
-                license: LICENSE.into(),
-                count: license_count,
-            },
-            renewed: None,
+            gate: gate::Keeper::new(license_count),
             nodes: None,
             memory: Memory::default(),
             pinned_since: HashMap::new(),
@@ -142,30 +137,30 @@ impl Claimer {
         self.memory.trials.next_end()
     }
 
-    /// Renews the gate's lease once a third of it has passed.
-    fn hold_gate(&mut self, slurm: &dyn Slurm, now: f64) -> Result<(), SlurmError> {
-        let due = self
-            .renewed
-            .is_none_or(|at| now - at >= (self.config.lease_s / 3) as f64);
-        if due {
-            slurm.hold_gate(&self.gate, self.config.lease_s)?;
-            self.renewed = Some(now);
-        }
-        Ok(())
-    }
-
     /// One look at `now`: the gate, the queue, the claims. `scorer` is this daemon's node:
     /// its history scores, and its GPUs say how much memory each GPU model has.
     pub fn look(&mut self, slurm: &dyn Slurm, scorer: &dyn Scorer, now: f64) -> Result<Looked, SlurmError> {
-        self.hold_gate(slurm, now)?;
+        let lease_s = self.config.lease_s;
+        let (off, switched) = self.gate.switched_off(slurm, lease_s, now)?;
+        if off {
+            return Ok(Looked {
+                switched,
+                ..Looked::default()
+            });
+        }
+        self.gate.hold(slurm, lease_s, now)?;
         let queue = self.read(slurm, scorer, now)?;
         if queue.candidates.is_empty() {
-            return Ok(Looked::default());
+            return Ok(Looked {
+                switched,
+                ..Looked::default()
+            });
         }
         let pending: Vec<Candidate> = queue.candidates.iter().map(|(c, _)| c.clone()).collect();
         let inputs = scorer.inputs(&queue.nodes, &pending).map_err(SlurmError::Failed)?;
         let choices = inputs.choose(&mut self.memory, now);
-        self.carry_out(slurm, &queue, choices, now)
+        let looked = self.carry_out(slurm, &queue, choices, now)?;
+        Ok(Looked { switched, ..looked })
     }
 
     /// Slurm's queue and nodes as this look sees them: what holds each GPU, and the first
@@ -561,7 +556,7 @@ mod tests {
     use super::*;
     use crate::config::{Config, GpuSpec};
     use crate::node::Node;
-    use crate::slurm::{Fake, FakeState};
+    use crate::slurm::{Fake, FakeState, Gate};
     use std::sync::Mutex;
 
     fn daemon() -> Mutex<Node> {
@@ -808,6 +803,12 @@ mod tests {
             fn hold_gate(&self, g: &Gate, l: u64) -> Result<(), SlurmError> {
                 self.0.hold_gate(g, l)
             }
+            fn reservation_end(&self, n: &str) -> Result<Option<String>, SlurmError> {
+                self.0.reservation_end(n)
+            }
+            fn switch_gate(&self, g: &Gate, on: bool) -> Result<(), SlurmError> {
+                self.0.switch_gate(g, on)
+            }
             fn release(&self, j: u32, l: &str, c: &str) -> Result<(), SlurmError> {
                 self.0.release(j, l, c)
             }
@@ -1046,6 +1047,32 @@ mod tests {
         }
         // At 0, 100 and 200 s (a lease of 300 s).
         assert_eq!(slurm.state.lock().unwrap().updates, 3);
+    }
+
+    #[test]
+    fn switched_off_no_claimer_gates_or_claims_and_switched_on_it_gates_and_claims_within_seconds() {
+        let slurm = fake(vec![gated(1, "a")]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 100_000);
+        slurm.switch_gate(&gate(100_000), false).unwrap();
+        let looked = c.look(&slurm, &node, 0.0).unwrap();
+        assert_eq!(looked.switched, Some(true));
+        for t in [1.0, 4.0] {
+            assert_eq!(c.look(&slurm, &node, t).unwrap(), Looked::default());
+        }
+        {
+            let s = slurm.state.lock().unwrap();
+            assert_eq!((s.gate_until, s.claims.len(), s.updates), (None, 0, 1), "{s:?}");
+            assert!(s.jobs[0].gated(LICENSE));
+            // Asked once, then not again within OFF_EVERY_S; nothing else read.
+            assert_eq!((s.reservation_reads, s.reads), (1, 0));
+        }
+        slurm.switch_gate(&gate(100_000), true).unwrap();
+        assert_eq!(c.look(&slurm, &node, 4.5).unwrap(), Looked::default());
+        let looked = c.look(&slurm, &node, OFF_EVERY_S).unwrap();
+        assert_eq!(looked.switched, Some(false));
+        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(slurm.state.lock().unwrap().gate_until, Some(300));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The claimer's thread: a look every `look_ms`, and what each look did in the log and the
 //! metrics.
 
-use super::{ClaimConfig, Claimer, Looked, LICENSE};
+use super::{ClaimConfig, Claimer, Looked, LICENSE, OFF_RESERVATION};
 use crate::background::Trouble;
 use crate::node::Node;
 use crate::slurm::Slurm;
@@ -83,6 +83,14 @@ fn first(slurm: &dyn Slurm, config: &ClaimConfig, share_every_s: u64, trouble: &
 fn said(looked: &Looked, trouble: &mut Trouble) {
     if trouble.recovered() {
         tracing::info!("claiming works again");
+    }
+    match looked.switched {
+        Some(true) => tracing::warn!(
+            "the gate is switched off (reservation {OFF_RESERVATION}): multiplexed jobs start where Slurm places \
+             them, and this claimer neither gates nor claims until `multiplexd gate on`"
+        ),
+        Some(false) => tracing::info!("the gate is switched on again: gating and claiming"),
+        None => {}
     }
     for (job, node, kind) in &looked.claimed {
         tracing::info!(job, %node, gpu = %kind, "claimed");

@@ -65,6 +65,9 @@ impl Commands {
     }
 }
 
+/// How often switching the gate off deletes it again after a claimer made it again.
+const SWITCH_TRIES: usize = 5;
+
 /// Whether scontrol's error says the job is past being updated as a pending job.
 pub(super) fn too_late(text: &str) -> bool {
     [
@@ -231,6 +234,48 @@ impl Slurm for Commands {
         }
     }
 
+    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError> {
+        // Every reservation, one a line: a missing one is no error (`scontrol show reservation
+        // NAME` says "not found" on its standard output and exits 1, like any failure).
+        let args = ["-o".to_string(), "show".to_string(), "reservation".to_string()];
+        Ok(parse_reservation_end(&self.run("scontrol", &args)?, name))
+    }
+
+    fn switch_gate(&self, gate: &Gate, on: bool) -> Result<(), SlurmError> {
+        let delete = |name: &str| match self.run("scontrol", &["delete".to_string(), format!("ReservationName={name}")]) {
+            Err(SlurmError::Failed(e)) if e.contains("Requested reservation is invalid") => Ok(()),
+            other => other.map(|_| ()),
+        };
+        if on {
+            return delete(&gate.off);
+        }
+        let create = [
+            "create".to_string(),
+            "reservation".to_string(),
+            format!("ReservationName={}", gate.off),
+            format!("Licenses={}:1", gate.license),
+            "Flags=ANY_NODES".to_string(),
+            "Users=root".to_string(),
+            "StartTime=now".to_string(),
+            "Duration=UNLIMITED".to_string(),
+        ];
+        // A claimer may make the gate again between the two calls (it holds every license,
+        // so the off reservation's one is refused): delete it again, a few times at most.
+        let mut last = String::new();
+        for _ in 0..SWITCH_TRIES {
+            delete(&gate.reservation)?;
+            match self.run("scontrol", &create) {
+                Ok(_) => return Ok(()),
+                Err(SlurmError::Failed(e)) if e.contains("Duplicate reservation name") => return Ok(()),
+                Err(SlurmError::Failed(e)) if e.contains("Invalid license specification") => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(SlurmError::Failed(format!(
+            "a claimer made the gate again each time it was deleted ({SWITCH_TRIES} times): {last}"
+        )))
+    }
+
     fn release(&self, job: u32, licenses: &str, admin_comment: &str) -> Result<(), SlurmError> {
         self.update_pending(
             job,
@@ -344,6 +389,15 @@ impl Slurm for Commands {
 pub fn parse_job_gpu(out: &str) -> Option<u32> {
     let detail = out.split_whitespace().find_map(|w| w.strip_prefix("GRES="))?;
     multiplex_protocol::gres::gpu_of_detail(detail)
+}
+
+/// The `EndTime` of reservation `name` in `scontrol -o show reservation` output (`No
+/// reservations in the system` where there are none).
+pub fn parse_reservation_end(out: &str, name: &str) -> Option<String> {
+    let named = format!("ReservationName={name}");
+    let line = out.lines().find(|l| l.split_whitespace().next() == Some(named.as_str()))?;
+    let end = line.split_whitespace().find_map(|w| w.strip_prefix("EndTime="));
+    Some(end.unwrap_or("unknown").to_string())
 }
 
 /// The total of `scontrol show licenses -o NAME`: `LicenseName=multiplex Total=100000 ...`.

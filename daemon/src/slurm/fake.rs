@@ -1,6 +1,7 @@
 //! The in-memory Slurm that the unit tests and the simulator share.
 
 use super::*;
+use crate::claimer::{OFF_RESERVATION, RESERVATION};
 
 /// Slurm in memory: the jobs and nodes a test or the simulator sets, updates applied as
 /// slurmctld applies them (a claim of a job that is not pending fails with
@@ -17,6 +18,8 @@ pub struct FakeState {
     pub nodes: Vec<NodeInfo>,
     /// Until when (seconds from the fake's start of time, [`FakeState::now`]) the gate holds.
     pub gate_until: Option<u64>,
+    /// The gate is switched off (`multiplexd gate off`).
+    pub gate_off: bool,
     pub now: u64,
     /// Jobs each slurmd runs.
     pub running: Vec<(String, u32)>,
@@ -25,6 +28,8 @@ pub struct FakeState {
     /// Reads (squeue, sinfo) and updates (claims, gate holds, releases, requeues) made.
     pub reads: u64,
     pub updates: u64,
+    /// Reservations shown (the off switch asked).
+    pub reservation_reads: u64,
     pub claims: Vec<Pin>,
     /// Each running job's GPU index, where its gres has no type.
     pub gpus: Vec<(u32, u32)>,
@@ -105,7 +110,35 @@ impl Slurm for Fake {
     fn hold_gate(&self, _gate: &Gate, lease_s: u64) -> Result<(), SlurmError> {
         self.with(|s| {
             s.updates += 1;
+            if s.gate_off {
+                // The off reservation holds one of the licenses the gate would reserve.
+                return Err(SlurmError::Failed(
+                    "Error creating the reservation: Invalid license specification".into(),
+                ));
+            }
             s.gate_until = Some(s.now + lease_s);
+            Ok(())
+        })
+    }
+
+    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError> {
+        self.with(|s| {
+            s.reservation_reads += 1;
+            Ok(match name {
+                OFF_RESERVATION if s.gate_off => Some("unlimited".into()),
+                RESERVATION => s.gate_until.map(|t| t.to_string()),
+                _ => None,
+            })
+        })
+    }
+
+    fn switch_gate(&self, _gate: &Gate, on: bool) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            s.gate_off = !on;
+            if !on {
+                s.gate_until = None;
+            }
             Ok(())
         })
     }

@@ -191,6 +191,9 @@ pub struct Gate {
     pub license: String,
     /// How many of the license slurm.conf has (all of them are reserved).
     pub count: u32,
+    /// The reservation whose presence says the gate is switched off (`multiplexd gate off`):
+    /// it holds one of the licenses, so that no gate of all of them can be made meanwhile.
+    pub off: String,
 }
 
 /// What the daemon asks of Slurm.
@@ -210,6 +213,14 @@ pub trait Slurm: Send + Sync {
     /// Keeps the gate closed until `lease_s` seconds from now, making its reservation if it is
     /// missing or lapsed. One scontrol update (two or three when it has to be made).
     fn hold_gate(&self, gate: &Gate, lease_s: u64) -> Result<(), SlurmError>;
+    /// The end time of reservation `name` as slurmctld shows it (`2026-11-28T08:43:16`), `None`
+    /// where there is none. One scontrol show.
+    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError>;
+    /// Switches the gate off (its reservation deleted and the off reservation made, so that
+    /// every gated job goes where Slurm places it and no claimer gates again) or on again (the
+    /// off reservation deleted: the claimer makes the gate at its next look). Two or three
+    /// scontrol calls.
+    fn switch_gate(&self, gate: &Gate, on: bool) -> Result<(), SlurmError>;
     /// Lets a pending job through the gate without pinning it (Slurm places it), writing
     /// `admin_comment`: a job no GPU of the cluster could hold, to fail at once with the reason.
     fn release(&self, job: u32, licenses: &str, admin_comment: &str) -> Result<(), SlurmError>;
@@ -354,6 +365,19 @@ mod tests {
             Some(100000)
         );
         assert_eq!(parse_license_total("No licenses configured"), None);
+    }
+
+    #[test]
+    fn a_reservations_end_time_by_its_exact_name() {
+        let out = "ReservationName=multiplex-gate-old StartTime=2026-11-28T08:00:00 EndTime=2026-11-28T08:01:00 \
+                   Flags=ANY_NODES\nReservationName=multiplex-gate StartTime=2026-11-28T08:44:44 \
+                   EndTime=2026-11-28T08:45:44 Duration=00:01:00 Licenses=multiplex:100000 State=ACTIVE\n";
+        assert_eq!(
+            parse_reservation_end(out, "multiplex-gate").as_deref(),
+            Some("2026-11-28T08:45:44")
+        );
+        assert_eq!(parse_reservation_end(out, "multiplex-off"), None);
+        assert_eq!(parse_reservation_end("No reservations in the system\n", "multiplex-gate"), None);
     }
 
     #[test]
