@@ -2131,7 +2131,10 @@ fn the_off_switch_lets_every_gated_job_go_at_once_and_keeps_the_claimer_from_gat
         let rec = c.show_job(*j);
         rec["JobState"] == "PENDING" && rec["Reason"] == "Licenses"
     };
-    assert!(wait_until(WAIT, || jobs.iter().all(gated)), "not every job waits at the gate");
+    assert!(
+        wait_until(WAIT, || jobs.iter().all(gated)),
+        "not every job waits at the gate"
+    );
     let on = GateOn(&c);
     let said = gate(&c, &["off"]);
     assert!(said.starts_with("switched off:"), "{said}");
@@ -2153,18 +2156,171 @@ fn the_off_switch_lets_every_gated_job_go_at_once_and_keeps_the_claimer_from_gat
     let _on = GateOn(&c);
     let log = c.path("log/multiplexd-n1.log");
     let says_off = || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("the gate is switched off"));
-    assert!(wait_until(Duration::from_secs(15), says_off), "the claimer did not see the switch");
+    assert!(
+        wait_until(Duration::from_secs(15), says_off),
+        "the claimer did not see the switch"
+    );
     let unclaimed = submit("off-running");
     let rec = c.wait(unclaimed, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
     assert!(!rec["AdminComment"].contains("multiplex: claim "), "{rec:?}");
-    assert!(!multiplex_tests::gate_held(), "the claimer made the gate while it was off");
+    assert!(
+        !multiplex_tests::gate_held(),
+        "the claimer made the gate while it was off"
+    );
     // Switched on, the claimer gates and claims within seconds.
     let said = gate(&c, &["on"]);
     assert!(said.starts_with("switched on:"), "{said}");
-    assert!(wait_until(Duration::from_secs(15), multiplex_tests::gate_held), "no gate after on");
+    assert!(
+        wait_until(Duration::from_secs(15), multiplex_tests::gate_held),
+        "no gate after on"
+    );
     let claimed = submit("on-again");
     let rec = c.wait(claimed, WAIT);
     assert!(rec["AdminComment"].contains("multiplex: claim "), "{rec:?}");
     assert!(gate(&c, &[]).starts_with("on: the claimer holds the gate until"));
+}
+
+/// The daemon holding the claimers' lease (its active `multiplex-claimer-NODE`), if one does.
+fn lease_holder() -> Option<String> {
+    let out = std::process::Command::new("scontrol")
+        .args(["-o", "show", "reservation"])
+        .output()
+        .expect("run scontrol");
+    let all = multiplexd::slurm::parse_reservations(&String::from_utf8_lossy(&out.stdout));
+    let mut active = all.into_iter().filter(|r| r.active).filter_map(|r| {
+        r.name
+            .strip_prefix(multiplexd::claimer::LEASE_PREFIX)
+            .map(str::to_string)
+    });
+    let holder = active.next();
+    assert_eq!(active.next(), None, "two claimers' leases in force at once");
+    holder
+}
+
+/// Gives n2's daemon `[claim] enabled` too (n1's lease length), until the guard is dropped;
+/// waits until it stands by.
+fn n2_stands_by(c: &Cluster) -> multiplex_tests::DaemonConfig {
+    let section = format!("\n[claim]\nenabled = true\nlease_s = {}\n", lease(c).as_secs());
+    let log = c.path("log/multiplexd-n2.log");
+    let said = || std::fs::read_to_string(&log).map_or(0, |l| l.matches("standing by: another daemon holds").count());
+    let before = said();
+    let guard = c.daemon_config("n2", |text| format!("{text}{section}"));
+    assert!(
+        wait_until(Duration::from_secs(15), || said() > before),
+        "n2 does not stand by"
+    );
+    guard
+}
+
+/// The daemons whose logs say they claimed `job`.
+fn claimed_by(c: &Cluster, job: u32) -> Vec<&'static str> {
+    ["n1", "n2"]
+        .into_iter()
+        .filter(|n| {
+            std::fs::read_to_string(c.path(&format!("log/multiplexd-{n}.log")))
+                .is_ok_and(|l| l.contains(&format!(" claimed job={job} ")))
+        })
+        .collect()
+}
+
+/// After a test that moved the lease: n1 holds it again before the next test.
+fn n1_leads_again() {
+    assert!(
+        wait_until(Duration::from_secs(40), || lease_holder().as_deref() == Some("n1")),
+        "n1 did not take the claimers' lease back: {:?}",
+        lease_holder()
+    );
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn a_claimer_killed_amid_a_burst_is_replaced_by_a_standby_and_every_job_is_claimed_and_started() {
+    let c = Cluster::from_env();
+    assert_eq!(lease_holder().as_deref(), Some("n1"));
+    let standby = n2_stands_by(&c);
+    let submit = |i: usize| {
+        c.submit(&[
+            &format!("--multiplex=app=itest-ha{i}"),
+            "--gres=gpu:1",
+            &out_arg(&c, "ha"),
+            "--wrap",
+            "sleep 2",
+        ])
+    };
+    let mut jobs: Vec<u32> = (0..4).map(submit).collect();
+    let killed = c.kill_daemon("n1");
+    jobs.extend((4..8).map(submit));
+    let _cancel = multiplex_tests::Cancel(jobs.clone());
+    for &j in &jobs {
+        let rec = c.wait(j, WAIT);
+        assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+        // Claimed, not let through by a lapsed gate, and started within 30 s of submission.
+        assert!(rec["AdminComment"].contains("multiplex: claim node:"), "{rec:?}");
+        let t = |k: &str| epoch_seconds(&rec[k]);
+        assert!(
+            t("StartTime") - t("SubmitTime") <= 30,
+            "job {j} waited too long: {rec:?}"
+        );
+    }
+    assert_eq!(lease_holder().as_deref(), Some("n2"));
+    for &j in &jobs[4..] {
+        assert_eq!(claimed_by(&c, j), ["n2"], "job {j}");
+    }
+    drop(killed);
+    drop(standby);
+    n1_leads_again();
+}
+
+#[test]
+#[ignore = "needs the local Slurm cluster: run tests/run"]
+fn two_claimers_started_at_once_one_holds_the_lease_and_only_it_pins() {
+    let c = Cluster::from_env();
+    let standby = n2_stands_by(&c);
+    let stopped = [c.stop_daemon("n1"), c.stop_daemon("n2")];
+    drop(stopped);
+    let jobs: Vec<u32> = (0..6)
+        .map(|i| {
+            c.submit(&[
+                &format!("--multiplex=app=itest-race{i}"),
+                "--gres=gpu:1",
+                &out_arg(&c, "race2"),
+                "--wrap",
+                "sleep 1",
+            ])
+        })
+        .collect();
+    let _cancel = multiplex_tests::Cancel(jobs.clone());
+    let holder = {
+        assert!(
+            wait_until(WAIT, || lease_holder().is_some()),
+            "no daemon took the lease"
+        );
+        lease_holder().unwrap()
+    };
+    for &j in &jobs {
+        let rec = c.wait(j, WAIT);
+        assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");
+        assert_eq!(
+            rec["AdminComment"].matches("multiplex: claim node:").count(),
+            1,
+            "{rec:?}"
+        );
+        assert_eq!(claimed_by(&c, j), [holder.as_str()], "job {j}");
+    }
+    drop(standby);
+    n1_leads_again();
+}
+
+/// Seconds since the epoch of slurmctld's local time stamp (`2026-11-28T08:45:44`), by
+/// `date`, for differences only.
+fn epoch_seconds(stamp: &str) -> i64 {
+    let out = std::process::Command::new("date")
+        .args(["-d", stamp, "+%s"])
+        .output()
+        .expect("run date");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("a time stamp date reads")
 }

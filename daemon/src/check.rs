@@ -183,6 +183,8 @@ pub struct Inputs<'a> {
     pub constrain_devices: Result<Option<String>, String>,
     /// How many of the gate's license slurmctld has (`Err`: none, or it could not be asked).
     pub gate_licenses: Result<u32, String>,
+    /// How many of the claimers' lease license slurmctld has (`Err`: none, or unasked).
+    pub lease_licenses: Result<u32, String>,
     pub record: Result<NodeRecord, String>,
     pub plugstack: Result<Option<Option<String>>, String>,
     pub policy: Option<PolicyView>,
@@ -198,6 +200,7 @@ pub fn check(i: &Inputs) -> Vec<Finding> {
     gres_types(i, &mut out);
     devices(i, &mut out);
     gate(i, &mut out);
+    lease(i, &mut out);
     shards(i, &mut out);
     record(i, listed.as_deref(), &mut out);
     plugstack(i, &mut out);
@@ -312,6 +315,27 @@ fn devices(i: &Inputs, out: &mut Vec<Finding>) {
             format!(
                 "cgroup.conf has ConstrainDevices={}: a job can open every GPU of the node, not only the one Slurm allocated it (set ConstrainDevices=yes with TaskPlugin=task/cgroup)",
                 v.as_deref().unwrap_or("no (not set)")
+            ),
+        )),
+    }
+}
+
+/// The claimers' lease license, where this daemon may claim.
+fn lease(i: &Inputs, out: &mut Vec<Finding>) {
+    if !i.config.claim.enabled {
+        return;
+    }
+    let lease = crate::claimer::LEASE_LICENSE;
+    match &i.lease_licenses {
+        Ok(n) if *n > 0 => out.push(finding(
+            Level::Ok,
+            format!("slurmctld has the claimers' lease license {lease}: this daemon stands by while another daemon with [claim] enabled claims"),
+        )),
+        _ => out.push(finding(
+            Level::Warning,
+            format!(
+                "slurmctld has no license {lease}: this daemon claims alone, with no standby, and a second daemon with [claim] enabled would claim beside it (slurm.conf: Licenses={},{lease}:1)",
+                multiplex_protocol::spec::GATE_LICENSE
             ),
         )),
     }
@@ -554,6 +578,7 @@ mod tests {
             gres: parse_gres_conf(GRES, &n1_or_n2),
             constrain_devices: Ok(Some("yes".into())),
             gate_licenses: Ok(100_000),
+            lease_licenses: Ok(1),
             record: Ok(record()),
             plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
             policy: Some(PolicyView {
@@ -573,6 +598,7 @@ mod tests {
             gres: parse_gres_conf(GRES, &n1_or_n2),
             constrain_devices: Ok(None),
             gate_licenses: Ok(0),
+            lease_licenses: Ok(0),
             record: Ok(r),
             plugstack: Ok(Some(Some("/run/other/n1.sock".into()))),
             policy: Some(PolicyView {
@@ -624,6 +650,7 @@ mod tests {
             gres: Err("cannot read /etc/slurm/gres.conf: No such file".into()),
             constrain_devices: Err("cannot read /etc/slurm/cgroup.conf: No such file".into()),
             gate_licenses: Ok(100_000),
+            lease_licenses: Ok(1),
             record: Err("scontrol: not found".into()),
             plugstack: Ok(None),
             policy: None,
@@ -638,11 +665,40 @@ mod tests {
         let untyped_shards = GRES.replace("Name=shard Type=v100_1", "Name=shard");
         let f = check(&Inputs {
             gres: parse_gres_conf(&untyped_shards, &n1_or_n2),
-            ..good
+            constrain_devices: Ok(Some("yes".into())),
+            gate_licenses: Ok(100_000),
+            lease_licenses: Ok(1),
+            record: Ok(record()),
+            plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
+            policy: None,
+            config: &c,
         });
         assert_eq!(
             errors(&f),
             ["the claimer cannot name this node's GPUs to Slurm: GPU 1's shard line has Type=none, not v100_1 (gres.conf needs Type=MODEL_INDEX on each GPU's gpu and shard lines; etc/gres.conf.example)"]
+        );
+        // A daemon that may claim: with the lease license it stands by, without it it is
+        // told it claims alone.
+        let mut claiming = config(2, &[0, 1]);
+        claiming.claim.enabled = true;
+        let stands_by = Inputs {
+            config: &claiming,
+            gres: parse_gres_conf(GRES, &n1_or_n2),
+            lease_licenses: Ok(1),
+            ..good
+        };
+        let f = check(&stands_by);
+        assert!(f.iter().all(|f| f.level == Level::Ok), "{f:?}");
+        assert!(f.iter().any(|f| f.text.contains("this daemon stands by")), "{f:?}");
+        let alone = Inputs {
+            lease_licenses: Err("slurm.conf has no license \"multiplex-claimer\"".into()),
+            ..stands_by
+        };
+        let f = check(&alone);
+        assert!(
+            f.iter()
+                .any(|f| f.level == Level::Warning && f.text.contains("claims alone, with no standby")),
+            "{f:?}"
         );
     }
 }

@@ -170,13 +170,14 @@ pub fn gate(config_path: &Path, switch: Option<&str>) -> Result<(), String> {
         }
         Some(other) => return Err(format!("gate: '{other}' is neither on nor off")),
         None => {
-            let end = |name: &str| slurm.reservation_end(name).map_err(|e| e.to_string());
-            if end(OFF_RESERVATION)?.is_some() {
+            let all = slurm.reservations().map_err(|e| e.to_string())?;
+            let end = |name: &str| all.iter().find(|r| r.name == name).map(|r| r.end.clone());
+            if end(OFF_RESERVATION).is_some() {
                 println!(
                     "off: multiplexed jobs start where Slurm places them, and no claimer gates or claims \
                      (`multiplexd gate on` switches it on)"
                 );
-            } else if let Some(until) = end(RESERVATION)? {
+            } else if let Some(until) = end(RESERVATION) {
                 println!("on: the claimer holds the gate until {until} and renews it");
             } else {
                 println!(
@@ -337,6 +338,9 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         gres: gres.map_err(|e| format!("{e} ({} is read beside SLURM_CONF)", gres_path.display())),
         constrain_devices,
         gate_licenses: slurm.license_total(crate::claimer::LICENSE).map_err(|e| e.to_string()),
+        lease_licenses: slurm
+            .license_total(crate::claimer::LEASE_LICENSE)
+            .map_err(|e| e.to_string()),
         record,
         plugstack,
         policy,

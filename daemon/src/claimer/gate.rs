@@ -6,11 +6,8 @@
 
 use crate::slurm::{Gate, Slurm, SlurmError};
 
+pub use crate::slurm::{GATE_RESERVATION as RESERVATION, OFF_RESERVATION};
 pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
-/// The reservation that holds every one of them while a claimer runs.
-pub const RESERVATION: &str = "multiplex-gate";
-/// The reservation whose presence says the gate is switched off.
-pub const OFF_RESERVATION: &str = "multiplex-off";
 /// How often a claimer asks whether the gate was switched off or on (one `scontrol show
 /// reservation`), and always before it renews the gate: switched on again, the gate is made
 /// within this.
@@ -60,7 +57,7 @@ impl Keeper {
         let stale = self.off.is_none_or(|(at, _)| now - at >= OFF_EVERY_S);
         let due = stale || (was == Some(false) && self.renewal_due(lease_s, now));
         if due {
-            let off = slurm.reservation_end(&self.gate.off)?.is_some();
+            let off = slurm.reservations()?.iter().any(|r| r.name == self.gate.off);
             self.off = Some((now, off));
             if off {
                 // Switched on again, the gate is made at once.

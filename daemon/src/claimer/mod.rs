@@ -28,10 +28,12 @@ pub use crate::config::ClaimConfig;
 pub use scorer::Scorer;
 pub use thread::spawn;
 
+mod election;
 mod gate;
 mod scorer;
 mod thread;
 
+pub use election::{Election, LEASE_LICENSE, LEASE_PREFIX, TAKEOVER_S};
 pub use gate::{gate, LICENSE, OFF_EVERY_S, OFF_RESERVATION, RESERVATION};
 /// How often the node list is read again (sinfo).
 const NODES_EVERY: Duration = Duration::from_secs(60);
@@ -85,6 +87,9 @@ pub struct Looked {
     /// The gate was found switched off (`Some(true)`: this look neither gated nor claimed)
     /// or on again (`Some(false)`) since the look before.
     pub switched: Option<bool>,
+    /// This daemon took the claimers' lease (`Some(true)`) or stands by (`Some(false)`: it
+    /// neither gated nor claimed), where that changed since the look before.
+    pub leading: Option<bool>,
 }
 
 /// The claimer's state between looks.
@@ -94,6 +99,10 @@ pub struct Looked {
 pub struct Claimer {
     config: ClaimConfig,
     gate: gate::Keeper,
+    /// Its part in the claimers' election, where it stands for the lease (`None`: it claims
+    /// alone), and whether it led at its last look.
+    election: Option<Election>,
+    leading: Option<bool>,
     /// The node list, when it was read, and its usable nodes' GPUs as a look starts from them
     /// (each GPU with no job yet).
     nodes: Option<(f64, Vec<NodeInfo>, Vec<NodeGpus>)>,
@@ -118,10 +127,19 @@ impl Claimer {
         self
     }
 
+    /// Stands for the claimers' lease as the daemon of `node` ([`Election`]): it claims only
+    /// while it holds it, and stands by otherwise.
+    pub fn stands_by(mut self, node: &str) -> Claimer {
+        self.election = Some(Election::new(node));
+        self
+    }
+
     pub fn new(config: ClaimConfig, license_count: u32) -> Claimer {
         Claimer {
             config,
             gate: gate::Keeper::new(license_count),
+            election: None,
+            leading: None,
             nodes: None,
             memory: Memory::default(),
             pinned_since: HashMap::new(),
@@ -140,11 +158,24 @@ impl Claimer {
     /// One look at `now`: the gate, the queue, the claims. `scorer` is this daemon's node:
     /// its history scores, and its GPUs say how much memory each GPU model has.
     pub fn look(&mut self, slurm: &dyn Slurm, scorer: &dyn Scorer, now: f64) -> Result<Looked, SlurmError> {
+        let leads = match self.election.as_mut() {
+            Some(e) => e.leads(slurm, now)?,
+            None => true,
+        };
+        let leading = (self.leading != Some(leads)).then_some(leads);
+        self.leading = Some(leads);
+        if !leads {
+            return Ok(Looked {
+                leading,
+                ..Looked::default()
+            });
+        }
         let lease_s = self.config.lease_s;
         let (off, switched) = self.gate.switched_off(slurm, lease_s, now)?;
         if off {
             return Ok(Looked {
                 switched,
+                leading,
                 ..Looked::default()
             });
         }
@@ -153,6 +184,7 @@ impl Claimer {
         if queue.candidates.is_empty() {
             return Ok(Looked {
                 switched,
+                leading,
                 ..Looked::default()
             });
         }
@@ -160,7 +192,11 @@ impl Claimer {
         let inputs = scorer.inputs(&queue.nodes, &pending).map_err(SlurmError::Failed)?;
         let choices = inputs.choose(&mut self.memory, now);
         let looked = self.carry_out(slurm, &queue, choices, now)?;
-        Ok(Looked { switched, ..looked })
+        Ok(Looked {
+            switched,
+            leading,
+            ..looked
+        })
     }
 
     /// Slurm's queue and nodes as this look sees them: what holds each GPU, and the first
@@ -803,8 +839,17 @@ mod tests {
             fn hold_gate(&self, g: &Gate, l: u64) -> Result<(), SlurmError> {
                 self.0.hold_gate(g, l)
             }
-            fn reservation_end(&self, n: &str) -> Result<Option<String>, SlurmError> {
-                self.0.reservation_end(n)
+            fn reservations(&self) -> Result<Vec<crate::slurm::Reservation>, SlurmError> {
+                self.0.reservations()
+            }
+            fn take_lease(&self, n: &str, l: &str, s: u64) -> Result<bool, SlurmError> {
+                self.0.take_lease(n, l, s)
+            }
+            fn renew_lease(&self, n: &str, s: u64) -> Result<bool, SlurmError> {
+                self.0.renew_lease(n, s)
+            }
+            fn delete_reservation(&self, n: &str) -> Result<(), SlurmError> {
+                self.0.delete_reservation(n)
             }
             fn switch_gate(&self, g: &Gate, on: bool) -> Result<(), SlurmError> {
                 self.0.switch_gate(g, on)

@@ -1,7 +1,7 @@
 //! The claimer's thread: a look every `look_ms`, and what each look did in the log and the
 //! metrics.
 
-use super::{ClaimConfig, Claimer, Looked, LICENSE, OFF_RESERVATION};
+use super::{ClaimConfig, Claimer, Looked, LEASE_LICENSE, LEASE_PREFIX, LICENSE, OFF_RESERVATION};
 use crate::background::Trouble;
 use crate::node::Node;
 use crate::slurm::Slurm;
@@ -31,6 +31,7 @@ pub fn spawn(
         lease_s = config.lease_s,
         "claiming pending multiplexed jobs for the cluster"
     );
+    let name = node.lock().unwrap_or_else(|p| p.into_inner()).name().to_string();
     let started = std::thread::Builder::new().name("claim".into()).spawn(move || {
         let mut trouble = Trouble::default();
         let mut claimer: Option<Claimer> = None;
@@ -38,7 +39,7 @@ pub fn spawn(
         while !shutdown.load(Ordering::SeqCst) {
             let next = Instant::now() + every;
             if claimer.is_none() {
-                claimer = first(slurm.as_ref(), &config, share_every_s, &mut trouble);
+                claimer = first(slurm.as_ref(), &config, share_every_s, &name, &mut trouble);
             }
             if let Some(c) = claimer.as_mut() {
                 match c.look(slurm.as_ref(), node.as_ref(), start.elapsed().as_secs_f64()) {
@@ -61,12 +62,19 @@ pub fn spawn(
     }
 }
 
-/// The claimer, once Slurm says how many of the gate's licenses slurm.conf has.
-fn first(slurm: &dyn Slurm, config: &ClaimConfig, share_every_s: u64, trouble: &mut Trouble) -> Option<Claimer> {
-    match slurm.license_total(LICENSE) {
-        Ok(count) => {
-            Some(Claimer::new(config.clone(), count).outcome_after(crate::claim::outcome_s(share_every_s as f64)))
-        }
+/// The claimer, once Slurm says how many of the gate's licenses slurm.conf has. Where it has
+/// the claimers' lease license, the daemon of `node` stands for the lease
+/// ([`super::Election`]);
+/// without it, it claims alone.
+fn first(
+    slurm: &dyn Slurm,
+    config: &ClaimConfig,
+    share_every_s: u64,
+    node: &str,
+    trouble: &mut Trouble,
+) -> Option<Claimer> {
+    let count = match slurm.license_total(LICENSE) {
+        Ok(count) => count,
         Err(e) => {
             if trouble.failed(&e.to_string()) {
                 tracing::warn!(
@@ -74,7 +82,29 @@ fn first(slurm: &dyn Slurm, config: &ClaimConfig, share_every_s: u64, trouble: &
                      and waiting jobs start where Slurm puts them"
                 );
             }
+            return None;
+        }
+    };
+    let claimer = Claimer::new(config.clone(), count).outcome_after(crate::claim::outcome_s(share_every_s as f64));
+    match slurm.license_total(LEASE_LICENSE) {
+        Ok(n) if n > 0 => {
+            tracing::info!(lease = %format!("{LEASE_PREFIX}{node}"), "standing for the claimers' lease: this daemon claims while it holds it");
+            Some(claimer.stands_by(node))
+        }
+        Err(e) if !e.to_string().starts_with("slurm.conf has no license") => {
+            if trouble.failed(&e.to_string()) {
+                tracing::warn!(
+                    "cannot read whether slurm.conf has the claimers' lease license ({e}); no claims until it can"
+                );
+            }
             None
+        }
+        _ => {
+            tracing::warn!(
+                "slurm.conf has no license {LEASE_LICENSE}: this daemon claims alone, with no standby \
+                 (add {LEASE_LICENSE}:1 to Licenses= and several daemons with [claim] enabled stand by for each other)"
+            );
+            Some(claimer)
         }
     }
 }
@@ -83,6 +113,11 @@ fn first(slurm: &dyn Slurm, config: &ClaimConfig, share_every_s: u64, trouble: &
 fn said(looked: &Looked, trouble: &mut Trouble) {
     if trouble.recovered() {
         tracing::info!("claiming works again");
+    }
+    match looked.leading {
+        Some(true) => tracing::info!("holding the claimers' lease: claiming for the cluster"),
+        Some(false) => tracing::info!("standing by: another daemon holds the claimers' lease"),
+        None => {}
     }
     match looked.switched {
         Some(true) => tracing::warn!(

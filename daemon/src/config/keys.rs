@@ -204,7 +204,7 @@ pub const TABLES: &[(&str, &str)] = &[
     ("policy", "Which pairs share a GPU."),
     ("reconcile", "Freeing the slots of jobs whose end was never heard of."),
     ("share", "Pooling what the nodes learn through a shared directory."),
-    ("claim", "The cluster's claimer: exactly one daemon of the cluster runs it."),
+    ("claim", "The cluster's claimer: of the daemons with it enabled, the one holding the claimers' lease claims, the others stand by (slurm.conf's multiplex-claimer license)."),
     ("metrics", "The Prometheus endpoint."),
 ];
 
@@ -326,7 +326,7 @@ pub const KEYS: &[Key] = &[
     .test("60", Some("0")),
     switch(
         &CLAIM_ENABLED,
-        "Whether this daemon is the cluster's claimer (needs root or SlurmUser, Slurm's commands and [share] dir).",
+        "Whether this daemon may be the cluster's claimer: it claims while it holds the claimers' lease and stands by otherwise (needs root or SlurmUser, Slurm's commands and [share] dir).",
     )
     .test("true", None),
     text(

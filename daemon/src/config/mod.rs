@@ -611,6 +611,7 @@ mod tests {
             )));
         }
         assert!(conf.contains("Licenses=multiplex:"), "the gate's license");
+        assert!(conf.contains(",multiplex-claimer:1\n"), "the claimers' lease license");
         assert_eq!(
             c.share,
             ShareConfig::default(),

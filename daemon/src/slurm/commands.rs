@@ -234,20 +234,62 @@ impl Slurm for Commands {
         }
     }
 
-    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError> {
+    fn reservations(&self) -> Result<Vec<Reservation>, SlurmError> {
         // Every reservation, one a line: a missing one is no error (`scontrol show reservation
         // NAME` says "not found" on its standard output and exits 1, like any failure).
         let args = ["-o".to_string(), "show".to_string(), "reservation".to_string()];
-        Ok(parse_reservation_end(&self.run("scontrol", &args)?, name))
+        Ok(parse_reservations(&self.run("scontrol", &args)?))
+    }
+
+    fn take_lease(&self, name: &str, license: &str, seconds: u64) -> Result<bool, SlurmError> {
+        let create = [
+            "create".to_string(),
+            "reservation".to_string(),
+            format!("ReservationName={name}"),
+            format!("Licenses={license}:1"),
+            "Flags=ANY_NODES".to_string(),
+            "Users=root".to_string(),
+            "StartTime=now".to_string(),
+            format!("EndTime=now+{seconds}"),
+        ];
+        let mut again = true;
+        loop {
+            match self.run("scontrol", &create) {
+                Ok(_) => return Ok(true),
+                Err(SlurmError::Failed(e)) if e.contains("Invalid license specification") => return Ok(false),
+                // One of this name that lapsed, still kept: it holds nothing.
+                Err(SlurmError::Failed(e)) if again && e.contains("Duplicate reservation name") => {
+                    self.delete_reservation(name)?;
+                    again = false;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn renew_lease(&self, name: &str, seconds: u64) -> Result<bool, SlurmError> {
+        let renew = [
+            "update".to_string(),
+            format!("ReservationName={name}"),
+            format!("EndTime=now+{seconds}"),
+        ];
+        match self.run("scontrol", &renew) {
+            Ok(_) => Ok(true),
+            Err(SlurmError::Failed(e)) if e.contains("Requested reservation is invalid") => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn delete_reservation(&self, name: &str) -> Result<(), SlurmError> {
+        match self.run("scontrol", &["delete".to_string(), format!("ReservationName={name}")]) {
+            Err(SlurmError::Failed(e)) if e.contains("Requested reservation is invalid") => Ok(()),
+            other => other.map(|_| ()),
+        }
     }
 
     fn switch_gate(&self, gate: &Gate, on: bool) -> Result<(), SlurmError> {
-        let delete = |name: &str| match self.run("scontrol", &["delete".to_string(), format!("ReservationName={name}")]) {
-            Err(SlurmError::Failed(e)) if e.contains("Requested reservation is invalid") => Ok(()),
-            other => other.map(|_| ()),
-        };
         if on {
-            return delete(&gate.off);
+            return self.delete_reservation(&gate.off);
         }
         let create = [
             "create".to_string(),
@@ -263,7 +305,7 @@ impl Slurm for Commands {
         // so the off reservation's one is refused): delete it again, a few times at most.
         let mut last = String::new();
         for _ in 0..SWITCH_TRIES {
-            delete(&gate.reservation)?;
+            self.delete_reservation(&gate.reservation)?;
             match self.run("scontrol", &create) {
                 Ok(_) => return Ok(()),
                 Err(SlurmError::Failed(e)) if e.contains("Duplicate reservation name") => return Ok(()),
@@ -391,13 +433,19 @@ pub fn parse_job_gpu(out: &str) -> Option<u32> {
     multiplex_protocol::gres::gpu_of_detail(detail)
 }
 
-/// The `EndTime` of reservation `name` in `scontrol -o show reservation` output (`No
-/// reservations in the system` where there are none).
-pub fn parse_reservation_end(out: &str, name: &str) -> Option<String> {
-    let named = format!("ReservationName={name}");
-    let line = out.lines().find(|l| l.split_whitespace().next() == Some(named.as_str()))?;
-    let end = line.split_whitespace().find_map(|w| w.strip_prefix("EndTime="));
-    Some(end.unwrap_or("unknown").to_string())
+/// The reservations of `scontrol -o show reservation` output (`No reservations in the
+/// system` where there are none).
+pub fn parse_reservations(out: &str) -> Vec<Reservation> {
+    out.lines()
+        .filter_map(|line| {
+            let field = |key: &str| line.split_whitespace().find_map(|w| w.strip_prefix(key));
+            Some(Reservation {
+                name: field("ReservationName=")?.to_string(),
+                end: field("EndTime=").unwrap_or("unknown").to_string(),
+                active: field("State=") == Some("ACTIVE"),
+            })
+        })
+        .collect()
 }
 
 /// The total of `scontrol show licenses -o NAME`: `LicenseName=multiplex Total=100000 ...`.

@@ -1,7 +1,6 @@
 //! The in-memory Slurm that the unit tests and the simulator share.
 
 use super::*;
-use crate::claimer::{OFF_RESERVATION, RESERVATION};
 
 /// Slurm in memory: the jobs and nodes a test or the simulator sets, updates applied as
 /// slurmctld applies them (a claim of a job that is not pending fails with
@@ -20,6 +19,10 @@ pub struct FakeState {
     pub gate_until: Option<u64>,
     /// The gate is switched off (`multiplexd gate off`).
     pub gate_off: bool,
+    /// The claimers' leases (reservation name, end), and how many of their license slurm.conf
+    /// has (0: none, no claimer stands by for another).
+    pub leases: Vec<(String, u64)>,
+    pub lease_licenses: u32,
     pub now: u64,
     /// Jobs each slurmd runs.
     pub running: Vec<(String, u32)>,
@@ -121,14 +124,64 @@ impl Slurm for Fake {
         })
     }
 
-    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError> {
+    fn reservations(&self) -> Result<Vec<Reservation>, SlurmError> {
         self.with(|s| {
             s.reservation_reads += 1;
-            Ok(match name {
-                OFF_RESERVATION if s.gate_off => Some("unlimited".into()),
-                RESERVATION => s.gate_until.map(|t| t.to_string()),
-                _ => None,
-            })
+            let now = s.now;
+            let mut all: Vec<Reservation> = s
+                .gate_until
+                .map(|end| (GATE_RESERVATION.to_string(), end))
+                .into_iter()
+                .chain(s.leases.iter().cloned())
+                .map(|(name, end)| Reservation {
+                    name,
+                    end: end.to_string(),
+                    active: now < end,
+                })
+                .collect();
+            if s.gate_off {
+                all.push(Reservation {
+                    name: OFF_RESERVATION.into(),
+                    end: "unlimited".into(),
+                    active: true,
+                });
+            }
+            Ok(all)
+        })
+    }
+
+    fn take_lease(&self, name: &str, _license: &str, seconds: u64) -> Result<bool, SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            let now = s.now;
+            // The license is held by any lease in force; where slurm.conf has none, always.
+            if s.lease_licenses == 0 || s.leases.iter().any(|(_, end)| now < *end) {
+                return Ok(false);
+            }
+            s.leases.retain(|(n, _)| n != name);
+            s.leases.push((name.to_string(), now + seconds));
+            Ok(true)
+        })
+    }
+
+    fn renew_lease(&self, name: &str, seconds: u64) -> Result<bool, SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            let end = s.now + seconds;
+            // As slurmctld does, a lapsed one is brought back, whoever holds the license now.
+            Ok(s.leases
+                .iter_mut()
+                .find(|(n, _)| n == name)
+                .map(|l| l.1 = end)
+                .is_some())
+        })
+    }
+
+    fn delete_reservation(&self, name: &str) -> Result<(), SlurmError> {
+        self.with(|s| {
+            s.updates += 1;
+            s.leases.retain(|(n, _)| n != name);
+            Ok(())
         })
     }
 

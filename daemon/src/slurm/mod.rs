@@ -183,6 +183,11 @@ pub struct Pin {
     pub start_now: bool,
 }
 
+/// The reservation that holds every gate license while a claimer runs.
+pub const GATE_RESERVATION: &str = "multiplex-gate";
+/// The reservation whose presence says the gate is switched off (`multiplexd gate off`).
+pub const OFF_RESERVATION: &str = "multiplex-off";
+
 /// The reservation that holds every gate license while a claimer runs: a job that still holds
 /// one of them waits (`Reason=Licenses`) until a claim drops it or the reservation lapses.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,6 +199,17 @@ pub struct Gate {
     /// The reservation whose presence says the gate is switched off (`multiplexd gate off`):
     /// it holds one of the licenses, so that no gate of all of them can be made meanwhile.
     pub off: String,
+}
+
+/// A reservation as slurmctld lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reservation {
+    pub name: String,
+    /// Its `EndTime` as slurmctld prints it.
+    pub end: String,
+    /// Whether it is in force (`State=ACTIVE`): one past its end time holds nothing, though
+    /// slurmctld keeps it, and an update of its end time brings it back.
+    pub active: bool,
 }
 
 /// What the daemon asks of Slurm.
@@ -213,9 +229,17 @@ pub trait Slurm: Send + Sync {
     /// Keeps the gate closed until `lease_s` seconds from now, making its reservation if it is
     /// missing or lapsed. One scontrol update (two or three when it has to be made).
     fn hold_gate(&self, gate: &Gate, lease_s: u64) -> Result<(), SlurmError>;
-    /// The end time of reservation `name` as slurmctld shows it (`2026-11-28T08:43:16`), `None`
-    /// where there is none. One scontrol show.
-    fn reservation_end(&self, name: &str) -> Result<Option<String>, SlurmError>;
+    /// Every reservation, as `scontrol -o show reservation` lists them. One scontrol show.
+    fn reservations(&self) -> Result<Vec<Reservation>, SlurmError>;
+    /// Makes reservation `name` of one `license` for `seconds` from now: `Ok(false)` where
+    /// another reservation holds that license (a lock of Slurm's own: it has one). One
+    /// scontrol create (three where a lapsed one of the same name is still kept).
+    fn take_lease(&self, name: &str, license: &str, seconds: u64) -> Result<bool, SlurmError>;
+    /// Extends reservation `name` to `seconds` from now: `Ok(false)` where it is gone. One
+    /// scontrol update.
+    fn renew_lease(&self, name: &str, seconds: u64) -> Result<bool, SlurmError>;
+    /// Deletes reservation `name`; one already gone is no error. One scontrol delete.
+    fn delete_reservation(&self, name: &str) -> Result<(), SlurmError>;
     /// Switches the gate off (its reservation deleted and the off reservation made, so that
     /// every gated job goes where Slurm places it and no claimer gates again) or on again (the
     /// off reservation deleted: the claimer makes the gate at its next look). Two or three
@@ -368,16 +392,20 @@ mod tests {
     }
 
     #[test]
-    fn a_reservations_end_time_by_its_exact_name() {
-        let out = "ReservationName=multiplex-gate-old StartTime=2026-11-28T08:00:00 EndTime=2026-11-28T08:01:00 \
-                   Flags=ANY_NODES\nReservationName=multiplex-gate StartTime=2026-11-28T08:44:44 \
+    fn reservations_as_slurmctld_lists_them() {
+        let out = "ReservationName=multiplex-claimer-n1 StartTime=2026-11-28T08:00:00 EndTime=2026-11-28T08:01:00 \
+                   Flags=ANY_NODES Licenses=multiplex-claimer:1 State=INACTIVE BurstBuffer=(null)\n\
+                   ReservationName=multiplex-gate StartTime=2026-11-28T08:44:44 \
                    EndTime=2026-11-28T08:45:44 Duration=00:01:00 Licenses=multiplex:100000 State=ACTIVE\n";
+        let names = |v: Vec<Reservation>| v.into_iter().map(|r| (r.name, r.end, r.active)).collect::<Vec<_>>();
         assert_eq!(
-            parse_reservation_end(out, "multiplex-gate").as_deref(),
-            Some("2026-11-28T08:45:44")
+            names(parse_reservations(out)),
+            vec![
+                ("multiplex-claimer-n1".into(), "2026-11-28T08:01:00".into(), false),
+                ("multiplex-gate".into(), "2026-11-28T08:45:44".into(), true)
+            ]
         );
-        assert_eq!(parse_reservation_end(out, "multiplex-off"), None);
-        assert_eq!(parse_reservation_end("No reservations in the system\n", "multiplex-gate"), None);
+        assert_eq!(parse_reservations("No reservations in the system\n"), vec![]);
     }
 
     #[test]
