@@ -2,7 +2,7 @@
 //! another node's, `history` lists it.
 
 use super::jobs::app_id;
-use super::{History, HistoryError};
+use super::{Cached, History, HistoryError};
 use rusqlite::{params, OptionalExtension};
 use serde::{Deserialize, Serialize};
 
@@ -200,7 +200,7 @@ fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported)
     for s in solo {
         let id = app_id(tx, &s.app)?;
         let have: Option<u32> = tx
-            .query_row(
+            .row(
                 "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
                 params![s.gpu_model, id],
                 |r| r.get(0),
@@ -209,7 +209,7 @@ fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported)
         match have {
             Some(n) if n >= s.runs => done.kept += 1,
             _ => {
-                tx.execute(
+                tx.exec(
                     "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
                      ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
                     params![s.gpu_model, id, s.runtime_s, s.runs],
@@ -231,7 +231,7 @@ fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Importe
     for p in pairs {
         let (a, o) = (app_id(tx, &p.app)?, app_id(tx, &p.other)?);
         let have: Option<(u32, bool)> = tx
-            .query_row(
+            .row(
                 "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
                 params![p.gpu_model, a, o],
                 |r| Ok((r.get(0)?, r.get(1)?)),
@@ -240,7 +240,7 @@ fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Importe
         match have {
             Some((n, oom)) if n >= p.observations => {
                 if p.oom && !oom {
-                    tx.execute(
+                    tx.exec(
                         "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
                         params![p.gpu_model, a, o],
                     )?;
@@ -249,7 +249,7 @@ fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Importe
             }
             _ => {
                 let oom = p.oom || have.is_some_and(|(_, oom)| oom);
-                tx.execute(
+                tx.exec(
                     "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
                      ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
@@ -273,12 +273,12 @@ fn merge_memory(tx: &rusqlite::Transaction, memory: &[MemoryRow], done: &mut Imp
     for m in memory {
         let id = app_id(tx, &m.app)?;
         let have: Option<i64> = tx
-            .query_row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
+            .row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
             .optional()?;
         match have {
             Some(ours) if ours >= m.peak_mb as i64 => done.kept += 1,
             _ => {
-                tx.execute(
+                tx.exec(
                     "INSERT INTO app_memory(app_id, peak_mb) VALUES (?1, ?2)
                      ON CONFLICT(app_id) DO UPDATE SET peak_mb = ?2",
                     params![id, m.peak_mb as i64],

@@ -290,11 +290,13 @@ impl History {
 
 /// The id of application `name`, added if new.
 pub(super) fn app_id(tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
-    tx.exec(
-        "INSERT INTO applications(name) VALUES (?1) ON CONFLICT(name) DO NOTHING",
-        [name],
-    )?;
-    tx.row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0))
+    let id = |tx: &rusqlite::Transaction| tx.row("SELECT id FROM applications WHERE name = ?1", [name], |r| r.get(0));
+    // Known (nearly always: an import reads every application twice a row): no write.
+    if let Some(id) = rusqlite::OptionalExtension::optional(id(tx))? {
+        return Ok(id);
+    }
+    tx.exec("INSERT INTO applications(name) VALUES (?1)", [name])?;
+    id(tx)
 }
 
 /// Closes the open intervals of `members` (the jobs now on one GPU) and opens new ones: one per
