@@ -205,6 +205,14 @@ pub fn place(gpus: &[GpuState], job: &Newcomer, history: &Estimates, knobs: Knob
     }
 }
 
+/// What [`place`] scores `gpu` for `job`, without its words: the gain, how many jobs run
+/// there, and the least gain the share is taken for; `None` where the GPU is refused.
+pub fn worth(gpu: &GpuState, job: &Newcomer, history: &Estimates, knobs: Knobs) -> Option<(f64, usize, f64)> {
+    score(gpu, job, history, knobs)
+        .ok()
+        .map(|s| (s.gain, s.residents, s.least_gain(knobs.min_gain)))
+}
+
 /// The best of the scored GPUs: higher gain wins; on a tie the emptier GPU, then the lower
 /// index.
 fn best(candidates: Vec<Scored>) -> Option<Scored> {

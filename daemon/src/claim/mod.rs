@@ -14,6 +14,9 @@
 use std::collections::HashMap;
 
 use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, Wanted};
+use classes::{Kinds, Weighed};
+
+mod classes;
 
 /// One node's shared GPUs, with what runs on each and what was claimed for each (Slurm's books).
 #[derive(Debug, Clone, PartialEq)]
@@ -62,11 +65,11 @@ pub enum Choice {
 /// What [`choose`] reads of the history for `pending` on `nodes`.
 pub fn wanted(nodes: &[NodeGpus], pending: &[Candidate], slots: u32) -> Wanted {
     let mut w = Wanted::default();
+    // Each kind of GPU asks for the same pairs wherever it is.
+    let kinds = Kinds::new(nodes);
     for job in pending {
         let newcomer = newcomer(job);
-        for n in nodes {
-            w.extend(placement::wanted(&eligible(&n.gpus, job), &newcomer, slots));
-        }
+        w.extend(placement::wanted(&eligible(kinds.samples(), job), &newcomer, slots));
     }
     w
 }
@@ -141,64 +144,75 @@ enum Offer {
 }
 
 /// [`placement::place`] on every node, the best of them: the highest gain, then the emptier
-/// GPU, then Slurm's node order.
-fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs) -> Offer {
-    let newcomer = newcomer(job);
-    let mut best: Option<(usize, Decision, f64, usize)> = None;
+/// GPU, then Slurm's node order. Each kind of GPU is scored once ([`classes`]); the node that
+/// wins is then placed on in full, for the decision's words.
+fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
+    let mut weighed = Weighed::new(job, history, knobs, kinds);
+    let mut best: Option<(usize, f64, usize)> = None;
     let mut never = Vec::new();
-    let mut any_gpu = false;
+    let (mut any_gpu, mut eligible_nodes) = (false, 0);
     for (n, node) in nodes.iter().enumerate() {
         if job.nodes.as_ref().is_some_and(|allowed| !allowed.contains(&node.node)) {
             continue;
         }
-        let (gpus, any) = open_gpus(node, job, history);
-        any_gpu |= any;
-        match placement::place(&gpus, &newcomer, history, knobs) {
-            Decision::Place {
-                gpu,
-                corunners,
-                predicted_speed,
-                gain,
-                reason,
-            } => {
-                let residents = corunners.len();
-                let better = best
-                    .as_ref()
-                    .is_none_or(|b| gain - b.2 > 1e-9 || ((gain - b.2).abs() <= 1e-9 && residents < b.3));
-                if better {
-                    let d = Decision::Place {
-                        gpu,
-                        corunners,
-                        predicted_speed,
-                        gain,
-                        reason,
-                    };
-                    best = Some((n, d, gain, residents));
+        let (mut eligible, mut open, mut largest) = (false, false, 0);
+        let mut node_best: Option<(f64, usize, f64)> = None;
+        for (g, gpu) in node.gpus.iter().enumerate() {
+            let w = weighed.of(kinds, n, g);
+            eligible |= w.eligible;
+            if !w.open {
+                continue;
+            }
+            open = true;
+            largest = largest.max(gpu.memory_mb);
+            if let Some((gain, residents, least)) = w.score {
+                // placement's own order: the higher gain, then the emptier GPU, then the first.
+                if node_best.is_none_or(|b| gain - b.0 > 1e-9 || ((gain - b.0).abs() <= 1e-9 && residents < b.1)) {
+                    node_best = Some((gain, residents, least));
                 }
             }
-            Decision::Decline {
+        }
+        any_gpu |= eligible;
+        eligible_nodes += usize::from(eligible);
+        if !open {
+            continue;
+        }
+        if job.mem_mb.is_some_and(|need| need > largest) {
+            // It could never fit here: placement says why.
+            let newcomer = newcomer(job);
+            if let Decision::Decline {
                 may_retry: false,
                 reason,
-            } if !gpus.is_empty() => never.push(reason),
-            Decision::Decline { .. } => {}
+            } = placement::place(&open_gpus(node, job, history).0, &newcomer, history, knobs)
+            {
+                never.push(reason);
+            }
+            continue;
+        }
+        let Some((gain, residents, least)) = node_best else {
+            continue;
+        };
+        if knobs.min_gain > 0.0 && residents > 0 && gain < least {
+            continue; // a share worth too little: placement declines it
+        }
+        if best.is_none_or(|b| gain - b.1 > 1e-9 || ((gain - b.1).abs() <= 1e-9 && residents < b.2)) {
+            best = Some((n, gain, residents));
         }
     }
     match best {
-        Some((node, decision, gain, _)) => Offer::Gain { node, decision, gain },
+        Some((node, _, _)) => {
+            let decision = placement::place(&open_gpus(&nodes[node], job, history).0, &newcomer(job), history, knobs);
+            match decision {
+                Decision::Place { gain, .. } => Offer::Gain { node, decision, gain },
+                Decision::Decline { .. } => unreachable!("the node's scores said it takes the job: {decision:?}"),
+            }
+        }
         None if !any_gpu => Offer::Never(match &job.model {
             Some(m) => format!("no shared GPU of the cluster is of model {m}"),
             None => "the cluster has no shared GPU".into(),
         }),
         // Every node that has its GPUs says it could never hold it.
-        None if never.len()
-            == nodes
-                .iter()
-                .filter(|n| job.nodes.as_ref().is_none_or(|a| a.contains(&n.node)))
-                .filter(|n| !eligible(&n.gpus, job).is_empty())
-                .count() =>
-        {
-            Offer::Never(never.swap_remove(0))
-        }
+        None if never.len() == eligible_nodes => Offer::Never(never.swap_remove(0)),
         None => Offer::Wait,
     }
 }
@@ -379,6 +393,7 @@ fn choose_with(
     bypasses: &mut Bypasses,
 ) -> Vec<Choice> {
     let mut nodes = nodes.to_vec();
+    let mut kinds = Kinds::new(&nodes);
     let mut left: Vec<usize> = (0..pending.len()).collect();
     let mut out = Vec::new();
     let free = |nodes: &[NodeGpus]| {
@@ -395,7 +410,7 @@ fn choose_with(
             .iter()
             .map(|&i| {
                 let starved = bypasses.passed(pending[i].job_id) >= Bypasses::MAX;
-                (offer(&nodes, &pending[i], history, knobs), starved)
+                (offer(&nodes, &pending[i], history, knobs, &kinds), starved)
             })
             .collect();
         let never = offers.iter().enumerate().find_map(|(k, (o, _))| match o {
@@ -415,6 +430,7 @@ fn choose_with(
         let choice = pin_choice(left[k], node, decision);
         if let Choice::Pin { gpu, .. } = &choice {
             seat(&mut nodes[node], *gpu, &pending[left[k]], history);
+            kinds.node_changed(&nodes, node);
         }
         out.push(choice);
         left.remove(k);
@@ -990,6 +1006,29 @@ mod tests {
             )),
             vec![(0, 1, 0)]
         );
+    }
+
+    #[test]
+    fn a_job_bound_to_a_gpu_index_runs_only_on_that_index_of_whichever_node() {
+        // n1's GPU 0 holds a job, its GPU 1 is idle; n2's are both idle. Jobs bound to index 0
+        // and 1 (22.05): GPU 0 of n2 and GPU 1 of n1, whatever kind of GPU the look saw first.
+        let nodes = [
+            node("n1", vec![gpu(0, &[(5, "x")]), gpu(1, &[])]),
+            node("n2", vec![gpu(0, &[]), gpu(1, &[])]),
+        ];
+        let bound = |id, index| Candidate {
+            gpu: Some(index),
+            ..job(id, "y")
+        };
+        let pending = [bound(1, 0), bound(2, 1)];
+        let choices = choose_once(
+            &nodes,
+            &pending,
+            &Estimates::default(),
+            knobs(),
+            &mut Bypasses::default(),
+        );
+        assert_eq!(pins(&choices), vec![(0, 1, 0), (1, 0, 1)]);
     }
 
     #[test]

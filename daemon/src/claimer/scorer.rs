@@ -26,15 +26,29 @@ impl Scorer for Node {
     /// earlier runs were measured to use.
     fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
         let cannot = |e: crate::history::HistoryError| format!("cannot read the history: {e}");
+        // Each application's measured memory, read once a look (a large cluster runs
+        // thousands of jobs of a few dozen applications).
+        let mut measured: HashMap<String, Option<u64>> = HashMap::new();
+        let mut memory = |hint: Option<u64>, app: &str| -> Result<Option<u64>, String> {
+            if hint.is_some() {
+                return Ok(hint);
+            }
+            if let Some(&m) = measured.get(app) {
+                return Ok(m);
+            }
+            let m = self.job_memory(None, app).map_err(cannot)?;
+            measured.insert(app.to_string(), m);
+            Ok(m)
+        };
         let mut nodes = nodes.to_vec();
         for gpu in nodes.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
             for r in &mut gpu.residents {
-                r.mem_mb = self.job_memory(r.mem_mb, &r.app).map_err(cannot)?;
+                r.mem_mb = memory(r.mem_mb, &r.app)?;
             }
         }
         let mut pending = pending.to_vec();
         for p in &mut pending {
-            p.mem_mb = self.job_memory(p.mem_mb, &p.app).map_err(cannot)?;
+            p.mem_mb = memory(p.mem_mb, &p.app)?;
         }
         let knobs = self.knobs();
         let estimates = self
