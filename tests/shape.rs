@@ -47,7 +47,7 @@ const CRATES: &[Crate] = &[
             &["types", "learn", "command", "background", "metrics"],
             &["config", "placement"],
             // Slurm's one adapter; the claim's choice (purely); the history's database.
-            &["slurm", "claim", "history", "gpus"],
+            &["slurm", "claim", "history", "gpus", "nodeconf"],
             &["lessons", "inspect", "admission", "put_back"],
             // A step's start, end or report, in the node's own terms.
             &["node"],

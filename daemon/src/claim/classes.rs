@@ -5,8 +5,8 @@
 //! job against every GPU of the cluster is a lookup per GPU: at 1,000 nodes of 8 GPUs, a few
 //! dozen kinds instead of 8,000 scorings (`cargo bench -p multiplexd --bench claim`).
 
-use super::{guarded, Candidate, NodeGpus};
-use crate::placement::{self, Estimates, GpuState, Knobs};
+use super::{guarded, newcomer, open_gpus, Candidate, NodeGpus, Offer};
+use crate::placement::{self, Decision, Estimates, GpuState, Knobs};
 use std::collections::HashMap;
 
 /// Whether `a` and `b` are of one kind (`bound`: for jobs bound to a GPU index, which must
@@ -142,4 +142,105 @@ impl<'a> Weighed<'a> {
         self.worth[id] = Some(w);
         w
     }
+}
+
+/// [`placement::place`] on every node, the best of them: the highest gain, then the emptier
+/// GPU, then Slurm's node order. Each kind of GPU is scored once ([`Kinds`]); the node that
+/// wins is then placed on in full, for the decision's words.
+pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
+    let mut weighed = Weighed::new(job, history, knobs, kinds);
+    let mut best: Option<(usize, f64, usize)> = None;
+    let mut never = Vec::new();
+    let (mut any_gpu, mut eligible_nodes) = (false, 0);
+    for (n, node) in nodes.iter().enumerate() {
+        if job.nodes.as_ref().is_some_and(|allowed| !allowed.contains(&node.node)) {
+            continue;
+        }
+        let (eligible, seen) = node_offer(node, n, job, knobs, kinds, &mut weighed);
+        any_gpu |= eligible;
+        eligible_nodes += usize::from(eligible);
+        match seen {
+            Seen::Gain(gain, residents) => {
+                if best.is_none_or(|b| gain - b.1 > 1e-9 || ((gain - b.1).abs() <= 1e-9 && residents < b.2)) {
+                    best = Some((n, gain, residents));
+                }
+            }
+            Seen::Never => {
+                // It could never fit here: placement says why.
+                let gpus = open_gpus(node, job, history).0;
+                if let Decision::Decline {
+                    may_retry: false,
+                    reason,
+                } = placement::place(&gpus, &newcomer(job), history, knobs)
+                {
+                    never.push(reason);
+                }
+            }
+            Seen::Nothing => {}
+        }
+    }
+    match best {
+        Some((node, _, _)) => {
+            let gpus = open_gpus(&nodes[node], job, history).0;
+            match placement::place(&gpus, &newcomer(job), history, knobs) {
+                decision @ Decision::Place { gain, .. } => Offer::Gain { node, decision, gain },
+                decision => unreachable!("the node's scores said it takes the job: {decision:?}"),
+            }
+        }
+        None if !any_gpu => Offer::Never(match &job.model {
+            Some(m) => format!("no shared GPU of the cluster is of model {m}"),
+            None => "the cluster has no shared GPU".into(),
+        }),
+        // Every node that has its GPUs says it could never hold it.
+        None if never.len() == eligible_nodes => Offer::Never(never.swap_remove(0)),
+        None => Offer::Wait,
+    }
+}
+
+/// What one node is to a job, as [`placement::place`] would decide on its open GPUs.
+enum Seen {
+    /// Its best slot: the gain, and how many jobs run there.
+    Gain(f64, usize),
+    /// None of its GPUs could ever hold the job (memory).
+    Never,
+    /// No slot worth taking now, or no GPU open to the job.
+    Nothing,
+}
+
+/// Node `n` for `job` from its GPUs' kinds: whether it has a GPU of the job's model and
+/// index at all, and what it offers.
+fn node_offer(
+    node: &NodeGpus,
+    n: usize,
+    job: &Candidate,
+    knobs: Knobs,
+    kinds: &Kinds,
+    weighed: &mut Weighed,
+) -> (bool, Seen) {
+    let (mut eligible, mut open, mut largest) = (false, false, 0);
+    let mut best: Option<(f64, usize, f64)> = None;
+    for (g, gpu) in node.gpus.iter().enumerate() {
+        let w = weighed.of(kinds, n, g);
+        eligible |= w.eligible;
+        if !w.open {
+            continue;
+        }
+        open = true;
+        largest = largest.max(gpu.memory_mb);
+        if let Some((gain, residents, least)) = w.score {
+            // placement's own order: the higher gain, then the emptier GPU, then the first.
+            if best.is_none_or(|b| gain - b.0 > 1e-9 || ((gain - b.0).abs() <= 1e-9 && residents < b.1)) {
+                best = Some((gain, residents, least));
+            }
+        }
+    }
+    let seen = match best {
+        _ if !open => Seen::Nothing,
+        _ if job.mem_mb.is_some_and(|need| need > largest) => Seen::Never,
+        // A share worth too little: placement declines it.
+        Some((gain, residents, least)) if knobs.min_gain > 0.0 && residents > 0 && gain < least => Seen::Nothing,
+        Some((gain, residents, _)) => Seen::Gain(gain, residents),
+        None => Seen::Nothing,
+    };
+    (eligible, seen)
 }

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, Wanted};
-use classes::{Kinds, Weighed};
+use classes::{offer, Kinds};
 
 mod classes;
 
@@ -141,80 +141,6 @@ enum Offer {
     Wait,
     /// No GPU of the cluster could ever hold it.
     Never(String),
-}
-
-/// [`placement::place`] on every node, the best of them: the highest gain, then the emptier
-/// GPU, then Slurm's node order. Each kind of GPU is scored once ([`classes`]); the node that
-/// wins is then placed on in full, for the decision's words.
-fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
-    let mut weighed = Weighed::new(job, history, knobs, kinds);
-    let mut best: Option<(usize, f64, usize)> = None;
-    let mut never = Vec::new();
-    let (mut any_gpu, mut eligible_nodes) = (false, 0);
-    for (n, node) in nodes.iter().enumerate() {
-        if job.nodes.as_ref().is_some_and(|allowed| !allowed.contains(&node.node)) {
-            continue;
-        }
-        let (mut eligible, mut open, mut largest) = (false, false, 0);
-        let mut node_best: Option<(f64, usize, f64)> = None;
-        for (g, gpu) in node.gpus.iter().enumerate() {
-            let w = weighed.of(kinds, n, g);
-            eligible |= w.eligible;
-            if !w.open {
-                continue;
-            }
-            open = true;
-            largest = largest.max(gpu.memory_mb);
-            if let Some((gain, residents, least)) = w.score {
-                // placement's own order: the higher gain, then the emptier GPU, then the first.
-                if node_best.is_none_or(|b| gain - b.0 > 1e-9 || ((gain - b.0).abs() <= 1e-9 && residents < b.1)) {
-                    node_best = Some((gain, residents, least));
-                }
-            }
-        }
-        any_gpu |= eligible;
-        eligible_nodes += usize::from(eligible);
-        if !open {
-            continue;
-        }
-        if job.mem_mb.is_some_and(|need| need > largest) {
-            // It could never fit here: placement says why.
-            let newcomer = newcomer(job);
-            if let Decision::Decline {
-                may_retry: false,
-                reason,
-            } = placement::place(&open_gpus(node, job, history).0, &newcomer, history, knobs)
-            {
-                never.push(reason);
-            }
-            continue;
-        }
-        let Some((gain, residents, least)) = node_best else {
-            continue;
-        };
-        if knobs.min_gain > 0.0 && residents > 0 && gain < least {
-            continue; // a share worth too little: placement declines it
-        }
-        if best.is_none_or(|b| gain - b.1 > 1e-9 || ((gain - b.1).abs() <= 1e-9 && residents < b.2)) {
-            best = Some((n, gain, residents));
-        }
-    }
-    match best {
-        Some((node, _, _)) => {
-            let decision = placement::place(&open_gpus(&nodes[node], job, history).0, &newcomer(job), history, knobs);
-            match decision {
-                Decision::Place { gain, .. } => Offer::Gain { node, decision, gain },
-                Decision::Decline { .. } => unreachable!("the node's scores said it takes the job: {decision:?}"),
-            }
-        }
-        None if !any_gpu => Offer::Never(match &job.model {
-            Some(m) => format!("no shared GPU of the cluster is of model {m}"),
-            None => "the cluster has no shared GPU".into(),
-        }),
-        // Every node that has its GPUs says it could never hold it.
-        None if never.len() == eligible_nodes => Offer::Never(never.swap_remove(0)),
-        None => Offer::Wait,
-    }
 }
 
 /// What the claimer remembers from one look to the next.
