@@ -55,6 +55,19 @@ pub fn discover(source: &GpuSource) -> Result<Vec<GpuSpec>, GpuError> {
     }
 }
 
+/// Each GPU's device number (`/dev/nvidiaN`), in NVML's index order: its minor number,
+/// which need not be its index.
+pub fn minor_numbers() -> Result<Vec<u32>, GpuError> {
+    let nvml = nvml_wrapper::Nvml::init().map_err(|e| GpuError::NoNvml(e.to_string()))?;
+    let count = nvml.device_count().map_err(|e| GpuError::Nvml(e.to_string()))?;
+    (0..count)
+        .map(|i| {
+            let dev = nvml.device_by_index(i).map_err(|e| GpuError::Nvml(e.to_string()))?;
+            dev.minor_number().map_err(|e| GpuError::Nvml(e.to_string()))
+        })
+        .collect()
+}
+
 /// A history key from NVML's marketing name: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3".
 pub fn model_key(name: &str) -> String {
     let lower = name.to_ascii_lowercase();

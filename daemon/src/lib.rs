@@ -15,6 +15,7 @@ pub mod learn;
 pub mod lessons;
 pub mod metrics;
 pub mod node;
+pub mod nodeconf;
 pub mod placement;
 pub mod put_back;
 pub mod reconcile;

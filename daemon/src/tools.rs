@@ -190,6 +190,90 @@ pub fn gate(config_path: &Path, switch: Option<&str>) -> Result<(), String> {
     Ok(())
 }
 
+/// What `multiplexd node-config` prints.
+pub struct NodeConfigArgs {
+    pub node: Option<String>,
+    /// Given facts: this many GPUs of `model` with `memory_mb` each; `None`: NVML's.
+    pub gpus: Option<u32>,
+    pub model: Option<String>,
+    pub memory_mb: u64,
+    pub jobs_per_gpu: u32,
+    pub device: String,
+    /// `all`, `gres`, `slurm`, `toml` or `gpus` (the `[[gpu]]` list alone).
+    pub part: String,
+}
+
+/// `multiplexd node-config`: the node's gres.conf lines, slurm.conf line and multiplexd.toml,
+/// from NVML or from the facts given.
+pub fn node_config(a: &NodeConfigArgs) -> Result<(), String> {
+    use crate::nodeconf::{self, Facts};
+    let node = match &a.node {
+        Some(n) => n.clone(),
+        None => crate::command::run(Path::new("hostname"), &["-s".to_string()], Duration::from_secs(5))?
+            .trim()
+            .to_string(),
+    };
+    if a.jobs_per_gpu == 0 {
+        return Err("--jobs-per-gpu must be 1 or more".into());
+    }
+    if !a.device.contains("%g") {
+        return Err(format!(
+            "--device {:?} must say where the device number goes (%g)",
+            a.device
+        ));
+    }
+    let (gpus, minors) = node_gpus(a)?;
+    if gpus.is_empty() {
+        return Err("no GPU: NVML found none (or --gpus 0)".into());
+    }
+    let f = Facts {
+        node,
+        gpus,
+        jobs_per_gpu: a.jobs_per_gpu,
+        device: a.device.clone(),
+        minors,
+    };
+    let text = match a.part.as_str() {
+        "gres" => nodeconf::gres_conf(&f),
+        "slurm" => nodeconf::slurm_node(&f),
+        "toml" => nodeconf::multiplexd_toml(&f),
+        "gpus" => nodeconf::gpu_list(&f),
+        _ => nodeconf::all(&f),
+    };
+    print!("{text}");
+    Ok(())
+}
+
+/// The node's GPUs and their device numbers: as given, or NVML's.
+fn node_gpus(a: &NodeConfigArgs) -> Result<(Vec<crate::config::GpuSpec>, Vec<u32>), String> {
+    use crate::config::{GpuSource, GpuSpec};
+    Ok(match (a.gpus, &a.model) {
+        (Some(n), Some(model)) => {
+            let gpus = (0..n)
+                .map(|index| GpuSpec {
+                    index,
+                    model: model.clone(),
+                    memory_mb: a.memory_mb,
+                    uuid: None,
+                })
+                .collect();
+            (gpus, vec![])
+        }
+        (Some(_), None) => return Err("--gpus needs --model".into()),
+        (None, _) => {
+            let nvml = |e: crate::gpus::GpuError| match e {
+                crate::gpus::GpuError::NoNvml(why) => {
+                    format!("NVML is unavailable ({why}): give the GPUs with --gpus N --model MODEL [--memory-mb MIB]")
+                }
+                e => e.to_string(),
+            };
+            let gpus = crate::gpus::discover(&GpuSource::Nvml).map_err(nvml)?;
+            let minors = crate::gpus::minor_numbers().map_err(nvml)?;
+            (gpus, minors)
+        }
+    })
+}
+
 /// `multiplexd export FILE`: what the history learned, as JSON for another node.
 pub fn export(config_path: &Path, file: &Path) -> Result<(), String> {
     let h = open_history(config_path)?;
