@@ -4,16 +4,18 @@
 //! that GPU's type (`shard:v100_1:1`) and its node list to that node. Slurm then allocates,
 //! fences and accounts exactly that GPU. Nothing is moved or declined after a job starts.
 //!
-//! One daemon of the cluster runs it (`[claim] enabled`), on a thread of its own. Every
-//! `look_ms` it renews the gate's lease when due, reads the shared partition's jobs (one
-//! squeue: what runs on which GPU and what waits, in Slurm's order), and claims through
-//! [`crate::claim::choose`] over its history, which holds what every node learned where the
-//! nodes pool their histories (`[share] dir`). Its nodes come from sinfo once a minute.
+//! Every daemon with `[claim] enabled` runs it on a thread of its own; the one holding the
+//! claimers' lease claims, the others stand by ([`Election`]). Every `look_ms` the holder asks
+//! whether the gate is switched off ([`gate`]), renews the gate's lease when due, reads the
+//! shared partition's jobs (one squeue: what runs on which GPU and what waits, in Slurm's
+//! order), and claims through [`crate::claim::choose`] over its history, which holds what
+//! every node learned where the nodes pool their histories (`[share] dir`). Its nodes come
+//! from sinfo once a minute.
 //!
 //! Fail-open: the gate is a reservation of every license of its name, renewed `lease_s` ahead.
-//! With the claimer gone (its daemon stopped or killed, its host down) it lapses within
-//! `lease_s`, and every waiting job starts where Slurm's own placement puts it; the node's
-//! daemon records it there.
+//! With the claimer gone (its daemon stopped or killed, its host down) a standby takes over
+//! within about 20 s; with none, the gate lapses within `lease_s`, and every waiting job
+//! starts where Slurm's own placement puts it; the node's daemon records it there.
 
 use crate::claim::{Candidate, Choice, Memory, NodeGpus};
 use crate::placement::{GpuState, Resident};

@@ -64,8 +64,7 @@ pub fn spawn(
 
 /// The claimer, once Slurm says how many of the gate's licenses slurm.conf has. Where it has
 /// the claimers' lease license, the daemon of `node` stands for the lease
-/// ([`super::Election`]);
-/// without it, it claims alone.
+/// ([`super::Election`]); without it, it claims alone.
 fn first(
     slurm: &dyn Slurm,
     config: &ClaimConfig,
