@@ -96,29 +96,7 @@ enum Command {
     },
     /// Print this node's configuration from its GPUs (NVML) or from the facts given: its
     /// gres.conf lines, its slurm.conf NodeName line and its multiplexd.toml.
-    NodeConfig {
-        /// The Slurm node name (default: this host's short name).
-        #[arg(long)]
-        node: Option<String>,
-        /// Instead of NVML: this many GPUs, of --model, with --memory-mb each.
-        #[arg(long)]
-        gpus: Option<u32>,
-        /// The GPUs' model (the history's key, e.g. v100), with --gpus.
-        #[arg(long)]
-        model: Option<String>,
-        /// Each GPU's memory, MiB, with --gpus.
-        #[arg(long, default_value_t = 16384)]
-        memory_mb: u64,
-        /// Jobs per GPU: its shards.
-        #[arg(long, default_value_t = 2)]
-        jobs_per_gpu: u32,
-        /// Each GPU's device file; %g is its device number.
-        #[arg(long, default_value = "/dev/nvidia%g")]
-        device: String,
-        /// Which part to print.
-        #[arg(long, value_parser = ["all", "gres", "slurm", "toml", "gpus"], default_value = "all")]
-        part: String,
-    },
+    NodeConfig(tools::NodeConfigArgs),
     /// Merge another node's export into this node's history (more observations win).
     Import {
         /// The file to read, or - for standard input.
@@ -153,23 +131,7 @@ fn main() -> ExitCode {
         Command::Export { file, config } => tools::export(&config, &file),
         Command::Import { file, config } => tools::import(&config, &file),
         Command::Gate { switch, config } => tools::gate(&config, switch.as_deref()),
-        Command::NodeConfig {
-            node,
-            gpus,
-            model,
-            memory_mb,
-            jobs_per_gpu,
-            device,
-            part,
-        } => tools::node_config(&tools::NodeConfigArgs {
-            node,
-            gpus,
-            model,
-            memory_mb,
-            jobs_per_gpu,
-            device,
-            part,
-        }),
+        Command::NodeConfig(args) => tools::node_config(&args),
         Command::CheckConfig { config } => match tools::check_config(&config) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),

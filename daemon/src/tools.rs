@@ -190,16 +190,29 @@ pub fn gate(config_path: &Path, switch: Option<&str>) -> Result<(), String> {
     Ok(())
 }
 
-/// What `multiplexd node-config` prints.
+/// What `multiplexd node-config` is told.
+#[derive(Debug, clap::Args)]
 pub struct NodeConfigArgs {
+    /// The Slurm node name (default: this host's short name).
+    #[arg(long)]
     pub node: Option<String>,
-    /// Given facts: this many GPUs of `model` with `memory_mb` each; `None`: NVML's.
+    /// Instead of NVML: this many GPUs, of --model, with --memory-mb each.
+    #[arg(long)]
     pub gpus: Option<u32>,
+    /// The GPUs' model (the history's key, e.g. v100), with --gpus.
+    #[arg(long)]
     pub model: Option<String>,
+    /// Each GPU's memory, MiB, with --gpus.
+    #[arg(long, default_value_t = 16384)]
     pub memory_mb: u64,
+    /// Jobs per GPU: its shards.
+    #[arg(long, default_value_t = 2)]
     pub jobs_per_gpu: u32,
+    /// Each GPU's device file; %g is its device number.
+    #[arg(long, default_value = "/dev/nvidia%g")]
     pub device: String,
-    /// `all`, `gres`, `slurm`, `toml` or `gpus` (the `[[gpu]]` list alone).
+    /// Which part to print (gpus: the `[[gpu]]` list alone).
+    #[arg(long, value_parser = ["all", "gres", "slurm", "toml", "gpus"], default_value = "all")]
     pub part: String,
 }
 

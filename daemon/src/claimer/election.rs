@@ -12,7 +12,7 @@
 //! without asking for the license again: so a holder renews only within its lease, and one
 //! that finds another lease in force beside its own after renewing gives its own up.
 
-use crate::slurm::{Slurm, SlurmError};
+use crate::slurm::{Reservation, Slurm, SlurmError};
 
 /// The license of the claimers' lease: slurm.conf has one (`Licenses=...,multiplex-claimer:1`).
 pub const LEASE_LICENSE: &str = "multiplex-claimer";
@@ -35,6 +35,8 @@ pub struct Election {
     held_until: Option<f64>,
     /// When it last asked slurmctld.
     asked: Option<f64>,
+    /// Every reservation, as its last ask read them, until taken ([`Election::take_listed`]).
+    listed: Option<Vec<Reservation>>,
 }
 
 impl Election {
@@ -44,7 +46,14 @@ impl Election {
             name: format!("{LEASE_PREFIX}{node}"),
             held_until: None,
             asked: None,
+            listed: None,
         }
+    }
+
+    /// The reservations its ask of this look read, if it asked: the off switch reads them
+    /// there instead of asking slurmctld again.
+    pub fn take_listed(&mut self) -> Option<Vec<Reservation>> {
+        self.listed.take()
     }
 
     fn holds(&self, now: f64) -> bool {
@@ -63,11 +72,13 @@ impl Election {
         } else {
             self.held_until = None;
         }
-        let leases: Vec<_> = slurm
-            .reservations()?
-            .into_iter()
+        let all = slurm.reservations()?;
+        let leases: Vec<_> = all
+            .iter()
             .filter(|r| r.name.starts_with(LEASE_PREFIX))
+            .cloned()
             .collect();
+        self.listed = Some(all);
         self.asked = Some(now);
         if self.held_until.is_some() {
             if leases.iter().any(|r| r.active && r.name != self.name) {

@@ -4,7 +4,7 @@
 //! so that no gate of all of them can be made until it is switched on again, and every
 //! claimer, seeing it, neither gates nor claims.
 
-use crate::slurm::{Gate, Slurm, SlurmError};
+use crate::slurm::{Gate, Reservation, Slurm, SlurmError};
 
 pub use crate::slurm::{GATE_RESERVATION as RESERVATION, OFF_RESERVATION};
 pub use multiplex_protocol::spec::GATE_LICENSE as LICENSE;
@@ -45,19 +45,29 @@ impl Keeper {
         self.renewed.is_none_or(|at| now - at >= (lease_s / 3) as f64)
     }
 
-    /// Whether the gate is switched off, asked every [`OFF_EVERY_S`] and before a renewal,
-    /// and with it whether that changed since the last answer (`Some(off)`).
+    /// Whether the gate is switched off, asked every [`OFF_EVERY_S`] and before a renewal
+    /// (read from `listed`, the reservations this look already read, where there are), and
+    /// with it whether that changed since the last answer (`Some(off)`).
     pub(super) fn switched_off(
         &mut self,
         slurm: &dyn Slurm,
         lease_s: u64,
         now: f64,
+        listed: Option<&[Reservation]>,
     ) -> Result<(bool, Option<bool>), SlurmError> {
         let was = self.off.map(|(_, off)| off);
         let stale = self.off.is_none_or(|(at, _)| now - at >= OFF_EVERY_S);
-        let due = stale || (was == Some(false) && self.renewal_due(lease_s, now));
+        let due = listed.is_some() || stale || (was == Some(false) && self.renewal_due(lease_s, now));
         if due {
-            let off = slurm.reservations()?.iter().any(|r| r.name == self.gate.off);
+            let read;
+            let all = match listed {
+                Some(all) => all,
+                None => {
+                    read = slurm.reservations()?;
+                    &read
+                }
+            };
+            let off = all.iter().any(|r| r.name == self.gate.off);
             self.off = Some((now, off));
             if off {
                 // Switched on again, the gate is made at once.

@@ -164,6 +164,8 @@ impl Claimer {
             Some(e) => e.leads(slurm, now)?,
             None => true,
         };
+        // What the election read of Slurm's reservations this look, for the off switch.
+        let listed = self.election.as_mut().and_then(Election::take_listed);
         let leading = (self.leading != Some(leads)).then_some(leads);
         self.leading = Some(leads);
         if !leads {
@@ -173,7 +175,7 @@ impl Claimer {
             });
         }
         let lease_s = self.config.lease_s;
-        let (off, switched) = self.gate.switched_off(slurm, lease_s, now)?;
+        let (off, switched) = self.gate.switched_off(slurm, lease_s, now, listed.as_deref())?;
         if off {
             return Ok(Looked {
                 switched,

@@ -65,6 +65,37 @@ impl Commands {
     }
 }
 
+impl Commands {
+    /// Runs `scontrol create reservation` (`create`), replacing one of that name that lapsed
+    /// but that slurmctld still keeps (it holds nothing).
+    fn create_replacing(&self, create: &[String], name: &str) -> Result<(), SlurmError> {
+        match self.run("scontrol", create) {
+            Err(SlurmError::Failed(e)) if e.contains("Duplicate reservation name") => {
+                self.delete_reservation(name)?;
+                self.run("scontrol", create).map(|_| ())
+            }
+            other => other.map(|_| ()),
+        }
+    }
+}
+
+/// `scontrol create reservation` of `licenses` for root, on no node, from now `until`
+/// (`EndTime=now+300`, `Duration=UNLIMITED`): the gate, the claimers' leases and the off switch.
+fn reservation(name: &str, licenses: &str, until: &str) -> Vec<String> {
+    [
+        "create",
+        "reservation",
+        &format!("ReservationName={name}"),
+        &format!("Licenses={licenses}"),
+        "Flags=ANY_NODES",
+        "Users=root",
+        "StartTime=now",
+        until,
+    ]
+    .map(str::to_string)
+    .to_vec()
+}
+
 /// How often switching the gate off deletes it again after a claimer made it again.
 const SWITCH_TRIES: usize = 5;
 
@@ -205,33 +236,12 @@ impl Slurm for Commands {
     }
 
     fn hold_gate(&self, gate: &Gate, lease_s: u64) -> Result<(), SlurmError> {
-        let renew = [
-            "update".to_string(),
-            format!("ReservationName={}", gate.reservation),
-            format!("EndTime=now+{lease_s}"),
-        ];
-        if self.run("scontrol", &renew).is_ok() {
+        if self.renew_lease(&gate.reservation, lease_s).unwrap_or(false) {
             return Ok(());
         }
-        let create = [
-            "create".to_string(),
-            "reservation".to_string(),
-            format!("ReservationName={}", gate.reservation),
-            format!("Licenses={}:{}", gate.license, gate.count),
-            "Flags=ANY_NODES".to_string(),
-            "Users=root".to_string(),
-            "StartTime=now".to_string(),
-            format!("EndTime=now+{lease_s}"),
-        ];
-        match self.run("scontrol", &create) {
-            // One that ended but that slurmctld still keeps under its name.
-            Err(SlurmError::Failed(e)) if e.contains("Duplicate reservation name") => {
-                let delete = ["delete".to_string(), format!("ReservationName={}", gate.reservation)];
-                self.run("scontrol", &delete)?;
-                self.run("scontrol", &create).map(|_| ())
-            }
-            other => other.map(|_| ()),
-        }
+        let licenses = format!("{}:{}", gate.license, gate.count);
+        let create = reservation(&gate.reservation, &licenses, &format!("EndTime=now+{lease_s}"));
+        self.create_replacing(&create, &gate.reservation)
     }
 
     fn reservations(&self) -> Result<Vec<Reservation>, SlurmError> {
@@ -242,28 +252,11 @@ impl Slurm for Commands {
     }
 
     fn take_lease(&self, name: &str, license: &str, seconds: u64) -> Result<bool, SlurmError> {
-        let create = [
-            "create".to_string(),
-            "reservation".to_string(),
-            format!("ReservationName={name}"),
-            format!("Licenses={license}:1"),
-            "Flags=ANY_NODES".to_string(),
-            "Users=root".to_string(),
-            "StartTime=now".to_string(),
-            format!("EndTime=now+{seconds}"),
-        ];
-        let mut again = true;
-        loop {
-            match self.run("scontrol", &create) {
-                Ok(_) => return Ok(true),
-                Err(SlurmError::Failed(e)) if e.contains("Invalid license specification") => return Ok(false),
-                // One of this name that lapsed, still kept: it holds nothing.
-                Err(SlurmError::Failed(e)) if again && e.contains("Duplicate reservation name") => {
-                    self.delete_reservation(name)?;
-                    again = false;
-                }
-                Err(e) => return Err(e),
-            }
+        let create = reservation(name, &format!("{license}:1"), &format!("EndTime=now+{seconds}"));
+        match self.create_replacing(&create, name) {
+            Ok(()) => Ok(true),
+            Err(SlurmError::Failed(e)) if e.contains("Invalid license specification") => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
@@ -291,16 +284,7 @@ impl Slurm for Commands {
         if on {
             return self.delete_reservation(&gate.off);
         }
-        let create = [
-            "create".to_string(),
-            "reservation".to_string(),
-            format!("ReservationName={}", gate.off),
-            format!("Licenses={}:1", gate.license),
-            "Flags=ANY_NODES".to_string(),
-            "Users=root".to_string(),
-            "StartTime=now".to_string(),
-            "Duration=UNLIMITED".to_string(),
-        ];
+        let create = reservation(&gate.off, &format!("{}:1", gate.license), "Duration=UNLIMITED");
         // A claimer may make the gate again between the two calls (it holds every license,
         // so the off reservation's one is refused): delete it again, a few times at most.
         let mut last = String::new();
