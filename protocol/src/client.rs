@@ -189,7 +189,10 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_that_says_so() {
+        // Each answers after reading the request, as a server does: answering before would
+        // race the client's write against the hang-up (a broken pipe, not the garbage).
         let (_dir, path, h) = fake_daemon("garbage", |mut s| {
+            let _ = wire::read_frame_bytes(&mut s);
             let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello");
         });
         let (r, _) = ask(&path, 1000);
@@ -199,6 +202,7 @@ mod tests {
         assert!(e.to_string().contains("larger than"), "{e}");
 
         let (_dir, path, h) = fake_daemon("json-garbage", |mut s| {
+            let _ = wire::read_frame_bytes(&mut s);
             let body = br#"{"version":2,"nonsense":true}"#;
             let _ = s.write_all(&(body.len() as u32).to_be_bytes());
             let _ = s.write_all(body);
