@@ -18,7 +18,7 @@
 //! starts where Slurm's own placement puts it; the node's daemon records it there.
 
 use crate::claim::{Candidate, Choice, Memory, NodeGpus};
-use crate::placement::{GpuState, Resident};
+use crate::placement::Resident;
 use crate::slurm::{Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
@@ -32,18 +32,14 @@ pub use thread::spawn;
 
 mod election;
 mod gate;
+mod nodes;
+mod pace;
 mod scorer;
 mod thread;
 
 pub use election::{Election, LEASE_LICENSE, LEASE_PREFIX, TAKEOVER_S};
 pub use gate::{gate, LICENSE, OFF_EVERY_S, OFF_RESERVATION, RESERVATION};
-/// How often the node list is read again (sinfo).
-const NODES_EVERY: Duration = Duration::from_secs(60);
-/// How soon it is read again when a job names a node it lacks (one added since), or when a
-/// node of the list was not up (a slurmd not registered yet as the cluster starts, a node
-/// down, drained or resuming): a job's node list is its user's, so this bounds what such a
-/// job costs slurmctld, and a node that comes up is used within this, not [`NODES_EVERY`].
-const NODES_AGAIN: Duration = Duration::from_secs(10);
+pub use pace::Paced;
 /// How long a job pinned to a GPU but not yet started keeps its slot there: Slurm's next pass
 /// starts it within a second or two. Past this (the slot was taken meanwhile, or the pin is
 /// left from an earlier run of the job), it is claimed again.
@@ -92,6 +88,8 @@ pub struct Looked {
     /// This daemon took the claimers' lease (`Some(true)`) or stands by (`Some(false)`: it
     /// neither gated nor claimed), where that changed since the look before.
     pub leading: Option<bool>,
+    /// What spacing the queue's reads by their cost to slurmctld has to say ([`pace`]).
+    pub paced: Option<Paced>,
 }
 
 /// The claimer's state between looks.
@@ -119,6 +117,8 @@ pub struct Claimer {
     hostlists: HashMap<String, Vec<String>>,
     /// A waiting job found none of its nodes up in the node list: read it again soon.
     nodes_unsettled: bool,
+    /// When the queue is read again ([`pace`]).
+    pace: pace::Pace,
 }
 
 impl Claimer {
@@ -138,6 +138,7 @@ impl Claimer {
 
     pub fn new(config: ClaimConfig, license_count: u32) -> Claimer {
         Claimer {
+            pace: pace::Pace::new(config.slurmctld_percent),
             config,
             gate: gate::Keeper::new(license_count),
             election: None,
@@ -184,11 +185,21 @@ impl Claimer {
             });
         }
         self.gate.hold(slurm, lease_s, now)?;
+        if !self.pace.due(now) {
+            return Ok(Looked {
+                switched,
+                leading,
+                ..Looked::default()
+            });
+        }
+        let started = std::time::Instant::now();
         let queue = self.read(slurm, scorer, now)?;
+        let paced = self.pace.read(slurm, now, started.elapsed());
         if queue.candidates.is_empty() {
             return Ok(Looked {
                 switched,
                 leading,
+                paced,
                 ..Looked::default()
             });
         }
@@ -199,6 +210,7 @@ impl Claimer {
         Ok(Looked {
             switched,
             leading,
+            paced,
             ..looked
         })
     }
@@ -274,35 +286,6 @@ impl Claimer {
             }
         }
         Ok(looked)
-    }
-
-    /// The partition's nodes: read again every [`NODES_EVERY`], or after [`NODES_AGAIN`] while
-    /// a node is not up, a job names a node the list lacks, or a job found none of its nodes up.
-    /// With them, their GPUs, empty, as [`cluster`] makes them.
-    fn node_list(
-        &mut self,
-        slurm: &dyn Slurm,
-        scorer: &dyn Scorer,
-        jobs: &[Job],
-        now: f64,
-    ) -> Result<(Vec<NodeInfo>, Vec<NodeGpus>), SlurmError> {
-        let stale = self.nodes.as_ref().is_none_or(|(at, nodes, _)| {
-            let age = Duration::from_secs_f64((now - at).max(0.0));
-            let some_down = nodes.iter().any(|n| !n.usable());
-            age >= NODES_EVERY
-                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, jobs)))
-        });
-        if stale {
-            self.nodes_unsettled = false;
-            let infos = slurm.nodes(&self.config.partition)?;
-            let gpus = cluster(&infos, &scorer.gpu_memory());
-            self.nodes = Some((now, infos, gpus));
-        }
-        Ok(self
-            .nodes
-            .as_ref()
-            .map(|(_, infos, gpus)| (infos.clone(), gpus.clone()))
-            .unwrap_or_default())
     }
 
     /// Forgets what no longer waits, and host lists no job names any more (they are users'
@@ -488,72 +471,6 @@ fn refuse(slurm: &dyn Slurm, job: &Job, reason: String) -> Result<Option<Done>, 
     Ok(Some(Done::Refused(reason)))
 }
 
-impl Claimer {
-    /// The nodes a job may run on: those `asked` names (its `--nodelist`), less those
-    /// `excluded` names (its `--exclude`); `None`: any. A host list Slurm cannot expand counts
-    /// as naming no node.
-    fn allowed_nodes(
-        &mut self,
-        slurm: &dyn Slurm,
-        asked: Option<&str>,
-        excluded: Option<&str>,
-        infos: &[NodeInfo],
-    ) -> Option<Vec<String>> {
-        if asked.is_none() && excluded.is_none() {
-            return None;
-        }
-        // A list scontrol could not expand names no node this look, and is asked again.
-        let mut expand = |list: &str| -> Vec<String> {
-            if let Some(hosts) = self.hostlists.get(list) {
-                return hosts.clone();
-            }
-            match slurm.hostnames(list) {
-                Ok(hosts) => self.hostlists.entry(list.to_string()).or_insert(hosts).clone(),
-                Err(_) => Vec::new(),
-            }
-        };
-        let asked = asked.map(&mut expand);
-        let excluded = excluded.map(&mut expand).unwrap_or_default();
-        Some(
-            infos
-                .iter()
-                .map(|i| i.name.clone())
-                .filter(|n| asked.as_ref().is_none_or(|a| a.contains(n)) && !excluded.contains(n))
-                .collect(),
-        )
-    }
-}
-
-/// Whether a job names a node the node list lacks (a node added since it was read).
-fn names_unknown(nodes: &[NodeInfo], jobs: &[Job]) -> bool {
-    jobs.iter()
-        .filter_map(|j| j.node.as_deref())
-        .any(|n| !n.contains([',', '[']) && !nodes.iter().any(|i| i.name == n))
-}
-
-/// The usable nodes and their GPUs (by type, see [`split_gpu_type`]), empty.
-fn cluster(infos: &[NodeInfo], memory: &HashMap<String, u64>) -> Vec<NodeGpus> {
-    infos
-        .iter()
-        .filter(|i| i.usable())
-        .map(|i| NodeGpus {
-            node: i.name.clone(),
-            gpus: i
-                .gpus()
-                .iter()
-                .filter_map(|(kind, _)| split_gpu_type(kind))
-                .map(|(model, index)| GpuState {
-                    index,
-                    model: model.to_string(),
-                    memory_mb: memory.get(model).copied().unwrap_or(u64::MAX),
-                    residents: Vec::new(),
-                })
-                .collect(),
-        })
-        .filter(|n| !n.gpus.is_empty())
-        .collect()
-}
-
 /// Counts `job` on its GPU (its model where known, and its index) of its node (`at`: each
 /// node's place in `nodes`); a job of no known GPU counts nowhere.
 fn add_resident(
@@ -597,6 +514,7 @@ mod tests {
     use crate::config::{Config, GpuSpec};
     use crate::node::Node;
     use crate::slurm::{Fake, FakeState, Gate};
+    use nodes::NODES_AGAIN;
     use std::sync::Mutex;
 
     fn daemon() -> Mutex<Node> {
@@ -715,7 +633,7 @@ mod tests {
         drop(s);
         // A job that only waits for the gate never has its begin time touched.
         let slurm = fake(vec![gated(2, "a")]);
-        c.look(&slurm, &node, t0).unwrap();
+        c.look(&slurm, &node, t0 + PIN_GRACE.as_secs_f64() + 2.0).unwrap();
         assert!(!slurm.state.lock().unwrap().claims[0].start_now);
         // Put back by its daemon since its claim (the note after the claim's), it is claimed
         // again at once, and at once again if put back again.

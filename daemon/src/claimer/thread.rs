@@ -126,6 +126,20 @@ fn said(looked: &Looked, trouble: &mut Trouble) {
         Some(false) => tracing::info!("the gate is switched on again: gating and claiming"),
         None => {}
     }
+    match &looked.paced {
+        Some(super::Paced::Spacing { read_ms, every_s }) => tracing::info!(
+            read_ms = format!("{read_ms:.1}"),
+            every_s = format!("{every_s:.1}"),
+            "slurmctld's reads of the job table cost this much each (sdiag): reading the queue this often keeps \
+             the claimer within [claim] slurmctld_percent of its time"
+        ),
+        Some(super::Paced::Timed(e)) => tracing::warn!(
+            error = %e,
+            "cannot read slurmctld's statistics (sdiag; PrivateData=usage refuses them to a user who is not an \
+             operator): each read's own duration stands for its cost, which spaces the reads further than needed"
+        ),
+        None => {}
+    }
     for (job, node, kind) in &looked.claimed {
         tracing::info!(job, %node, gpu = %kind, "claimed");
     }

@@ -101,6 +101,10 @@ pub const LOOKAHEAD: Bounded<usize> = Bounded::new("claim.lookahead", 8, 1, Some
 /// Looks below 100 ms would load slurmctld (the claimer reads the queue each time); above a
 /// minute a free GPU would idle that long.
 pub const LOOK_MS: Bounded<u64> = Bounded::new("claim.look_ms", 1000, 100, Some(60_000));
+/// A read of the job table costs slurmctld in proportion to the whole table: at 1% the
+/// claimer's reads stay within a hundredth of its time however long the queue grows (100%:
+/// a read every look).
+pub const SLURMCTLD_PERCENT: Bounded<f64> = Bounded::new("claim.slurmctld_percent", 1.0, 0.0, Some(100.0)).above_min();
 /// A lease shorter than a minute would lapse over one slow slurmctld answer; longer than an
 /// hour, a cluster whose claimer died would hold its waiting jobs that long.
 pub const LEASE_S: Bounded<u64> = Bounded::new("claim.lease_s", 300, 60, Some(3600));
@@ -345,6 +349,11 @@ pub const KEYS: &[Key] = &[
         "Milliseconds between looks; each reads the partition's queue once.",
     )
     .test("500", Some("50")),
+    bounded(
+        &SLURMCTLD_PERCENT,
+        "At most this share of slurmctld's time (sdiag) goes to the claimer's reads of the queue: a look reads it only once the reads' mean cost over this share has passed since the last (at least once a minute).",
+    )
+    .test("2.5", Some("0")),
     bounded(
         &LEASE_S,
         "How far ahead the gate is held: with the claimer gone, waiting jobs start where Slurm puts them within this long.",

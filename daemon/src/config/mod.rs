@@ -52,6 +52,7 @@ struct RawClaim {
     partition: Option<String>,
     lookahead: Option<usize>,
     look_ms: Option<u64>,
+    slurmctld_percent: Option<f64>,
     lease_s: Option<u64>,
 }
 
@@ -314,6 +315,7 @@ impl ClaimConfig {
             partition,
             lookahead: LOOKAHEAD.read(raw.lookahead)?,
             look_ms: LOOK_MS.read(raw.look_ms)?,
+            slurmctld_percent: SLURMCTLD_PERCENT.read(raw.slurmctld_percent)?,
             lease_s: LEASE_S.read(raw.lease_s)?,
         })
     }
@@ -464,6 +466,8 @@ pub struct ClaimConfig {
     pub lookahead: usize,
     /// Milliseconds between looks (each reads the queue once).
     pub look_ms: u64,
+    /// The share of slurmctld's time, in percent, the queue's reads may take.
+    pub slurmctld_percent: f64,
     /// How far ahead the gate is held: with the claimer gone, waiting jobs start where Slurm
     /// puts them within this long.
     pub lease_s: u64,
@@ -476,6 +480,7 @@ impl Default for ClaimConfig {
             partition: CLAIM_PARTITION.default.into(),
             lookahead: LOOKAHEAD.default,
             look_ms: LOOK_MS.default,
+            slurmctld_percent: SLURMCTLD_PERCENT.default,
             lease_s: LEASE_S.default,
         }
     }
@@ -509,7 +514,7 @@ mod tests {
         assert_eq!(Config::parse(base).unwrap().claim, ClaimConfig::default());
         assert!(!ClaimConfig::default().enabled);
         let c = Config::parse(&format!(
-            "{base}[claim]\nenabled = true\npartition = \"gpu-shared\"\nlookahead = 16\nlook_ms = 500\nlease_s = 120\n"
+            "{base}[claim]\nenabled = true\npartition = \"gpu-shared\"\nlookahead = 16\nlook_ms = 500\nslurmctld_percent = 0.5\nlease_s = 120\n"
         ))
         .unwrap();
         assert_eq!(
@@ -519,6 +524,7 @@ mod tests {
                 partition: "gpu-shared".into(),
                 lookahead: 16,
                 look_ms: 500,
+                slurmctld_percent: 0.5,
                 lease_s: 120,
             }
         );
@@ -528,6 +534,8 @@ mod tests {
             ("partition = \"a,b\"", "one partition"),
             ("partition = \"\"", "one partition"),
             ("look_ms = 99", "claim.look_ms = 99: must be 100 to 60000"),
+            ("slurmctld_percent = 0", "claim.slurmctld_percent = 0"),
+            ("slurmctld_percent = 101", "claim.slurmctld_percent = 101"),
             ("lease_s = 59", "claim.lease_s = 59: must be 60 to 3600"),
             ("lease_s = 3601", "claim.lease_s = 3601"),
             ("jobs = 3", "unknown field"),

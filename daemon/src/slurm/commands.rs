@@ -407,6 +407,11 @@ impl Slurm for Commands {
             ))
         })
     }
+
+    fn job_reads(&self) -> Result<Option<ReadCost>, SlurmError> {
+        // sdiag is refused to a user who is not an operator where PrivateData has `usage`.
+        Ok(Some(parse_job_reads(&self.run("sdiag", &[])?)))
+    }
 }
 
 /// The GPU index of `scontrol show job -d -o`'s allocation detail: `GRES=shard:1(IDX:1)`
@@ -415,6 +420,29 @@ impl Slurm for Commands {
 pub fn parse_job_gpu(out: &str) -> Option<u32> {
     let detail = out.split_whitespace().find_map(|w| w.strip_prefix("GRES="))?;
     multiplex_protocol::gres::gpu_of_detail(detail)
+}
+
+/// slurmctld's job table reads of sdiag's output: its line `REQUEST_JOB_INFO ( 2003)
+/// count:30 ave_time:65700 total_time:1971000` (not `REQUEST_JOB_INFO_SINGLE`'s); none where
+/// it served none since its statistics were reset.
+pub fn parse_job_reads(out: &str) -> ReadCost {
+    let none = ReadCost { reads: 0, total_us: 0 };
+    let Some(line) = out.lines().find(|l| {
+        l.trim_start()
+            .strip_prefix("REQUEST_JOB_INFO")
+            .is_some_and(|rest| rest.trim_start().starts_with('('))
+    }) else {
+        return none;
+    };
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .and_then(|v| v.parse().ok())
+    };
+    match (field("count:"), field("total_time:")) {
+        (Some(reads), Some(total_us)) => ReadCost { reads, total_us },
+        _ => none,
+    }
 }
 
 /// The reservations of `scontrol -o show reservation` output (`No reservations in the

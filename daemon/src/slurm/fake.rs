@@ -47,6 +47,13 @@ pub struct FakeState {
     pub restarts: Vec<(u32, u32)>,
     /// The next call of these kinds fails with this text.
     pub fail: Option<String>,
+    /// What slurmctld spends on a job table read, in µs per job of the table: `None`, it
+    /// cannot say ([`Slurm::job_reads`]), as in the simulator.
+    pub read_us_per_job: Option<u64>,
+    /// What it spent on them so far.
+    pub read_cost: Option<ReadCost>,
+    /// sdiag is refused (`PrivateData=usage`, to a user who is not an operator).
+    pub job_reads_refused: bool,
 }
 
 impl Fake {
@@ -76,6 +83,11 @@ impl Slurm for Fake {
     fn jobs(&self, _partition: &str) -> Result<Vec<Job>, SlurmError> {
         self.with(|s| {
             s.reads += 1;
+            if let Some(us) = s.read_us_per_job {
+                let c = s.read_cost.get_or_insert(ReadCost { reads: 0, total_us: 0 });
+                c.reads += 1;
+                c.total_us += us * s.jobs.len() as u64;
+            }
             Ok(s.jobs.clone())
         })
     }
@@ -302,6 +314,16 @@ impl Slurm for Fake {
         self.with(|s| {
             s.reads += 1;
             Ok(s.licenses)
+        })
+    }
+
+    fn job_reads(&self) -> Result<Option<ReadCost>, SlurmError> {
+        self.with(|s| {
+            if s.job_reads_refused {
+                return Err(SlurmError::Failed("sdiag: error: Access/permission denied".into()));
+            }
+            Ok(s.read_us_per_job
+                .map(|_| s.read_cost.unwrap_or(ReadCost { reads: 0, total_us: 0 })))
         })
     }
 }

@@ -212,6 +212,14 @@ pub struct Reservation {
     pub active: bool,
 }
 
+/// What slurmctld has spent serving reads of its whole job table (`REQUEST_JOB_INFO`, what
+/// squeue sends), by anyone, as sdiag counts since its statistics were last reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadCost {
+    pub reads: u64,
+    pub total_us: u64,
+}
+
 /// What the daemon asks of Slurm.
 pub trait Slurm: Send + Sync {
     /// The jobs of `partition` that wait or hold a slot (pending, running, configuring,
@@ -273,6 +281,11 @@ pub trait Slurm: Send + Sync {
     fn job_gpu(&self, id: u32) -> Result<Option<u32>, SlurmError>;
     /// How many of license `name` slurm.conf has (`scontrol show licenses`).
     fn license_total(&self, name: &str) -> Result<u32, SlurmError>;
+    /// What slurmctld spent on job table reads so far (sdiag); `Ok(None)`: this Slurm cannot
+    /// say (the simulator's, whose reads cost no slurmctld anything).
+    fn job_reads(&self) -> Result<Option<ReadCost>, SlurmError> {
+        Ok(None)
+    }
 }
 
 mod commands;
@@ -313,6 +326,28 @@ mod tests {
         assert_eq!(node_list(out).as_deref(), Some("n2"));
         assert_eq!(node_list("JobId=12 NodeList=(null) ReqNodeList=(null)"), None);
         assert_eq!(node_list("JobId=12"), None);
+    }
+
+    #[test]
+    fn sdiag_says_what_job_table_reads_cost() {
+        let out = "Remote Procedure Call statistics by message type
+\tREQUEST_PARTITION_INFO                  ( 2009) count:32     ave_time:97     total_time:3113
+\tREQUEST_JOB_INFO_SINGLE                 ( 2021) count:4      ave_time:236    total_time:946
+\tREQUEST_JOB_INFO                        ( 2003) count:30     ave_time:65700  total_time:1971000
+";
+        assert_eq!(
+            parse_job_reads(out),
+            ReadCost {
+                reads: 30,
+                total_us: 1_971_000
+            }
+        );
+        // None served since the statistics were reset: no line.
+        let none = ReadCost { reads: 0, total_us: 0 };
+        assert_eq!(
+            parse_job_reads(&out.replace("REQUEST_JOB_INFO  ", "REQUEST_NODE_INFO ")),
+            none
+        );
     }
 
     #[test]
