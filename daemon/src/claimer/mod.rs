@@ -1017,6 +1017,30 @@ mod tests {
     }
 
     #[test]
+    fn where_reading_the_queue_costs_slurmctld_much_the_claimer_reads_it_less_often_and_holds_the_gate_meanwhile() {
+        // 2 jobs at 25 ms each: a read costs slurmctld 50 ms, at 1% one every 5 s.
+        let slurm = fake(vec![running(1, "a", "n1", "v100_0"), gated(2, "a")]);
+        {
+            let mut s = slurm.state.lock().unwrap();
+            s.read_us_per_job = Some(25_000);
+        }
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        assert_eq!(c.look(&slurm, &node, 0.0).unwrap().claimed.len(), 1);
+        slurm.state.lock().unwrap().jobs.push(gated(3, "a"));
+        for t in 1..5 {
+            let looked = c.look(&slurm, &node, t as f64).unwrap();
+            assert!(looked.claimed.is_empty(), "at {t} s: {looked:?}");
+        }
+        let looked = c.look(&slurm, &node, 5.0).unwrap();
+        assert_eq!(looked.claimed.iter().map(|c| c.0).collect::<Vec<_>>(), vec![3]);
+        let s = slurm.state.lock().unwrap();
+        assert_eq!(s.read_cost.unwrap().reads, 2, "two reads in 5 s");
+        // The gate was held all along (renewed on its own clock, not the reads').
+        assert!(s.gate_until.is_some_and(|until| until >= 300));
+    }
+
+    #[test]
     fn switched_off_no_claimer_gates_or_claims_and_switched_on_it_gates_and_claims_within_seconds() {
         let slurm = fake(vec![gated(1, "a")]);
         let node = daemon();

@@ -1,17 +1,16 @@
 //! How often the claimer reads the queue. squeue asks slurmctld for its whole job table and
 //! filters partitions itself, so a read costs slurmctld in proportion to every job it keeps,
-//! those of other partitions too (22.8 ms at 8,000 jobs on the 22.05 test cluster). The
-//! claimer measures that cost (sdiag: what slurmctld spent on such reads, by anyone, over the
-//! last [`ASK_EVERY_S`]) and reads again only once its mean over `[claim] slurmctld_percent`
-//! has passed since the last read: at 1%, a read of 28 ms every 2.8 s. Its share of slurmctld's
-//! time then stays within the bound however long the queue grows, and an idle cluster's reads
-//! (well under a millisecond) still come every look. At least one read every [`LONGEST_S`].
+//! those of other partitions too (22.8 ms at 8,000 jobs on the 22.05 test cluster). After
+//! each read the claimer asks what such reads cost (sdiag, a cheap RPC that takes no job lock:
+//! what slurmctld spent on them, by anyone, since the last read) and reads again only once
+//! their mean over `[claim] slurmctld_percent` has passed: at 1%, a read of 28 ms every 2.8 s.
+//! Its share of slurmctld's time then stays within the bound however long the queue grows,
+//! and follows it within a read; an idle cluster's reads (well under a millisecond) still come
+//! every look. At least one read every [`LONGEST_S`].
 
 use crate::slurm::{ReadCost, Slurm};
 use std::time::Duration;
 
-/// How often slurmctld's statistics are asked (one sdiag, a cheap RPC with no job lock).
-pub const ASK_EVERY_S: f64 = 30.0;
 /// The longest wait between two reads, whatever they cost: a claim waits no longer.
 pub const LONGEST_S: f64 = 60.0;
 
@@ -20,8 +19,8 @@ pub const LONGEST_S: f64 = 60.0;
 pub struct Pace {
     /// The share of slurmctld's time the reads may take (0.01: 1%).
     share: f64,
-    /// sdiag's count at the last ask, and when it was asked.
-    seen: Option<(ReadCost, f64)>,
+    /// sdiag's count at the last ask.
+    seen: Option<ReadCost>,
     /// The mean cost of a read, µs, as last measured.
     mean_us: f64,
     /// sdiag was refused (`PrivateData=usage` to a user who is not an operator): each read's
@@ -58,15 +57,15 @@ impl Pace {
     }
 
     /// After a read at `now` that took `took` here: the next read's time, from slurmctld's
-    /// statistics where they are due, and what is worth saying of it.
+    /// statistics, and what is worth saying of it.
     pub fn read(&mut self, slurm: &dyn Slurm, now: f64, took: Duration) -> Option<Paced> {
         let before = self.spacing();
         let mut said = None;
         if self.timed {
             self.mean_us = took.as_secs_f64() * 1e6;
-        } else if self.seen.is_none_or(|(_, at)| now - at >= ASK_EVERY_S) {
+        } else {
             match slurm.job_reads() {
-                Ok(Some(cost)) => self.measured(cost, now),
+                Ok(Some(cost)) => self.measured(cost),
                 // This Slurm's reads cost slurmctld nothing (the simulator's).
                 Ok(None) => {}
                 Err(e) => {
@@ -88,11 +87,11 @@ impl Pace {
         })
     }
 
-    fn measured(&mut self, cost: ReadCost, now: f64) {
+    fn measured(&mut self, cost: ReadCost) {
         // Counted since the last ask; since its reset where sdiag's statistics were reset
         // (at midnight, or `sdiag --reset`) in between.
         let window = match self.seen {
-            Some((last, _)) if cost.reads >= last.reads && cost.total_us >= last.total_us => ReadCost {
+            Some(last) if cost.reads >= last.reads && cost.total_us >= last.total_us => ReadCost {
                 reads: cost.reads - last.reads,
                 total_us: cost.total_us - last.total_us,
             },
@@ -101,7 +100,7 @@ impl Pace {
         if window.reads > 0 {
             self.mean_us = window.total_us as f64 / window.reads as f64;
         }
-        self.seen = Some((cost, now));
+        self.seen = Some(cost);
     }
 
     /// Seconds from one read to the next.
@@ -186,29 +185,12 @@ mod tests {
     #[test]
     fn statistics_reset_in_between_are_read_from_their_reset() {
         let mut pace = Pace::new(1.0);
-        pace.measured(
-            ReadCost {
-                reads: 100,
-                total_us: 100_000,
-            },
-            0.0,
-        );
+        let cost = |reads, total_us| ReadCost { reads, total_us };
+        pace.measured(cost(100, 100_000));
         assert_eq!(pace.mean_us, 1000.0);
-        pace.measured(
-            ReadCost {
-                reads: 10,
-                total_us: 300_000,
-            },
-            30.0,
-        );
+        pace.measured(cost(10, 300_000));
         assert_eq!(pace.mean_us, 30_000.0);
-        pace.measured(
-            ReadCost {
-                reads: 20,
-                total_us: 500_000,
-            },
-            60.0,
-        );
+        pace.measured(cost(20, 500_000));
         assert_eq!(pace.mean_us, 20_000.0);
     }
 
