@@ -393,26 +393,15 @@ pub struct DaemonStopped {
 impl Drop for DaemonStopped {
     fn drop(&mut self) {
         let node = &self.node;
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(self.state.join(format!("log/multiplexd-{node}.log")))
-            .expect("open multiplexd log");
-        // Not waited for: the daemon must outlive the test; tests/cluster/down stops it by
-        // its pid file.
-        #[allow(clippy::zombie_processes)]
-        let child = Command::new(self.state.join("plugins/multiplexd"))
-            .args(["serve", "--config"])
-            .arg(config_path(&self.state, node))
-            .stdout(log.try_clone().expect("dup log"))
-            .stderr(log)
-            .stdin(std::process::Stdio::null())
-            .spawn()
-            .expect("restart multiplexd");
-        std::fs::write(
-            self.state.join(format!("run/multiplexd-{node}.pid")),
-            child.id().to_string(),
-        )
-        .expect("write multiplexd pid file");
+        // As tests/cluster/up started it: as the cluster's SlurmUser, its pid in its pid file.
+        let started = Command::new(self.state.join("multiplexd/start"))
+            .arg(node)
+            .status()
+            .expect("run multiplexd/start");
+        assert!(
+            started.success() || std::thread::panicking(),
+            "multiplexd/start {node}: {started}"
+        );
         // Listening, not merely there: a killed daemon left its socket file behind.
         let socket = self.state.join(format!("multiplexd/{node}.sock"));
         let listening = || std::os::unix::net::UnixStream::connect(&socket).is_ok();
