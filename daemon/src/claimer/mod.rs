@@ -7,8 +7,8 @@
 //! Every daemon with `[claim] enabled` runs it on a thread of its own; the one holding the
 //! claimers' lease claims, the others stand by ([`Election`]). Every `look_ms` the holder asks
 //! whether the gate is switched off ([`gate`]), renews the gate's lease when due, reads the
-//! shared partition's jobs (one squeue: what runs on which GPU and what waits, in Slurm's
-//! order), and claims through [`crate::claim::choose`] over its history, which holds what
+//! shared partition's jobs where their cost to slurmctld allows ([`pace`]; one squeue: what
+//! runs on which GPU and what waits, in Slurm's order), and claims through [`crate::claim::choose`] over its history, which holds what
 //! every node learned where the nodes pool their histories (`[share] dir`). Its nodes come
 //! from sinfo once a minute.
 //!
