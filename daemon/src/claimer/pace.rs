@@ -115,16 +115,8 @@ mod tests {
     use crate::slurm::{Fake, FakeState};
 
     fn fake(us_per_job: u64, jobs: usize) -> Fake {
-        let job = crate::slurm::Job {
-            id: 1,
-            pending: true,
-            reason: "Priority".into(),
-            node: None,
-            excluded: None,
-            gres: String::new(),
-            licenses: String::new(),
-            admin_comment: None,
-        };
+        // What a job is does not matter here, only how many the table holds.
+        let job = crate::slurm::Job::running_on_n1(1, "");
         Fake::new(FakeState {
             jobs: vec![job; jobs],
             read_us_per_job: Some(us_per_job),

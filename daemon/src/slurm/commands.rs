@@ -426,7 +426,7 @@ pub fn parse_job_gpu(out: &str) -> Option<u32> {
 /// count:30 ave_time:65700 total_time:1971000` (not `REQUEST_JOB_INFO_SINGLE`'s); none where
 /// it served none since its statistics were reset.
 pub fn parse_job_reads(out: &str) -> ReadCost {
-    let none = ReadCost { reads: 0, total_us: 0 };
+    let none = ReadCost::default();
     let Some(line) = out.lines().find(|l| {
         l.trim_start()
             .strip_prefix("REQUEST_JOB_INFO")

@@ -84,7 +84,7 @@ impl Slurm for Fake {
         self.with(|s| {
             s.reads += 1;
             if let Some(us) = s.read_us_per_job {
-                let c = s.read_cost.get_or_insert(ReadCost { reads: 0, total_us: 0 });
+                let c = s.read_cost.get_or_insert_with(ReadCost::default);
                 c.reads += 1;
                 c.total_us += us * s.jobs.len() as u64;
             }
@@ -322,8 +322,7 @@ impl Slurm for Fake {
             if s.job_reads_refused {
                 return Err(SlurmError::Failed("sdiag: error: Access/permission denied".into()));
             }
-            Ok(s.read_us_per_job
-                .map(|_| s.read_cost.unwrap_or(ReadCost { reads: 0, total_us: 0 })))
+            Ok(s.read_us_per_job.map(|_| s.read_cost.unwrap_or_default()))
         })
     }
 }

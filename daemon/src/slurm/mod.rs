@@ -214,7 +214,7 @@ pub struct Reservation {
 
 /// What slurmctld has spent serving reads of its whole job table (`REQUEST_JOB_INFO`, what
 /// squeue sends), by anyone, as sdiag counts since its statistics were last reset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReadCost {
     pub reads: u64,
     pub total_us: u64,
@@ -343,7 +343,7 @@ mod tests {
             }
         );
         // None served since the statistics were reset: no line.
-        let none = ReadCost { reads: 0, total_us: 0 };
+        let none = ReadCost::default();
         assert_eq!(
             parse_job_reads(&out.replace("REQUEST_JOB_INFO  ", "REQUEST_NODE_INFO ")),
             none
