@@ -5,6 +5,7 @@
 //! reading it when it changed.
 
 pub mod modify;
+pub mod plain;
 pub mod policy;
 pub mod rewrite;
 pub mod tres;
@@ -113,10 +114,13 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
     // SAFETY: the pointers in `desc` are Slurm's strings and string array, valid during the call.
     let mut view = unsafe { view_of(desc) };
     let Some(policy) = current_policy(false) else {
-        if rewrite::decide(&view, &Policy::default()) != Outcome::Untouched {
-            log::error(&format!(
+        match rewrite::decide(&view, &Policy::default()) {
+            Outcome::Untouched => {}
+            // srun took a GPU model off its asks for its step: it goes back into the job's.
+            Outcome::Plain { gpus: Some(g), .. } => apply_plain(desc, &g),
+            _ => log::error(&format!(
                 "{PREFIX}: no valid policy; multiplexed job of uid {submit_uid} passes unchanged"
-            ));
+            )),
         }
         return bindings::SLURM_SUCCESS as c_int;
     };
@@ -131,12 +135,24 @@ fn submit(desc: &mut job_desc_msg_t, submit_uid: u32, err_msg: *mut *mut c_char)
             }
             reject_code(kind)
         }
-        Outcome::KeepOff { exc_nodes } => {
-            // SAFETY: exc_nodes is a Slurm-owned string or NULL (as in the rewrite below).
-            unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };
-            log::verbose(&format!(
-                "{PREFIX}: uid {submit_uid}: a job without --multiplex asks for GPUs; kept off the shared nodes: exclude={exc_nodes}"
-            ));
+        Outcome::Plain { exc_nodes, gpus } => {
+            if let Some(exc_nodes) = exc_nodes {
+                // SAFETY: exc_nodes is a Slurm-owned string or NULL (as in the rewrite below).
+                unsafe { host::replace_string(&mut desc.exc_nodes, &exc_nodes) };
+                log::verbose(&format!(
+                    "{PREFIX}: uid {submit_uid}: a job without --multiplex asks for GPUs; kept off the shared nodes: exclude={exc_nodes}"
+                ));
+            }
+            if let Some(g) = gpus {
+                apply_plain(desc, &g);
+                log::verbose(&format!(
+                    "{PREFIX}: uid {submit_uid}: a job without --multiplex asks for {} GPUs: constraint={} tres_per_node={} tres_per_job={}",
+                    g.model,
+                    g.features.as_deref().unwrap_or("(as given)"),
+                    g.tres_per_node.as_deref().unwrap_or(""),
+                    g.tres_per_job.as_deref().unwrap_or("")
+                ));
+            }
             bindings::SLURM_SUCCESS as c_int
         }
         Outcome::Rewrite(r) => {
@@ -176,6 +192,23 @@ fn apply(desc: &mut job_desc_msg_t, r: &Rewrite) {
     if let Some(mb) = r.mem_per_node_mb {
         // Slurm refuses --mem and --mem-per-cpu beside --mem-per-gpu before job_submit.
         desc.pn_min_memory = mb;
+    }
+}
+
+/// A plain job's GPU model as a node feature (or back in its request: [`plain`]).
+fn apply_plain(desc: &mut job_desc_msg_t, g: &plain::PlainGpus) {
+    // SAFETY: each field is a Slurm-owned string or NULL, as in `apply`.
+    unsafe {
+        set_optional(&mut desc.tres_per_node, g.tres_per_node.as_deref());
+        set_optional(&mut desc.tres_per_job, g.tres_per_job.as_deref());
+        set_optional(&mut desc.tres_per_task, g.tres_per_task.as_deref());
+        set_optional(&mut desc.tres_per_socket, g.tres_per_socket.as_deref());
+        if let Some(f) = &g.features {
+            host::replace_string(&mut desc.features, f);
+        }
+        if let Some(c) = &g.admin_comment {
+            host::replace_string(&mut desc.admin_comment, c);
+        }
     }
 }
 
@@ -264,6 +297,7 @@ unsafe fn view_of(desc: &job_desc_msg_t) -> JobView {
             node_list: c_str(desc.req_nodes),
             exc_nodes: c_str(desc.exc_nodes),
             licenses: c_str(desc.licenses),
+            features: c_str(desc.features),
         }
     }
 }

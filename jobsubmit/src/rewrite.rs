@@ -2,6 +2,7 @@
 //! request into a shared-GPU one that waits for the claimer (a license of the gate), or reject
 //! it with a sentence for the user.
 
+use crate::plain::PlainGpus;
 use crate::policy::Policy;
 use crate::tres::{checked_sum, is_gpu, join, parse_tres, TresEntry};
 use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
@@ -40,6 +41,8 @@ pub struct JobView {
     pub exc_nodes: Option<String>,
     /// `--licenses`, as given.
     pub licenses: Option<String>,
+    /// `--constraint`, as given.
+    pub features: Option<String>,
 }
 
 pub use multiplex_protocol::spec::GATE_LICENSE;
@@ -104,9 +107,10 @@ pub enum Outcome {
     Untouched,
     Rewrite(Box<Rewrite>),
     /// A job without --multiplex that asks for GPUs: kept off the shared nodes (its new
-    /// `--exclude`).
-    KeepOff {
-        exc_nodes: String,
+    /// `--exclude`), or its GPU model turned into a node feature ([`crate::plain`]), or both.
+    Plain {
+        exc_nodes: Option<String>,
+        gpus: Option<Box<PlainGpus>>,
     },
     Reject {
         kind: RejectKind,
@@ -140,14 +144,19 @@ pub fn decide(job: &JobView, policy: &Policy) -> Outcome {
 }
 
 /// A job without --multiplex: kept out of the shared partitions, and off shared nodes where
-/// the site shares nodes with other partitions.
+/// the site shares nodes with other partitions; a GPU model the site shares asked for untyped.
 fn plain(job: &JobView, policy: &Policy) -> Outcome {
     if let Some(message) = unflagged_on_shared(job.partition.as_deref(), policy) {
         return reject(RejectKind::SharedPartition, message);
     }
-    match keep_off_shared_nodes(job, policy) {
-        Ok(None) => Outcome::Untouched,
-        Ok(Some(exc_nodes)) => Outcome::KeepOff { exc_nodes },
+    let changes =
+        keep_off_shared_nodes(job, policy).and_then(|exc_nodes| Ok((exc_nodes, crate::plain::untyped(job, policy)?)));
+    match changes {
+        Ok((None, None)) => Outcome::Untouched,
+        Ok((exc_nodes, gpus)) => Outcome::Plain {
+            exc_nodes,
+            gpus: gpus.map(Box::new),
+        },
         Err((kind, message)) => Outcome::Reject { kind, message },
     }
 }
@@ -849,15 +858,17 @@ mod tests {
         plain.partition = Some("gpu".into());
         assert_eq!(
             decide(&plain, &p),
-            Outcome::KeepOff {
-                exc_nodes: "gpu[01-02]".into()
+            Outcome::Plain {
+                exc_nodes: Some("gpu[01-02]".into()),
+                gpus: None
             }
         );
         plain.exc_nodes = Some("gpu07".into());
         assert_eq!(
             decide(&plain, &p),
-            Outcome::KeepOff {
-                exc_nodes: "gpu07,gpu[01-02]".into()
+            Outcome::Plain {
+                exc_nodes: Some("gpu07,gpu[01-02]".into()),
+                gpus: None
             }
         );
         // Every way of asking for GPUs, and the shared gres itself.
@@ -868,7 +879,10 @@ mod tests {
                 "task" => &mut j.tres_per_task,
                 _ => &mut j.tres_per_node,
             } = Some(value.into());
-            assert!(matches!(decide(&j, &p), Outcome::KeepOff { .. }), "{field}={value}");
+            assert!(
+                matches!(decide(&j, &p), Outcome::Plain { exc_nodes: Some(_), .. }),
+                "{field}={value}"
+            );
         }
         // Naming a shared node is refused with the reason.
         plain.req_nodes = vec!["gpu09".into(), "gpu02".into()];

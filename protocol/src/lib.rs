@@ -5,6 +5,7 @@
 pub mod claim;
 pub mod client;
 pub mod gres;
+pub mod model;
 pub mod spec;
 pub mod srun;
 pub mod user;

@@ -7,6 +7,7 @@
 
 use crate::{state, PREFIX};
 use libc::c_int;
+use multiplex_protocol::model;
 use multiplex_protocol::spec::Spec;
 use multiplex_protocol::srun::{self, GPU_REQUEST_ENV, OPTIONS};
 use slurm_ffi::spank::Spank;
@@ -15,7 +16,7 @@ use slurm_ffi::{host, log};
 
 pub(crate) fn post_opt(spank: &Spank) -> c_int {
     if state().option.is_none() {
-        return 0; // not multiplexed: srun's options are the user's business
+        return plain(spank);
     }
     // SAFETY: the local context is srun.
     let Some(opts) = (unsafe { Options::of_srun() }) else {
@@ -52,6 +53,52 @@ pub(crate) fn post_opt(spank: &Spank) -> c_int {
     };
     log::verbose(&format!(
         "{PREFIX}: the step takes a share of its job's GPU (--gres={gres}){moved_to_job}"
+    ));
+    0
+}
+
+/// srun without `--multiplex` (`multiplex_protocol::model`): GPU asks of one model lose it
+/// where job_submit asked for that model's GPUs untyped (the job's tag says so), since the
+/// step would find no GPU of that type in its job; where srun makes the job, always, with the
+/// model passed on to job_submit, which makes it a node feature or puts it back into the job's
+/// request. Anything else leaves srun's options as the user gave them.
+fn plain(spank: &Spank) -> c_int {
+    // SAFETY: the local context is srun.
+    let Some(opts) = (unsafe { Options::of_srun() }) else {
+        return 0;
+    };
+    let Some((model, changes)) = model::untyped_asks(&OPTIONS.map(|name| opts.get(name))) else {
+        return 0;
+    };
+    match std::env::var("SLURM_JOB_ID") {
+        Err(_) => {
+            if let Err(e) = spank.job_control_setenv(model::SRUN_MODEL_ENV, &model) {
+                log::error(&format!("{PREFIX}: cannot pass srun's GPU model on to the job ({e})"));
+                return -1;
+            }
+        }
+        Ok(id) => {
+            let Ok(job) = id.trim().parse::<u32>() else { return 0 };
+            match host::job_facts(job) {
+                Ok(facts) if model::tagged(facts.admin_comment.as_deref()) == Some(model.as_str()) => {}
+                Ok(_) => return 0,
+                Err(e) => {
+                    log::verbose(&format!(
+                        "{PREFIX}: cannot read job {job} from slurmctld ({e}); srun's GPU request is left as given"
+                    ));
+                    return 0;
+                }
+            }
+        }
+    }
+    for (name, value) in &changes {
+        if !opts.set(name, value) {
+            log::error(&format!("{PREFIX}: srun would not take --{name}={value}"));
+            return -1;
+        }
+    }
+    log::verbose(&format!(
+        "{PREFIX}: {model} GPUs have a gres type each here: the step asks for them untyped"
     ));
     0
 }
