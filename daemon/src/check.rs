@@ -172,6 +172,8 @@ pub fn plugstack_socket(text: &str, node: &str) -> Option<Option<String>> {
 pub struct PolicyView {
     pub partitions: Vec<String>,
     pub names_node: bool,
+    /// Its `unflagged_on_shared`: jobs without --multiplex may run in the shared partitions.
+    pub unflagged_on_shared: bool,
 }
 
 /// Everything known about the node, from the files and commands that could be read (`Err`:
@@ -188,6 +190,9 @@ pub struct Inputs<'a> {
     pub record: Result<NodeRecord, String>,
     pub plugstack: Result<Option<Option<String>>, String>,
     pub policy: Option<PolicyView>,
+    /// `scontrol --version`, and whether that Slurm keeps a GPU from being allocated whole
+    /// and as shards at once (`slurm::keeps_whole_and_shards_apart`).
+    pub slurm: Result<(String, bool), String>,
 }
 
 pub fn check(i: &Inputs) -> Vec<Finding> {
@@ -442,38 +447,59 @@ fn record(i: &Inputs, listed: Option<&[u32]>, out: &mut Vec<Finding>) {
     }
 }
 
-/// The node's partitions against job_submit's shared ones.
+/// The node's partitions against job_submit's shared ones: jobs without --multiplex may be
+/// given its GPUs whole (another partition of the node, or `unflagged_on_shared`), which is
+/// safe only where Slurm keeps a GPU from being held whole and as shards at once.
 fn partitions(i: &Inputs, r: &NodeRecord, out: &mut Vec<Finding>) {
     let c = i.config;
-    if let Some(p) = &i.policy {
-        let others: Vec<&String> = r.partitions.iter().filter(|x| !p.partitions.contains(x)).collect();
-        let shared_in = r.partitions.iter().any(|x| p.partitions.contains(x));
-        if !shared_in {
-            out.push(finding(
-                Level::Error,
-                format!(
-                    "{} is in no shared partition of job_submit's policy ({}); it is in {}",
-                    c.node,
-                    p.partitions.join(", "),
-                    r.partitions.join(", ")
-                ),
-            ));
-        } else if !others.is_empty() && !p.names_node {
-            out.push(finding(
-                Level::Warning,
-                format!(
-                    "{} is also in partition {}, whose jobs can be given its GPUs whole while multiplexed jobs share them: name it in job_submit's shared_nodes, or keep it in shared partitions only",
-                    c.node,
-                    others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            ));
-        } else {
-            out.push(finding(
-                Level::Ok,
-                format!("partitions of {}: {}", c.node, r.partitions.join(", ")),
-            ));
-        }
+    let Some(p) = &i.policy else { return };
+    let others: Vec<&str> = r
+        .partitions
+        .iter()
+        .filter(|x| !p.partitions.contains(x))
+        .map(String::as_str)
+        .collect();
+    if !r.partitions.iter().any(|x| p.partitions.contains(x)) {
+        let text = format!(
+            "{} is in no shared partition of job_submit's policy ({}); it is in {}",
+            c.node,
+            p.partitions.join(", "),
+            r.partitions.join(", ")
+        );
+        return out.push(finding(Level::Error, text));
     }
+    // job_submit keeps GPU jobs without --multiplex off the nodes shared_nodes names.
+    let plain_here = match (p.names_node, others.is_empty(), p.unflagged_on_shared) {
+        (true, _, _) | (false, true, false) => None,
+        (false, true, true) => Some("its shared partitions (unflagged_on_shared = true)".to_string()),
+        (false, false, _) => Some(format!("partition {}", others.join(", "))),
+    };
+    let Some(plain_here) = plain_here else {
+        return out.push(finding(
+            Level::Ok,
+            format!("partitions of {}: {}", c.node, r.partitions.join(", ")),
+        ));
+    };
+    out.push(match &i.slurm {
+        Ok((_, true)) => finding(
+            Level::Ok,
+            format!(
+                "jobs without --multiplex of {plain_here} may hold {}'s GPUs whole beside multiplexed jobs: this Slurm gives no GPU whole while shards of it are in use, nor a shard of one held whole",
+                c.node
+            ),
+        ),
+        Ok((version, false)) => finding(
+            Level::Error,
+            format!(
+                "jobs without --multiplex of {plain_here} can be given {}'s GPUs whole, and {version} does so even while a multiplexed job holds a shard of the GPU (once another shard of it has ended): name the node in job_submit's shared_nodes, or use Slurm 23.11 or later",
+                c.node
+            ),
+        ),
+        Err(e) => finding(
+            Level::Warning,
+            format!("jobs without --multiplex of {plain_here} can be given {}'s GPUs whole; whether this Slurm keeps them from GPUs whose shards are in use is unknown ({e})", c.node),
+        ),
+    });
 }
 
 /// plugstack.conf's multiplex.so line and its socket.
@@ -581,9 +607,11 @@ mod tests {
             lease_licenses: Ok(1),
             record: Ok(record()),
             plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
+            slurm: Ok(("slurm 24.11.5".into(), true)),
             policy: Some(PolicyView {
                 partitions: vec!["shared".into()],
                 names_node: false,
+                unflagged_on_shared: false,
             }),
         };
         let f = check(&good);
@@ -601,9 +629,11 @@ mod tests {
             lease_licenses: Ok(0),
             record: Ok(r),
             plugstack: Ok(Some(Some("/run/other/n1.sock".into()))),
+            slurm: Ok(("slurm 22.05.8".into(), false)),
             policy: Some(PolicyView {
                 partitions: vec!["shared".into()],
                 names_node: false,
+                unflagged_on_shared: false,
             }),
         };
         let f = check(&bad);
@@ -616,31 +646,68 @@ mod tests {
             "GPU 2's gpu line has Type=none, not v100_2; GPU 2's shard line has Type=none, not v100_2",
             "slurmctld has no license multiplex",
             "sends this node's jobs to /run/other/n1.sock, but the daemon listens on /run/m/n1.sock",
+            "jobs without --multiplex of partition debug can be given n1's GPUs whole, and slurm 22.05.8 does so \
+             even while a multiplexed job holds a shard of the GPU",
         ] {
             assert!(e.contains(want), "{want:?} not in:\n{e}");
         }
+        // From 23.11 on the same partitions are fine: Slurm keeps whole GPUs and shards apart.
+        let apart = Inputs {
+            slurm: Ok(("slurm 24.11.5".into(), true)),
+            ..bad
+        };
+        let f = check(&apart);
         assert!(
-            f.iter()
-                .any(|f| f.level == Level::Warning && f.text.contains("also in partition debug")),
+            f.iter().any(|f| f.level == Level::Ok
+                && f.text
+                    .contains("jobs without --multiplex of partition debug may hold n1's GPUs whole")),
             "{f:?}"
         );
+        assert!(!errors(&f).iter().any(|e| e.contains("without --multiplex")), "{f:?}");
+        // So is a job_submit that lets them into the shared partition, on 24.11 only.
+        let unflagged = |slurm: (&str, bool)| Inputs {
+            config: &c,
+            gres: parse_gres_conf(GRES, &n1_or_n2),
+            constrain_devices: Ok(Some("yes".into())),
+            gate_licenses: Ok(100_000),
+            lease_licenses: Ok(1),
+            record: Ok(record()),
+            plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
+            slurm: Ok((slurm.0.into(), slurm.1)),
+            policy: Some(PolicyView {
+                partitions: vec!["shared".into()],
+                names_node: false,
+                unflagged_on_shared: true,
+            }),
+        };
+        assert!(errors(&check(&unflagged(("slurm 24.11.5", true)))).is_empty());
+        assert!(errors(&check(&unflagged(("slurm 22.05.8", false))))[0]
+            .contains("of its shared partitions (unflagged_on_shared = true) can be given n1's GPUs whole"));
+        let bad = Inputs {
+            slurm: Ok(("slurm 22.05.8".into(), false)),
+            ..apart
+        };
         assert!(
             f.iter().any(|f| f.level == Level::Warning
                 && f.text
                     .contains("ConstrainDevices=no (not set): a job can open every GPU")),
             "{f:?}"
         );
-        // Named in shared_nodes: the other partition is no longer a warning.
+        // Named in shared_nodes: no GPU job without --multiplex comes there, on any release.
         let named = Inputs {
             policy: Some(PolicyView {
                 partitions: vec!["shared".into()],
                 names_node: true,
+                unflagged_on_shared: false,
             }),
             constrain_devices: Ok(Some("Yes".into())),
             ..bad
         };
         assert!(
-            check(&named).iter().all(|f| f.level != Level::Warning),
+            check(&named)
+                .iter()
+                .all(|f| f.level != Level::Warning
+                    && !(f.level == Level::Error && f.text.contains("without --multiplex"))),
             "{:?}",
             check(&named)
         );
@@ -654,6 +721,7 @@ mod tests {
             record: Err("scontrol: not found".into()),
             plugstack: Ok(None),
             policy: None,
+            slurm: Err("scontrol: not found".into()),
         };
         let f = check(&unread);
         assert_eq!(
@@ -671,6 +739,7 @@ mod tests {
             record: Ok(record()),
             plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
             policy: None,
+            slurm: Ok(("slurm 22.05.8".into(), false)),
             config: &c,
         });
         assert_eq!(

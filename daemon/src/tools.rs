@@ -441,6 +441,13 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         record,
         plugstack,
         policy,
+        slurm: slurm
+            .version()
+            .map(|v| {
+                let apart = crate::slurm::keeps_whole_and_shards_apart(&v);
+                (v, apart)
+            })
+            .map_err(|e| e.to_string()),
     };
     findings.extend(check::check(&inputs));
     println!("checking node {} ({})", config.node, config_path.display());
@@ -493,6 +500,7 @@ fn job_submit_policy(
                         .map(|a| a.iter().filter_map(|p| p.as_str().map(String::from)).collect())
                         .unwrap_or_else(|| vec![DEFAULT_PARTITION.into()]),
                     names_node: t.get("shared_nodes").and_then(|v| v.as_str()).is_some_and(names_node),
+                    unflagged_on_shared: t.get("unflagged_on_shared").and_then(|v| v.as_bool()) == Some(true),
                 }),
                 Vec::new(),
             ),
@@ -508,6 +516,7 @@ fn job_submit_policy(
             Some(PolicyView {
                 partitions: vec![DEFAULT_PARTITION.into()],
                 names_node: false,
+                unflagged_on_shared: false,
             }),
             vec![Finding {
                 level: Level::Ok,

@@ -37,14 +37,25 @@ impl Cluster {
         Cluster { state }
     }
 
-    /// `TresPerNode` of a job asking `count` of gres `name`, as this cluster's Slurm writes it:
-    /// `gres:NAME:N` up to 22.05, `gres/NAME:N` from 23.02 (what `scontrol --version` says).
-    pub fn tres_gres(&self, name: &str, count: u32) -> String {
+    /// What `scontrol --version` says (`slurm 22.05.8`).
+    pub fn slurm_version(&self) -> String {
         let out = Command::new("scontrol")
             .arg("--version")
             .output()
             .expect("run scontrol --version");
-        let text = String::from_utf8_lossy(&out.stdout);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Whether this cluster's Slurm keeps a GPU from being held whole and as shards at once
+    /// (23.11 on): where it does not, plain GPU jobs are kept off the shared nodes.
+    pub fn keeps_whole_and_shards_apart(&self) -> bool {
+        multiplexd::slurm::keeps_whole_and_shards_apart(&self.slurm_version())
+    }
+
+    /// `TresPerNode` of a job asking `count` of gres `name`, as this cluster's Slurm writes it:
+    /// `gres:NAME:N` up to 22.05, `gres/NAME:N` from 23.02 (what `scontrol --version` says).
+    pub fn tres_gres(&self, name: &str, count: u32) -> String {
+        let text = self.slurm_version();
         let version: Vec<u32> = text
             .split_whitespace()
             .last()
@@ -209,6 +220,22 @@ impl Cluster {
                 before.rsplit(':').next().and_then(|n| n.parse::<u32>().ok())
             })
             .sum()
+    }
+
+    /// The GPUs slurmctld counts as held both whole and as shards at once (`NODE:TYPE`, from
+    /// `sinfo -O GresUsed`): empty, always, or a plain job shares a GPU it was given whole.
+    pub fn held_both_ways(&self) -> Vec<String> {
+        let out = Command::new("sinfo")
+            .args(["-h", "-N", "-O", "NodeList:0|,GresUsed:0"])
+            .output()
+            .expect("run sinfo");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let shards = multiplexd::slurm::parse_in_use(&text, "shard");
+        multiplexd::slurm::parse_in_use(&text, "gpu")
+            .into_iter()
+            .filter(|g| shards.contains(g))
+            .map(|(node, kind)| format!("{node}:{kind}"))
+            .collect()
     }
 
     /// Runs node `node`'s multiplexd with the configuration `edit` makes of its own until the

@@ -240,6 +240,11 @@ impl Claimer {
                 Seen::Waiting(_) | Seen::Other => {}
             }
         }
+        // A GPU a job holds whole (a plain job, of any partition) takes no claim: read fresh
+        // from the node records whenever a job waits for one.
+        if !candidates.is_empty() {
+            nodes::without_held(&mut nodes, &at, &slurm.held_whole(&self.config.partition)?);
+        }
         Ok(Queue {
             jobs,
             specs,
@@ -691,9 +696,10 @@ mod tests {
             .collect();
         assert_eq!(gpus, want);
         let s = slurm.state.lock().unwrap();
-        // The gate held, the queue and the nodes read once, one update per job.
+        // The gate held, the queue and the node list read once, what jobs hold whole once, one
+        // update per job.
         assert_eq!(s.gate_until, Some(300));
-        assert_eq!((s.reads, s.updates), (2, 1 + 4));
+        assert_eq!((s.reads, s.updates), (3, 1 + 4));
         for pin in &s.claims {
             assert_eq!(pin.licenses, "", "the gate's license is dropped");
             assert!(
@@ -710,6 +716,36 @@ mod tests {
             assert_eq!(claim.gpu.map(|g| format!("shard:{g}:1")), pin.gres, "{pin:?}");
             assert_eq!((claim.partners, claim.predicted_speed), (vec![], 1.0), "{pin:?}");
         }
+    }
+
+    #[test]
+    fn a_gpu_a_job_holds_whole_takes_no_claim() {
+        // Plain jobs hold n1's GPU 0 and both of n2's whole: of four waiting jobs, two go to
+        // the one GPU left (two shards), two wait.
+        let slurm = fake((1..=4).map(|i| gated(i, "a")).collect());
+        slurm.state.lock().unwrap().held_whole = [("n1", "v100_0"), ("n2", "v100_0"), ("n2", "v100_1")]
+            .iter()
+            .map(|(n, k)| (n.to_string(), k.to_string()))
+            .collect();
+        let node = daemon();
+        let mut c = Claimer::new(config(), 100_000);
+        let looked = c.look(&slurm, &node, 0.0).unwrap();
+        let gpus: Vec<(&str, &str)> = looked
+            .claimed
+            .iter()
+            .map(|(_, n, k)| (n.as_str(), k.as_str()))
+            .collect();
+        assert_eq!(gpus, [("n1", "v100_1"), ("n1", "v100_1")]);
+        // Once n2's GPUs are given back, the jobs still waiting go there.
+        slurm.state.lock().unwrap().held_whole.truncate(1);
+        let looked = c.look(&slurm, &node, 1.0).unwrap();
+        let mut gpus: Vec<(&str, &str)> = looked
+            .claimed
+            .iter()
+            .map(|(_, n, k)| (n.as_str(), k.as_str()))
+            .collect();
+        gpus.sort_unstable();
+        assert_eq!(gpus, [("n2", "v100_0"), ("n2", "v100_1")]);
     }
 
     #[test]
@@ -999,8 +1035,9 @@ mod tests {
         slurm.state.lock().unwrap().gpus = vec![(4, 1)];
         let looked = Claimer::new(config(), 1).look(&slurm, &daemon(), 0.0).unwrap();
         assert_eq!(looked.claimed, vec![(8, "n2".into(), "v100_1".into())]);
-        // Without it, GPU 1 of n2 would have looked idle.
-        assert_eq!(slurm.state.lock().unwrap().reads, 3);
+        // Without it, GPU 1 of n2 would have looked idle: the queue, the node list, job 4's
+        // GPU and what jobs hold whole were read.
+        assert_eq!(slurm.state.lock().unwrap().reads, 4);
     }
 
     #[test]

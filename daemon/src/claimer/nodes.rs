@@ -82,6 +82,17 @@ impl Claimer {
     }
 }
 
+/// Takes the GPUs jobs hold whole (`held`: node and gres type) off `nodes` (`at`: each node's
+/// place there), so that no claim picks one.
+pub(super) fn without_held(nodes: &mut [NodeGpus], at: &HashMap<String, usize>, held: &[(String, String)]) {
+    for (node, kind) in held {
+        let (Some(&i), Some((model, index))) = (at.get(node), split_gpu_type(kind)) else {
+            continue;
+        };
+        nodes[i].gpus.retain(|g| !(g.index == index && g.model == model));
+    }
+}
+
 /// Whether a job names a node the node list lacks (a node added since it was read).
 fn names_unknown(nodes: &[NodeInfo], jobs: &[Job]) -> bool {
     jobs.iter()

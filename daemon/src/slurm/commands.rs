@@ -33,7 +33,28 @@ pub fn merges_gres_updates(version: &str) -> bool {
     }
 }
 
+/// Whether the Slurm of `scontrol --version` (`slurm 24.11.5`) keeps a GPU from being
+/// allocated whole and as shards at once: from 23.11 on. 22.05, with a gres Type per GPU, gives
+/// a GPU whole while a job still holds a shard of it once another job's shard of that GPU has
+/// ended (its node's count of shards in use drops to none; seen on the test cluster).
+pub fn keeps_whole_and_shards_apart(version: &str) -> bool {
+    let numbers: Vec<u32> = version
+        .split_whitespace()
+        .last()
+        .unwrap_or("")
+        .split(['.', '-'])
+        .take(2)
+        .map_while(|p| p.parse().ok())
+        .collect();
+    numbers.as_slice() >= [23, 11].as_slice()
+}
+
 impl Commands {
+    /// What `scontrol --version` says (`slurm 22.05.8`).
+    pub fn version(&self) -> Result<String, SlurmError> {
+        Ok(self.run("scontrol", &["--version".to_string()])?.trim().to_string())
+    }
+
     pub fn new(bin: &Path) -> Commands {
         Commands {
             bin: bin.to_path_buf(),
@@ -188,6 +209,31 @@ pub fn parse_nodes(out: &str) -> Result<Vec<NodeInfo>, SlurmError> {
         .collect()
 }
 
+/// sinfo's `NodeList|GresUsed` lines as the typed items of gres `name` in use, `(node, gres
+/// type)`: for `gpu`, the GPUs held whole (`gpu:v100_1:1(IDX:1)`); for `shard`, the GPUs
+/// whose shards are in use. Untyped items are left out.
+pub fn parse_in_use(out: &str, name: &str) -> Vec<(String, String)> {
+    let mut held = Vec::new();
+    for line in out.lines() {
+        let Some((node, used)) = line.split_once('|') else {
+            continue;
+        };
+        for item in super::split_gres(used) {
+            let mut parts = item.split(':');
+            if let (Some(g), Some(kind), Some(n), None) = (parts.next(), parts.next(), parts.next(), parts.next()) {
+                if g != name {
+                    continue;
+                }
+                let pair = (node.trim().to_string(), kind.to_string());
+                if n.parse::<u64>().is_ok_and(|n| n > 0) && !held.contains(&pair) {
+                    held.push(pair);
+                }
+            }
+        }
+    }
+    held
+}
+
 impl Slurm for Commands {
     fn jobs(&self, partition: &str) -> Result<Vec<Job>, SlurmError> {
         let args = [
@@ -208,6 +254,16 @@ impl Slurm for Commands {
             "--Format=NodeList:0|,StateLong:0|,Gres:0".to_string(),
         ];
         parse_nodes(&self.run("sinfo", &args)?)
+    }
+
+    fn held_whole(&self, partition: &str) -> Result<Vec<(String, String)>, SlurmError> {
+        let args = [
+            "--noheader".to_string(),
+            "--Node".to_string(),
+            format!("--partition={partition}"),
+            "--Format=NodeList:0|,GresUsed:0".to_string(),
+        ];
+        Ok(parse_in_use(&self.run("sinfo", &args)?, "gpu"))
     }
 
     fn claim(&self, pin: &Pin) -> Result<(), SlurmError> {

@@ -54,6 +54,8 @@ pub struct FakeState {
     pub read_cost: Option<ReadCost>,
     /// sdiag is refused (`PrivateData=usage`, to a user who is not an operator).
     pub job_reads_refused: bool,
+    /// GPUs jobs hold whole, `(node, gres type)` ([`Slurm::held_whole`]).
+    pub held_whole: Vec<(String, String)>,
 }
 
 impl Fake {
@@ -323,6 +325,13 @@ impl Slurm for Fake {
                 return Err(SlurmError::Failed("sdiag: error: Access/permission denied".into()));
             }
             Ok(s.read_us_per_job.map(|_| s.read_cost.unwrap_or_default()))
+        })
+    }
+
+    fn held_whole(&self, _partition: &str) -> Result<Vec<(String, String)>, SlurmError> {
+        self.with(|s| {
+            s.reads += 1;
+            Ok(s.held_whole.clone())
         })
     }
 }

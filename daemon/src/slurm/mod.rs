@@ -286,6 +286,12 @@ pub trait Slurm: Send + Sync {
     fn job_reads(&self) -> Result<Option<ReadCost>, SlurmError> {
         Ok(None)
     }
+    /// The GPUs of the partition's nodes that jobs hold whole, `(node, gres type)`, as
+    /// Slurm's node records count them (sinfo's `GresUsed`: jobs of every partition, plain
+    /// ones too): a claim never picks one. The simulator's Slurm runs multiplexed jobs only.
+    fn held_whole(&self, _partition: &str) -> Result<Vec<(String, String)>, SlurmError> {
+        Ok(Vec::new())
+    }
 }
 
 mod commands;
@@ -409,6 +415,38 @@ mod tests {
         assert_eq!(nodes[1].gpus(), vec![("a100_0".into(), 4)]);
         assert!(nodes[2].gpus().is_empty(), "untyped GPUs cannot be claimed");
         assert!(parse_nodes("n1|idle").is_err());
+    }
+
+    #[test]
+    fn whole_gpus_and_shards_are_kept_apart_from_23_11_on() {
+        for (version, apart) in [
+            ("slurm 22.05.8", false),
+            ("slurm 23.02.7", false),
+            ("slurm 23.11.0", true),
+            ("slurm 24.11.5", true),
+            ("slurm 26.05.5", true),
+            ("slurm-wlm 24.11", true),
+            ("garbage", false),
+        ] {
+            assert_eq!(keeps_whole_and_shards_apart(version), apart, "{version}");
+        }
+    }
+
+    #[test]
+    fn gpus_held_whole_are_the_typed_gpus_in_use() {
+        // 22.05: a plain job holds n1's GPU 0, a multiplexed one a shard of its GPU 1.
+        let text = "n1|gpu:v100_0:1(IDX:0),gpu:v100_1:0(IDX:N/A),shard:v100_0:0(IDX:N/A),shard:v100_1:1(IDX:1)\n\
+             n2|gpu:v100_0:0(IDX:N/A),gpu:v100_1:0(IDX:N/A),shard:v100_0:0(IDX:N/A),shard:v100_1:0(IDX:N/A)\n\
+             n3|gpu:2(IDX:0-1),shard:0\n\
+             n4|gpu:a100_0:1(IDX:0),gpu:a100_1:1(IDX:1)\n";
+        let pairs = |p: &[(&str, &str)]| -> Vec<(String, String)> {
+            p.iter().map(|(n, k)| (n.to_string(), k.to_string())).collect()
+        };
+        assert_eq!(
+            parse_in_use(text, "gpu"),
+            pairs(&[("n1", "v100_0"), ("n4", "a100_0"), ("n4", "a100_1")])
+        );
+        assert_eq!(parse_in_use(text, "shard"), pairs(&[("n1", "v100_1")]));
     }
 
     #[test]
