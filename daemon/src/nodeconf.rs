@@ -47,7 +47,10 @@ pub fn gres_conf(f: &Facts) -> String {
 }
 
 /// The node's slurm.conf line, less what only the site knows (CPUs, memory, addresses: add
-/// them at its end): each GPU by its Type, the shards, and the GPU models as features.
+/// them at its end): each GPU by its Type, the shards, and the GPU model as a feature, which
+/// a plain job's request for the model becomes (`multiplex_protocol::model`). A node with GPUs
+/// of several models gets no model feature, and a comment that says why: such a request, an
+/// untyped count, could be given a GPU of another model there.
 pub fn slurm_node(f: &Facts) -> String {
     let typed: Vec<String> = f
         .gpus
@@ -58,12 +61,17 @@ pub fn slurm_node(f: &Facts) -> String {
     let mut models: Vec<&str> = f.gpus.iter().map(|g| g.model.as_str()).collect();
     models.sort_unstable();
     models.dedup();
-    format!(
-        "NodeName={} Gres={},shard:{shards} Features={}\n",
-        f.node,
-        typed.join(","),
-        models.join(",")
-    )
+    let line = format!("NodeName={} Gres={},shard:{shards}", f.node, typed.join(","));
+    match models[..] {
+        [model] => format!("{line} Features={model}\n"),
+        _ => format!(
+            "# {}: GPUs of {} models ({}), so no model feature: a plain job asking for a model \
+             (asked for untyped, with the model as a feature) never comes here\n{line}\n",
+            f.node,
+            models.len(),
+            models.join(", ")
+        ),
+    }
 }
 
 /// The node's `[[gpu]]` list for multiplexd.toml.
@@ -148,6 +156,19 @@ mod tests {
         assert_eq!(c.node, "gpu07");
         assert_eq!(c.jobs_per_gpu, 2);
         assert_eq!(c.gpus, crate::config::GpuSource::Listed(f.gpus.clone()));
+    }
+
+    #[test]
+    fn a_node_of_two_models_gets_no_model_feature_and_says_why() {
+        let mut f = eight();
+        f.gpus[7].model = "a100".into();
+        let line = slurm_node(&f);
+        assert!(
+            line.starts_with("# gpu07: GPUs of 2 models (a100, h100), so no model feature"),
+            "{line}"
+        );
+        assert!(line.ends_with(",gpu:a100_7:1,shard:16\n"), "{line}");
+        assert!(!line.contains("Features="), "{line}");
     }
 
     #[test]
