@@ -19,10 +19,35 @@ fn main() {
     }
 
     // slurmctld's private job_record_t, read by layout (src/job_record.rs): checked on 22.05
-    // through 24.11 only.
+    // through 24.11 (the magic cookie first) and on 26.05 (a slurm_step_id_t first, then the
+    // cookie: SchedMD's src/common/job_record.h, 26.05.0 through 26.05.3).
     println!("cargo:rustc-check-cfg=cfg(slurm_job_record_checked)");
-    if ((22, 5)..=(24, 11)).contains(&(major, minor)) {
+    println!("cargo:rustc-check-cfg=cfg(slurm_job_record_step_id)");
+    if ((22, 5)..=(24, 11)).contains(&(major, minor)) || (major, minor) == (26, 5) {
         println!("cargo:rustc-cfg=slurm_job_record_checked");
+    }
+    if (major, minor) == (26, 5) {
+        println!("cargo:rustc-cfg=slurm_job_record_step_id");
+    }
+
+    // slurm_load_job takes a slurm_step_id_t instead of a job id from 26.05 (read from the
+    // header itself: the release that changed it is not one tested here).
+    println!("cargo:rustc-check-cfg=cfg(slurm_load_job_step_id)");
+    let slurm_h = std::fs::read_to_string(format!("{include}/slurm/slurm.h")).unwrap_or_default();
+    if slurm_h.contains("slurm_load_job(job_info_msg_t **resp, slurm_step_id_t") {
+        println!("cargo:rustc-cfg=slurm_load_job_step_id");
+    }
+
+    // job_desc_msg_t names its job by a slurm_step_id_t (`step_id.job_id`) from 26.05, by
+    // `job_id` before.
+    println!("cargo:rustc-check-cfg=cfg(slurm_job_desc_step_id)");
+    let job_desc = slurm_h
+        .split("typedef struct job_descriptor {")
+        .nth(1)
+        .and_then(|rest| rest.split("} job_desc_msg_t;").next())
+        .unwrap_or("");
+    if job_desc.contains("slurm_step_id_t step_id;") {
+        println!("cargo:rustc-cfg=slurm_job_desc_step_id");
     }
 
     let bindings = bindings(&include);

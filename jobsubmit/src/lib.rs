@@ -348,7 +348,7 @@ fn modify(
             Err((kind, message)) => {
                 // SAFETY: NULL or Slurm's string, valid during the call.
                 let job = unsafe { c_str(desc.job_id_str) }
-                    .or_else(|| count(desc.job_id).map(|id| id.to_string()))
+                    .or_else(|| count(slurm_ffi::job_desc_id(desc)).map(|id| id.to_string()))
                     .unwrap_or_else(|| "?".into());
                 log::error(&format!(
                     "{PREFIX}: refused to update job {job} for uid {submit_uid}: {message}"

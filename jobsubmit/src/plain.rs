@@ -173,7 +173,8 @@ mod tests {
 
     #[test]
     fn every_way_of_asking_for_a_shared_model_becomes_an_untyped_count_and_its_feature() {
-        let cases: [(fn(&mut JobView) -> &mut Option<String>, &str, &str); 5] = [
+        type Field = fn(&mut JobView) -> &mut Option<String>;
+        let cases: [(Field, &str, &str); 5] = [
             (|j| &mut j.tres_per_node, "gres:gpu:v100:2", "gres:gpu:2"), // --gres, --gpus-per-node (22.05)
             (|j| &mut j.tres_per_job, "gres:gpu:v100:1", "gres:gpu:1"),  // --gpus
             (|j| &mut j.tres_per_task, "gres/gpu:v100:1", "gres/gpu:1"), // --gpus-per-task (24.11)

@@ -87,10 +87,11 @@ pub fn untyped_asks(values: &[Option<String>; 7]) -> Option<(String, Vec<(&'stat
             changes.push((names[0], bare.join(",")));
         }
     }
-    for i in 1..=4 {
+    // gpus, gpus-per-node, gpus-per-task, gpus-per-socket: `[MODEL:]COUNT`.
+    for (i, name) in names.iter().enumerate().take(5).skip(1) {
         if let Some((Some(m), count)) = set(i).and_then(split_ask) {
             models.push(m);
-            changes.push((names[i], count.to_string()));
+            changes.push((*name, count.to_string()));
         }
     }
     models.sort_unstable();

@@ -250,10 +250,20 @@ pub fn job_facts(job_id: u32) -> Result<JobFacts, String> {
         .free_job_info_msg
         .ok_or("this process has no slurm_free_job_info_msg")?;
     let mut msg: *mut crate::bindings::job_info_msg = std::ptr::null_mut();
+    // The job as 26.05 names it: its id, no step (SLURM_STEP_ID_INITIALIZER's other fields).
+    #[cfg(slurm_load_job_step_id)]
+    let id = crate::bindings::slurm_step_id_t {
+        sluid: 0,
+        job_id,
+        step_het_comp: crate::bindings::NO_VAL,
+        step_id: crate::bindings::NO_VAL,
+    };
+    #[cfg(not(slurm_load_job_step_id))]
+    let id = job_id;
     // SAFETY: slurm_load_job writes a message it allocated into `msg` (or leaves it NULL on
     // failure); SHOW_DETAIL asks for the allocation's detail besides the job as any client
     // sees it.
-    if unsafe { load(&mut msg, job_id, SHOW_DETAIL) } != 0 || msg.is_null() {
+    if unsafe { load(&mut msg, id, SHOW_DETAIL) } != 0 || msg.is_null() {
         return Err(last_error());
     }
     // SAFETY: msg is the message slurm_load_job returned: `record_count` records at

@@ -1,7 +1,8 @@
 //! slurmctld's job record (`job_record_t`), which no installed header describes (it lives in
-//! slurmctld's private `slurmctld.h`): the one field the plugins read, by the layout checked
-//! against Slurm 22.05 through 24.11. `build.rs` sets `slurm_job_record_checked` for those
-//! releases; built against any other, nothing is read and the record counts as unknown.
+//! Slurm's private `slurmctld.h`, `src/common/job_record.h` from 24.11): the one field the
+//! plugins read, by the layout checked against Slurm 22.05 through 24.11 and 26.05.
+//! `build.rs` sets `slurm_job_record_checked` for those releases; built against any other,
+//! nothing is read and the record counts as unknown.
 
 use std::ffi::c_void;
 
@@ -13,8 +14,20 @@ const JOB_MAGIC: u32 = 0xf0b7392c;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UnknownLayout;
 
-/// The `admin_comment` of slurmctld's job record (`None`: no record, or no comment). The
-/// layout checked: the magic cookie, then `char *account`, then `char *admin_comment`.
+/// The head of `job_record_t` on the releases checked: the magic cookie, then `char
+/// *account`, then `char *admin_comment`; from 26.05 a `slurm_step_id_t` comes first.
+#[cfg(slurm_job_record_checked)]
+#[repr(C)]
+struct Head {
+    #[cfg(slurm_job_record_step_id)]
+    _step_id: crate::bindings::slurm_step_id_t,
+    magic: u32,
+    _account: *const libc::c_char,
+    admin_comment: *const libc::c_char,
+}
+
+/// The `admin_comment` of slurmctld's job record (`None`: no record, or no comment), read
+/// through [`Head`].
 ///
 /// # Safety
 /// `job_ptr` must be NULL or slurmctld's `job_record_t *`, valid during the call.
@@ -23,13 +36,14 @@ pub unsafe fn admin_comment(job_ptr: *const c_void) -> Result<Option<String>, Un
         return Ok(None);
     }
     #[cfg(slurm_job_record_checked)]
-    // SAFETY: a job record is far larger than these three words (caller's contract), and on
-    // the releases checked its third word is `char *admin_comment`.
+    // SAFETY: a job record is far larger than its head (caller's contract), and on the
+    // releases checked it begins as `Head` does.
     unsafe {
-        if *(job_ptr as *const u32) != JOB_MAGIC {
+        let head = &*(job_ptr as *const Head);
+        if head.magic != JOB_MAGIC {
             return Err(UnknownLayout);
         }
-        Ok(crate::c_str(*(job_ptr as *const *const libc::c_char).add(2)))
+        Ok(crate::c_str(head.admin_comment))
     }
     #[cfg(not(slurm_job_record_checked))]
     Err(UnknownLayout)

@@ -129,6 +129,15 @@ macro_rules! export_job_modify {
     };
 }
 
+/// The job a job description names by number, for an update (26.05 moved it into
+/// `step_id`: `build.rs` decides from the header).
+pub fn job_desc_id(desc: &bindings::job_desc_msg_t) -> u32 {
+    #[cfg(slurm_job_desc_step_id)]
+    return desc.step_id.job_id;
+    #[cfg(not(slurm_job_desc_step_id))]
+    return desc.job_id;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
