@@ -29,13 +29,13 @@ const CRATES: &[Crate] = &[
     (
         "protocol",
         &["protocol/src"],
-        &[&["gres", "spec", "srun", "user", "wire"], &["claim", "client"]],
+        &[&["gres", "spec", "srun", "user", "wire"], &["claim", "client", "model"]],
     ),
     // `rewrite` decides, purely; `lib.rs` is the FFI shell around it.
     (
         "jobsubmit",
         &["jobsubmit/src"],
-        &[&["policy", "tres"], &["rewrite"], &["modify"]],
+        &[&["policy", "tres", "view"], &["plain"], &["rewrite"], &["modify"]],
     ),
     ("spank", &["spank/src"], &[&["args", "srun"], &["remote"], &["step"]]),
     (

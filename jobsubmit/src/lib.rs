@@ -9,6 +9,7 @@ pub mod plain;
 pub mod policy;
 pub mod rewrite;
 pub mod tres;
+pub mod view;
 
 use libc::{c_char, c_int};
 use policy::{Change, Policy, Watcher};

@@ -7,7 +7,7 @@
 //! into the job's request as given.
 
 use crate::policy::Policy;
-use crate::rewrite::{refuse, JobView, RejectKind};
+use crate::view::{refuse, JobView, RejectKind};
 use multiplex_protocol::model;
 
 /// The new values of the fields a job's GPU model changes.
@@ -39,23 +39,7 @@ pub fn untyped(job: &JobView, policy: &Policy) -> Result<Option<PlainGpus>, (Rej
         &job.tres_per_task,
         &job.tres_per_socket,
     ];
-    let mut models: Vec<&str> = Vec::new();
-    let untyped: Vec<Option<String>> = fields
-        .iter()
-        .map(|f| {
-            let entries = f.as_deref()?.split(',').map(str::trim).filter(|e| !e.is_empty());
-            let out: Vec<String> = entries
-                .map(|e| match model::untyped_entry(e) {
-                    Some((m, bare)) => {
-                        models.push(m);
-                        bare
-                    }
-                    None => e.to_string(),
-                })
-                .collect();
-            (!out.is_empty()).then(|| out.join(","))
-        })
-        .collect();
+    let (untyped, mut models) = without_models(&fields);
     if let Some(m) = from_srun {
         if multiplex_protocol::spec::parse_app(m).is_err() {
             return Err(refuse(
@@ -95,6 +79,28 @@ pub fn untyped(job: &JobView, policy: &Policy) -> Result<Option<PlainGpus>, (Rej
             ),
         )),
     }
+}
+
+/// The four TRES fields with the models taken off their GPU entries, and those models.
+fn without_models<'a>(fields: &[&'a Option<String>; 4]) -> (Vec<Option<String>>, Vec<&'a str>) {
+    let mut models: Vec<&str> = Vec::new();
+    let untyped = fields
+        .iter()
+        .map(|f| {
+            let entries = f.as_deref()?.split(',').map(str::trim).filter(|e| !e.is_empty());
+            let out: Vec<String> = entries
+                .map(|e| match model::untyped_entry(e) {
+                    Some((m, bare)) => {
+                        models.push(m);
+                        bare
+                    }
+                    None => e.to_string(),
+                })
+                .collect();
+            (!out.is_empty()).then(|| out.join(","))
+        })
+        .collect();
+    (untyped, models)
 }
 
 /// `job` with `model` back on its untyped GPU entries (srun took it off for its step).

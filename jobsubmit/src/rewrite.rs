@@ -5,45 +5,10 @@
 use crate::plain::PlainGpus;
 use crate::policy::Policy;
 use crate::tres::{checked_sum, is_gpu, join, parse_tres, TresEntry};
+pub(crate) use crate::view::refuse;
+pub use crate::view::{JobView, RejectKind};
 use multiplex_protocol::spec::{default_app, Spec, SPANK_ENV_VAR, TAG_PREFIX};
 use multiplex_protocol::srun::{self, Field, GPU_REQUEST_ENV};
-
-/// The fields of a job description the rewrite reads.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct JobView {
-    /// `spank_job_env` entries (`NAME=VALUE`).
-    pub spank_env: Vec<String>,
-    pub user_id: u32,
-    pub name: Option<String>,
-    pub partition: Option<String>,
-    /// `--account`, when given (slurmctld fills in the default account after job_submit).
-    pub account: Option<String>,
-    pub admin_comment: Option<String>,
-    pub tres_per_node: Option<String>,
-    pub tres_per_job: Option<String>,
-    pub tres_per_task: Option<String>,
-    pub tres_per_socket: Option<String>,
-    pub cpus_per_tres: Option<String>,
-    pub mem_per_tres: Option<String>,
-    /// `--exclusive` (job_desc `shared == 0`).
-    pub exclusive: bool,
-    /// Requested node counts; `None` when unset.
-    pub min_nodes: Option<u32>,
-    pub max_nodes: Option<u32>,
-    /// Requested task count; `None` when unset.
-    pub num_tasks: Option<u32>,
-    /// The nodes of the policy's `shared_nodes` that `--nodelist` names, in its order (filled
-    /// in only where the policy names shared nodes).
-    pub req_nodes: Vec<String>,
-    /// `--nodelist`, as given (a multiplexed job's tag keeps it: a claim replaces it).
-    pub node_list: Option<String>,
-    /// `--exclude`, as given.
-    pub exc_nodes: Option<String>,
-    /// `--licenses`, as given.
-    pub licenses: Option<String>,
-    /// `--constraint`, as given.
-    pub features: Option<String>,
-}
 
 pub use multiplex_protocol::spec::GATE_LICENSE;
 
@@ -79,25 +44,6 @@ pub struct Rewrite {
     pub licenses: String,
     /// The application key the job was tagged with.
     pub app: String,
-}
-
-/// Why a job cannot share; maps to one `ESLURM_*` code each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RejectKind {
-    BadOption,
-    NoGpu,
-    TooManyGpus,
-    TooManyNodes,
-    Exclusive,
-    MixedGres,
-    /// The user and account are not among those the policy lets multiplex.
-    NotAllowed,
-    /// A job without --multiplex aimed at a shared partition.
-    SharedPartition,
-    /// A job without --multiplex that asks for GPUs on a node whose GPUs are shared.
-    SharedNode,
-    /// A GPU model no shared GPU is, or none named where this Slurm needs one.
-    UnknownModel,
 }
 
 /// The outcome for one job.
@@ -427,10 +373,6 @@ fn reject(kind: RejectKind, message: String) -> Outcome {
         kind,
         message: format!("multiplex: {message}"),
     }
-}
-
-pub(crate) fn refuse(kind: RejectKind, message: String) -> (RejectKind, String) {
-    (kind, format!("multiplex: {message}"))
 }
 
 pub(crate) fn partition_names(list: &str) -> impl Iterator<Item = &str> {
