@@ -401,6 +401,25 @@ fn conf_key(text: &str, key: &str) -> Option<String> {
     })
 }
 
+/// Where Slurm's own commands look for slurm.conf.
+const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
+/// Where slurmd keeps the files it fetched from slurmctld when it runs configless (21.08 on),
+/// and where Slurm's commands on that node read them when there is no slurm.conf of its own.
+const CONFIGLESS_SLURM_CONF: &str = "/run/slurm/conf/slurm.conf";
+
+/// slurm.conf as Slurm's commands find it: `SLURM_CONF`, else the default file, else a
+/// configless slurmd's copy (`true`: configless); the others' files lie beside it.
+fn slurm_conf_path(env: Option<PathBuf>, exists: &dyn Fn(&Path) -> bool) -> (PathBuf, bool) {
+    if let Some(p) = env {
+        return (p, false);
+    }
+    let (default, cached) = (Path::new(DEFAULT_SLURM_CONF), Path::new(CONFIGLESS_SLURM_CONF));
+    if !exists(default) && exists(cached) {
+        return (cached.to_path_buf(), true);
+    }
+    (default.to_path_buf(), false)
+}
+
 pub fn check_config(config_path: &Path) -> Result<bool, String> {
     use crate::check::{self, Inputs, Level};
     use crate::slurm::Slurm;
@@ -416,7 +435,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
                 .unwrap_or(false)
         })
     };
-    let slurm_conf = PathBuf::from(std::env::var_os("SLURM_CONF").unwrap_or_else(|| "/etc/slurm/slurm.conf".into()));
+    let (slurm_conf, configless) = slurm_conf_path(std::env::var_os("SLURM_CONF").map(PathBuf::from), &|p| p.exists());
     let etc = slurm_conf.parent().unwrap_or(Path::new("/etc/slurm")).to_path_buf();
     let conf_value = |key: &str| read(&slurm_conf).ok().and_then(|text| conf_key(&text, key));
     let plugstack_path = conf_value("PlugStackConfig").map_or_else(|| etc.join("plugstack.conf"), PathBuf::from);
@@ -427,6 +446,13 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
     let policy_path = std::env::var_os("MULTIPLEX_JOB_SUBMIT_CONF")
         .map_or_else(|| etc.join("job_submit_multiplex.toml"), PathBuf::from);
     let (policy, mut findings) = job_submit_policy(&policy_path, &names_node);
+    if configless {
+        let text = format!(
+            "configless: no {DEFAULT_SLURM_CONF}; Slurm's files read from slurmd's copy in {}",
+            etc.display()
+        );
+        findings.insert(0, check::Finding { level: Level::Ok, text });
+    }
     // cgroup.conf's ConstrainDevices (a key=value file as slurm.conf is).
     let cgroup_path = etc.join("cgroup.conf");
     let constrain_devices = read(&cgroup_path).map(|text| conf_key(&text, "ConstrainDevices"));
@@ -441,17 +467,20 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         record,
         plugstack,
         policy,
-        slurm: slurm
-            .version()
-            .map(|v| {
-                let apart = crate::slurm::keeps_whole_and_shards_apart(&v);
-                (v, apart)
-            })
-            .map_err(|e| e.to_string()),
+        slurm: slurm.version().map_err(|e| e.to_string()).map(|v| {
+            let apart = crate::slurm::keeps_whole_and_shards_apart(&v);
+            (v, apart)
+        }),
     };
     findings.extend(check::check(&inputs));
     println!("checking node {} ({})", config.node, config_path.display());
-    for f in &findings {
+    Ok(print_findings(&findings))
+}
+
+/// Prints each finding on a line of its own; `false` when one is an error.
+fn print_findings(findings: &[crate::check::Finding]) -> bool {
+    use crate::check::Level;
+    for f in findings {
         let label = match f.level {
             Level::Ok => "ok",
             Level::Warning => "warning",
@@ -459,7 +488,7 @@ pub fn check_config(config_path: &Path) -> Result<bool, String> {
         };
         println!("{label}: {}", f.text);
     }
-    Ok(!findings.iter().any(|f| f.level == Level::Error))
+    !findings.iter().any(|f| f.level == Level::Error)
 }
 
 /// plugstack.conf's text with the lines of the files it includes
@@ -526,5 +555,26 @@ fn job_submit_policy(
                 ),
             }],
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_conf_is_found_where_slurms_commands_find_it_configless_too() {
+        let only = |present: &'static [&'static str]| move |p: &Path| present.iter().any(|q| Path::new(q) == p);
+        let env = Some(PathBuf::from("/srv/slurm/slurm.conf"));
+        assert_eq!(
+            slurm_conf_path(env, &only(&[])),
+            ("/srv/slurm/slurm.conf".into(), false)
+        );
+        let both = only(&[DEFAULT_SLURM_CONF, CONFIGLESS_SLURM_CONF]);
+        assert_eq!(slurm_conf_path(None, &both), (DEFAULT_SLURM_CONF.into(), false));
+        let cached = only(&[CONFIGLESS_SLURM_CONF]);
+        assert_eq!(slurm_conf_path(None, &cached), (CONFIGLESS_SLURM_CONF.into(), true));
+        // Neither: the default, whose absence the check then reports.
+        assert_eq!(slurm_conf_path(None, &only(&[])), (DEFAULT_SLURM_CONF.into(), false));
     }
 }
