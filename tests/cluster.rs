@@ -1005,6 +1005,26 @@ fn plain_model_job(c: &Cluster, node: Option<&str>, probe: &str) -> u32 {
     job
 }
 
+/// A multiplexed job on n1 that sleeps `secs`, once it runs.
+fn multiplexed_on_n1(c: &Cluster, secs: u32) -> u32 {
+    let wrap = format!("sleep {secs}");
+    let job = c.submit(&[
+        "--multiplex=app=itest-mixed",
+        "--gres=gpu:1",
+        "-w",
+        "n1",
+        "--output=/dev/null",
+        "--wrap",
+        &wrap,
+    ]);
+    assert!(
+        wait_until(WAIT, || c.show_job(job)["JobState"] == "RUNNING"),
+        "{:?}",
+        c.show_job(job)
+    );
+    job
+}
+
 #[test]
 #[ignore = "needs the local Slurm cluster: run tests/run"]
 fn plain_jobs_asking_for_the_gpu_model_run_whole_beside_multiplexed_ones() {
@@ -1016,20 +1036,7 @@ fn plain_jobs_asking_for_the_gpu_model_run_whole_beside_multiplexed_ones() {
     let policy = std::fs::read_to_string(c.path("etc/job_submit_multiplex.toml")).unwrap();
     let _policy = (!apart).then(|| c.policy(&format!("{policy}shared_nodes = \"n1\"\n")));
     let mut both_ways = Vec::new();
-    let mx = c.submit(&[
-        "--multiplex=app=itest-mixed",
-        "--gres=gpu:1",
-        "-w",
-        "n1",
-        "--output=/dev/null",
-        "--wrap",
-        "sleep 60",
-    ]);
-    assert!(
-        wait_until(WAIT, || c.show_job(mx)["JobState"] == "RUNNING"),
-        "{:?}",
-        c.show_job(mx)
-    );
+    let mx = multiplexed_on_n1(&c, 60);
     let shared = c.job_gpu(mx).expect("the multiplexed job's GPU");
     // On n1's other GPU where Slurm keeps whole GPUs and shards apart; on n2 where not.
     let (node, whole) = if apart { ("n1", Some(1 - shared)) } else { ("n2", None) };
@@ -1037,20 +1044,7 @@ fn plain_jobs_asking_for_the_gpu_model_run_whole_beside_multiplexed_ones() {
     both_ways.extend(c.held_both_ways());
     // A multiplexed job submitted meanwhile is claimed beside the first where the plain job
     // holds n1's other GPU whole: never onto a GPU held whole.
-    let mx2 = c.submit(&[
-        "--multiplex=app=itest-mixed",
-        "--gres=gpu:1",
-        "-w",
-        "n1",
-        "--output=/dev/null",
-        "--wrap",
-        "sleep 5",
-    ]);
-    assert!(
-        wait_until(WAIT, || c.show_job(mx2)["JobState"] == "RUNNING"),
-        "{:?}",
-        c.show_job(mx2)
-    );
+    let mx2 = multiplexed_on_n1(&c, 5);
     both_ways.extend(c.held_both_ways());
     let rec = c.wait(mx2, WAIT);
     assert_eq!(rec["JobState"], "COMPLETED", "{rec:?}");

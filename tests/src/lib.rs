@@ -55,15 +55,7 @@ impl Cluster {
     /// `TresPerNode` of a job asking `count` of gres `name`, as this cluster's Slurm writes it:
     /// `gres:NAME:N` up to 22.05, `gres/NAME:N` from 23.02 (what `scontrol --version` says).
     pub fn tres_gres(&self, name: &str, count: u32) -> String {
-        let text = self.slurm_version();
-        let version: Vec<u32> = text
-            .split_whitespace()
-            .last()
-            .unwrap_or("")
-            .split('.')
-            .take(2)
-            .map(|p| p.parse().unwrap_or(0))
-            .collect();
+        let version = multiplexd::slurm::release_numbers(&self.slurm_version());
         let sep = if version.as_slice() >= [23, 2].as_slice() {
             '/'
         } else {

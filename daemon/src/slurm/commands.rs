@@ -19,14 +19,7 @@ pub struct Commands {
 /// type to another leaves the old type allocated beside the new, a shard that is never given
 /// back. There a claim first clears the job's gres (`TresPerNode=`), then sets the type.
 pub fn merges_gres_updates(version: &str) -> bool {
-    let numbers: Vec<u32> = version
-        .split_whitespace()
-        .last()
-        .unwrap_or("")
-        .split(['.', '-'])
-        .map_while(|p| p.parse().ok())
-        .collect();
-    match numbers[..] {
+    match release_numbers(version)[..] {
         [major, minor, micro, ..] => (major, minor, micro) < (23, 2, 6),
         [major, minor] => (major, minor) < (23, 11),
         _ => true,
@@ -38,15 +31,19 @@ pub fn merges_gres_updates(version: &str) -> bool {
 /// a GPU whole while a job still holds a shard of it once another job's shard of that GPU has
 /// ended (its node's count of shards in use drops to none; seen on the test cluster).
 pub fn keeps_whole_and_shards_apart(version: &str) -> bool {
-    let numbers: Vec<u32> = version
+    release_numbers(version).as_slice() >= [23, 11].as_slice()
+}
+
+/// The numbers of the release `scontrol --version` names: `[22, 5, 8]` of `slurm 22.05.8`
+/// (`slurm-wlm` on Debian), as far as they read.
+pub fn release_numbers(version: &str) -> Vec<u32> {
+    version
         .split_whitespace()
         .last()
         .unwrap_or("")
         .split(['.', '-'])
-        .take(2)
         .map_while(|p| p.parse().ok())
-        .collect();
-    numbers.as_slice() >= [23, 11].as_slice()
+        .collect()
 }
 
 impl Commands {
