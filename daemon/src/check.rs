@@ -596,11 +596,10 @@ mod tests {
         assert_eq!(plugstack_socket("optional /p/other.so", "n1"), None);
     }
 
-    #[test]
-    fn an_agreeing_node_has_no_error_and_each_disagreement_is_named() {
-        let c = config(2, &[0, 1]);
-        let good = Inputs {
-            config: &c,
+    /// What a node that agrees with Slurm in every way gives the check (24.11).
+    fn agreeing(c: &Config) -> Inputs<'_> {
+        Inputs {
+            config: c,
             gres: parse_gres_conf(GRES, &n1_or_n2),
             constrain_devices: Ok(Some("yes".into())),
             gate_licenses: Ok(100_000),
@@ -613,7 +612,13 @@ mod tests {
                 names_node: false,
                 unflagged_on_shared: false,
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn an_agreeing_node_has_no_error_and_each_disagreement_is_named() {
+        let c = config(2, &[0, 1]);
+        let good = agreeing(&c);
         let f = check(&good);
         assert!(errors(&f).is_empty(), "{f:?}");
         assert!(f.iter().all(|f| f.level == Level::Ok), "{f:?}");
@@ -666,19 +671,13 @@ mod tests {
         assert!(!errors(&f).iter().any(|e| e.contains("without --multiplex")), "{f:?}");
         // So is a job_submit that lets them into the shared partition, on 24.11 only.
         let unflagged = |slurm: (&str, bool)| Inputs {
-            config: &c,
-            gres: parse_gres_conf(GRES, &n1_or_n2),
-            constrain_devices: Ok(Some("yes".into())),
-            gate_licenses: Ok(100_000),
-            lease_licenses: Ok(1),
-            record: Ok(record()),
-            plugstack: Ok(Some(Some("/run/m/n1.sock".into()))),
             slurm: Ok((slurm.0.into(), slurm.1)),
             policy: Some(PolicyView {
                 partitions: vec!["shared".into()],
                 names_node: false,
                 unflagged_on_shared: true,
             }),
+            ..agreeing(&c)
         };
         assert!(errors(&check(&unflagged(("slurm 24.11.5", true)))).is_empty());
         assert!(errors(&check(&unflagged(("slurm 22.05.8", false))))[0]

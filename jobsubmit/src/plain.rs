@@ -8,7 +8,7 @@
 
 use crate::policy::Policy;
 use crate::view::{refuse, JobView, RejectKind};
-use multiplex_protocol::model;
+use multiplex_protocol::{model, srun};
 
 /// The new values of the fields a job's GPU model changes.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,7 +44,7 @@ pub fn untyped(job: &JobView, policy: &Policy) -> Result<Option<PlainGpus>, (Rej
         if multiplex_protocol::spec::parse_app(m).is_err() {
             return Err(refuse(
                 RejectKind::BadOption,
-                format!("{m:?} is not a GPU model srun could have passed on"),
+                format!("{:?} is not a GPU model srun could have passed on", srun::cut(m)),
             ));
         }
         models.push(m);
@@ -75,10 +75,19 @@ pub fn untyped(job: &JobView, policy: &Policy) -> Result<Option<PlainGpus>, (Rej
                 "this job asks for GPUs of {} models ({}); where GPUs are shared each has a gres type of its own, \
                  and a job without --multiplex asks for one model (submit one job per model)",
                 models.len(),
-                models.join(", ")
+                quoted(&models)
             ),
         )),
     }
+}
+
+/// The models a job named, for a sentence: the first four, each cut short (the user wrote them).
+fn quoted(models: &[&str]) -> String {
+    let mut named: Vec<String> = models.iter().take(4).map(|m| srun::cut(m)).collect();
+    if models.len() > 4 {
+        named.push("...".into());
+    }
+    named.join(", ")
 }
 
 /// The four TRES fields with the models taken off their GPU entries, and those models.

@@ -174,8 +174,8 @@ pub fn encode(carry: &[(Field, String)]) -> String {
         .join(";")
 }
 
-/// At most 64 characters of `s`, for an error that quotes what a client sent.
-fn cut(s: &str) -> String {
+/// At most 64 characters of `s`, for an error that quotes what a client or a user sent.
+pub fn cut(s: &str) -> String {
     match s.char_indices().nth(64) {
         Some((i, _)) => format!("{}...", &s[..i]),
         None => s.to_string(),

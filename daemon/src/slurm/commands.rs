@@ -284,7 +284,7 @@ impl Slurm for Commands {
         if let Some(&c) = self.clears_first.get() {
             return Ok(c);
         }
-        let version = self.run("scontrol", &["--version".to_string()])?;
+        let version = self.version()?;
         Ok(*self.clears_first.get_or_init(|| merges_gres_updates(&version)))
     }
 
