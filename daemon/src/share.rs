@@ -14,7 +14,7 @@
 
 use crate::background::Trouble;
 pub use crate::config::ShareConfig;
-use crate::history::Export;
+use crate::history::{Export, Merger};
 use crate::node::Node;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -68,6 +68,10 @@ impl Sharer {
             .filter(|p| p.extension().is_some_and(|x| x == "json") && *p != own)
             .collect();
         files.sort();
+        // Every changed file merged in memory, then imported at once: one refit per exchange
+        // however many nodes wrote.
+        let mut merger = Merger::default();
+        let mut read = Vec::new();
         for path in files {
             let Ok(meta) = std::fs::metadata(&path) else {
                 continue; // gone since it was listed
@@ -76,14 +80,27 @@ impl Sharer {
             if self.seen.get(&path) == Some(&stamp) {
                 continue;
             }
-            match merge(node, &path) {
-                Ok(changed) => {
-                    done.pairs_changed += changed;
+            match read_export(&path).and_then(|data| merger.add(&data)) {
+                Ok(()) => read.push((path, stamp)),
+                Err(e) => done.problems.push(format!("{}: {e}", path.display())),
+            }
+        }
+        if read.is_empty() {
+            return Ok(done);
+        }
+        let imported = node.lock().unwrap_or_else(|p| p.into_inner()).import(&merger.finish());
+        match imported {
+            Ok(changed) => {
+                done.pairs_changed = changed.pairs_added + changed.pairs_replaced;
+                for (path, stamp) in read {
                     done.merged.push(path.display().to_string());
                     self.seen.insert(path, stamp);
                 }
-                Err(e) => done.problems.push(format!("{}: {e}", path.display())),
             }
+            // Nothing was written (one transaction): each file is tried again next exchange.
+            Err(e) => done
+                .problems
+                .extend(read.iter().map(|(path, _)| format!("{}: {e}", path.display()))),
         }
         Ok(done)
     }
@@ -99,12 +116,10 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
     std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-fn merge(node: &Mutex<Node>, path: &Path) -> Result<usize, String> {
+/// Another node's file, parsed.
+fn read_export(path: &Path) -> Result<Export, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
-    let data: Export = serde_json::from_str(&text).map_err(|e| format!("not a multiplexd history export: {e}"))?;
-    let mut node = node.lock().unwrap_or_else(|p| p.into_inner());
-    let done = node.import(&data)?;
-    Ok(done.pairs_added + done.pairs_replaced)
+    serde_json::from_str(&text).map_err(|e| format!("not a multiplexd history export: {e}"))
 }
 
 /// Exchanges at start and every `every_s` until `shutdown`, when a directory is configured.

@@ -10,7 +10,7 @@ use multiplexd::claim::outcome_s;
 use multiplexd::claimer::Claimer;
 use multiplexd::config::keys::{MIN_GAIN, PUT_BACK, SEPARATE_BELOW};
 use multiplexd::config::{Config, GpuSpec, DEFAULT_UNKNOWN_PAIR_SPEED};
-use multiplexd::history::{ActiveJob, Export};
+use multiplexd::history::{ActiveJob, Export, Merger};
 use multiplexd::node::{Node, Started};
 use multiplexd::placement::Wanted;
 use std::collections::VecDeque;
@@ -305,13 +305,15 @@ impl<'a> Learned<'a> {
         Ok(())
     }
 
-    /// Every node's export merged into the first, and the result into every other.
+    /// Every node's export merged into the first, and the result into every other: each
+    /// daemon's exchange merges the other nodes' files in memory and imports them at once.
     fn share(&mut self) -> Result<(), String> {
-        let mut first = self.node(0)?;
+        let mut others = Merger::default();
         for n in 1..self.nodes.len() {
-            let e = self.node(n)?.history().export().map_err(|e| e.to_string())?;
-            first.import(&e)?;
+            others.add(&self.node(n)?.history().export().map_err(|e| e.to_string())?)?;
         }
+        let mut first = self.node(0)?;
+        first.import(&others.finish())?;
         let merged = first.history().export().map_err(|e| e.to_string())?;
         drop(first);
         for n in 1..self.nodes.len() {

@@ -3,8 +3,9 @@
 
 use super::jobs::app_id;
 use super::{Cached, History, HistoryError};
-use rusqlite::{params, OptionalExtension};
+use rusqlite::params;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// One learned pair.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,13 +146,88 @@ impl History {
         let mut done = Imported::default();
         let sql = |e: rusqlite::Error| e.to_string();
         let tx = self.write().map_err(sql)?;
-        merge_solo(&tx, &data.solo, &mut done).map_err(sql)?;
-        merge_pairs(&tx, &data.pairs, &mut done).map_err(sql)?;
-        merge_memory(&tx, &data.memory, &mut done).map_err(sql)?;
+        let mut apps = Apps::read(&tx).map_err(sql)?;
+        merge_solo(&tx, &mut apps, &data.solo, &mut done).map_err(sql)?;
+        merge_pairs(&tx, &mut apps, &data.pairs, &mut done).map_err(sql)?;
+        merge_memory(&tx, &mut apps, &data.memory, &mut done).map_err(sql)?;
         super::effects::refresh_app_means(&tx, None).map_err(sql)?;
         super::effects::refit_effects(&tx, prior).map_err(sql)?;
         tx.commit().map_err(sql)?;
         Ok(done)
+    }
+}
+
+/// Several exports merged in memory by [`History::import`]'s rules, so that importing the
+/// result once leaves the tables as importing each in turn would (an estimate resting on more
+/// observations wins, the first on a tie; out-of-memory marks are kept; the larger memory),
+/// with one refit of what is known of each application instead of one per export: a node of a
+/// large cluster merges hundreds of other nodes' files each exchange.
+#[derive(Debug, Default)]
+pub struct Merger {
+    solo: Vec<SoloRow>,
+    pairs: Vec<PairRow>,
+    memory: Vec<MemoryRow>,
+    solo_at: HashMap<(String, String), usize>,
+    pair_at: HashMap<(String, String, String), usize>,
+    memory_at: HashMap<String, usize>,
+}
+
+impl Merger {
+    /// Merges `data`, checked whole first: one that import would refuse is refused here, and
+    /// nothing of it is merged.
+    pub fn add(&mut self, data: &Export) -> Result<(), String> {
+        check_export(data)?;
+        for s in &data.solo {
+            match self.solo_at.get(&(s.gpu_model.clone(), s.app.clone())) {
+                Some(&i) if self.solo[i].runs >= s.runs => {}
+                Some(&i) => self.solo[i] = s.clone(),
+                None => {
+                    self.solo_at
+                        .insert((s.gpu_model.clone(), s.app.clone()), self.solo.len());
+                    self.solo.push(s.clone());
+                }
+            }
+        }
+        for p in &data.pairs {
+            let key = (p.gpu_model.clone(), p.app.clone(), p.other.clone());
+            match self.pair_at.get(&key) {
+                Some(&i) if self.pairs[i].observations >= p.observations => self.pairs[i].oom |= p.oom,
+                Some(&i) => {
+                    let oom = self.pairs[i].oom || p.oom;
+                    self.pairs[i] = PairRow { oom, ..p.clone() };
+                }
+                None => {
+                    self.pair_at.insert(key, self.pairs.len());
+                    self.pairs.push(p.clone());
+                }
+            }
+        }
+        for m in &data.memory {
+            match self.memory_at.get(&m.app) {
+                Some(&i) => self.memory[i].peak_mb = self.memory[i].peak_mb.max(m.peak_mb),
+                None => {
+                    self.memory_at.insert(m.app.clone(), self.memory.len());
+                    self.memory.push(m.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether nothing was merged.
+    pub fn is_empty(&self) -> bool {
+        self.solo.is_empty() && self.pairs.is_empty() && self.memory.is_empty()
+    }
+
+    /// What was merged, as one export.
+    pub fn finish(self) -> Export {
+        Export {
+            format: EXPORT_FORMAT.into(),
+            version: EXPORT_VERSION,
+            solo: self.solo,
+            pairs: self.pairs,
+            memory: self.memory,
+        }
     }
 }
 
@@ -195,18 +271,44 @@ fn check_export(data: &Export) -> Result<(), String> {
     Ok(())
 }
 
-/// Each solo baseline: added where new, replacing ours where it rests on more runs.
-fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported) -> rusqlite::Result<()> {
+/// The applications an import names, by name: read once, each new one added (and numbered by
+/// SQLite) the first time a row names it, in the order the rows name them.
+struct Apps(HashMap<String, i64>);
+
+impl Apps {
+    fn read(tx: &rusqlite::Transaction) -> rusqlite::Result<Apps> {
+        let mut stmt = tx.prepare_cached("SELECT name, id FROM applications")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(Apps(rows.collect::<Result<_, _>>()?))
+    }
+
+    fn id(&mut self, tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
+        if let Some(&id) = self.0.get(name) {
+            return Ok(id);
+        }
+        let id = app_id(tx, name)?;
+        self.0.insert(name.to_string(), id);
+        Ok(id)
+    }
+}
+
+/// Each solo baseline: added where new, replacing ours where it rests on more runs. What is
+/// here is read once; only what changes is written.
+fn merge_solo(
+    tx: &rusqlite::Transaction,
+    apps: &mut Apps,
+    solo: &[SoloRow],
+    done: &mut Imported,
+) -> rusqlite::Result<()> {
+    let mut have: HashMap<(String, i64), u32> = {
+        let mut stmt = tx.prepare_cached("SELECT gpu_model, app_id, observations FROM solo_baselines")?;
+        let rows = stmt.query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))?;
+        rows.collect::<Result<_, _>>()?
+    };
     for s in solo {
-        let id = app_id(tx, &s.app)?;
-        let have: Option<u32> = tx
-            .row(
-                "SELECT observations FROM solo_baselines WHERE gpu_model = ?1 AND app_id = ?2",
-                params![s.gpu_model, id],
-                |r| r.get(0),
-            )
-            .optional()?;
-        match have {
+        let id = apps.id(tx, &s.app)?;
+        let ours = have.get(&(s.gpu_model.clone(), id)).copied();
+        match ours {
             Some(n) if n >= s.runs => done.kept += 1,
             _ => {
                 tx.exec(
@@ -214,7 +316,8 @@ fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported)
                      ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
                     params![s.gpu_model, id, s.runtime_s, s.runs],
                 )?;
-                if have.is_some() {
+                have.insert((s.gpu_model.clone(), id), s.runs);
+                if ours.is_some() {
                     done.solo_replaced += 1;
                 } else {
                     done.solo_added += 1;
@@ -226,38 +329,46 @@ fn merge_solo(tx: &rusqlite::Transaction, solo: &[SoloRow], done: &mut Imported)
 }
 
 /// Each pair: added where new, replacing ours where it rests on more observations; an
-/// out-of-memory mark is never dropped.
-fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Imported) -> rusqlite::Result<()> {
+/// out-of-memory mark is never dropped. What is here is read once; only what changes is
+/// written.
+fn merge_pairs(
+    tx: &rusqlite::Transaction,
+    apps: &mut Apps,
+    pairs: &[PairRow],
+    done: &mut Imported,
+) -> rusqlite::Result<()> {
+    let mut have: HashMap<(String, i64, i64), (u32, bool)> = {
+        let mut stmt =
+            tx.prepare_cached("SELECT gpu_model, app_id, other_id, observations, oom FROM pair_estimates")?;
+        let rows = stmt.query_map([], |r| Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (r.get(3)?, r.get(4)?))))?;
+        rows.collect::<Result<_, _>>()?
+    };
     for p in pairs {
-        let (a, o) = (app_id(tx, &p.app)?, app_id(tx, &p.other)?);
-        let have: Option<(u32, bool)> = tx
-            .row(
-                "SELECT observations, oom FROM pair_estimates WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
-                params![p.gpu_model, a, o],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()?;
-        match have {
+        let (a, o) = (apps.id(tx, &p.app)?, apps.id(tx, &p.other)?);
+        let key = (p.gpu_model.clone(), a, o);
+        let ours = have.get(&key).copied();
+        match ours {
             Some((n, oom)) if n >= p.observations => {
                 if p.oom && !oom {
                     tx.exec(
                         "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
                         params![p.gpu_model, a, o],
                     )?;
+                    have.insert(key, (n, true));
                 }
                 done.kept += 1;
             }
             _ => {
-                let oom = p.oom || have.is_some_and(|(_, oom)| oom);
+                let oom = p.oom || ours.is_some_and(|(_, oom)| oom);
                 tx.exec(
                     "INSERT INTO pair_estimates(gpu_model, app_id, other_id, speed, other_speed, observations, variance, oom)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
                      ON CONFLICT(gpu_model, app_id, other_id) DO UPDATE SET speed = ?4, other_speed = ?5,
                        observations = ?6, variance = ?7, oom = ?8",
                     params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
-                )
-                ?;
-                if have.is_some() {
+                )?;
+                have.insert(key, (p.observations, oom));
+                if ours.is_some() {
                     done.pairs_replaced += 1;
                 } else {
                     done.pairs_added += 1;
@@ -269,13 +380,21 @@ fn merge_pairs(tx: &rusqlite::Transaction, pairs: &[PairRow], done: &mut Importe
 }
 
 /// Each application's measured memory: the larger of ours and theirs.
-fn merge_memory(tx: &rusqlite::Transaction, memory: &[MemoryRow], done: &mut Imported) -> rusqlite::Result<()> {
+fn merge_memory(
+    tx: &rusqlite::Transaction,
+    apps: &mut Apps,
+    memory: &[MemoryRow],
+    done: &mut Imported,
+) -> rusqlite::Result<()> {
+    let mut have: HashMap<i64, i64> = {
+        let mut stmt = tx.prepare_cached("SELECT app_id, peak_mb FROM app_memory")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()?
+    };
     for m in memory {
-        let id = app_id(tx, &m.app)?;
-        let have: Option<i64> = tx
-            .row("SELECT peak_mb FROM app_memory WHERE app_id = ?1", [id], |r| r.get(0))
-            .optional()?;
-        match have {
+        let id = apps.id(tx, &m.app)?;
+        let ours = have.get(&id).copied();
+        match ours {
             Some(ours) if ours >= m.peak_mb as i64 => done.kept += 1,
             _ => {
                 tx.exec(
@@ -283,7 +402,8 @@ fn merge_memory(tx: &rusqlite::Transaction, memory: &[MemoryRow], done: &mut Imp
                      ON CONFLICT(app_id) DO UPDATE SET peak_mb = ?2",
                     params![id, m.peak_mb as i64],
                 )?;
-                if have.is_some() {
+                have.insert(id, m.peak_mb as i64);
+                if ours.is_some() {
                     done.memory_raised += 1;
                 } else {
                     done.memory_added += 1;

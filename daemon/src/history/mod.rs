@@ -27,7 +27,7 @@ mod telemetry;
 mod upkeep;
 
 pub use equations::BUSY;
-pub use exchange::{Export, Imported, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
+pub use exchange::{Export, Imported, Merger, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};
 pub use jobs::{ActiveJob, NewJob};
 pub use learning::{Learned, LEARN_ON_REPORTS_UNTIL, LEARN_WINDOW};

@@ -457,3 +457,95 @@ fn busy_gpu_time_measures_a_job_that_reports_nothing_and_a_count_begun_again_sta
     // a2's busy time counted instead (0.4 a second beside b), both would say 0.5.
     assert!(f.speed > 0.3 && f.speed < 0.49, "{fits:?}");
 }
+
+/// Exports drawn to overlap: three applications, pairs with repeated observation counts (ties),
+/// some marked out of memory, solo runs and memories that differ.
+fn drawn_exports(seed: u64, count: usize) -> Vec<Export> {
+    let mut x = seed;
+    let mut draw = |n: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % n
+    };
+    let apps = ["a", "b", "c"];
+    (0..count)
+        .map(|_| {
+            let mut e = Export {
+                format: EXPORT_FORMAT.into(),
+                version: EXPORT_VERSION,
+                solo: Vec::new(),
+                pairs: Vec::new(),
+                memory: Vec::new(),
+            };
+            for app in apps {
+                if draw(2) == 0 {
+                    e.solo.push(exchange::SoloRow {
+                        gpu_model: "v100".into(),
+                        app: app.into(),
+                        runtime_s: 10.0 + draw(50) as f64,
+                        runs: draw(4) as u32 + 1,
+                    });
+                }
+                if draw(2) == 0 {
+                    e.memory.push(exchange::MemoryRow {
+                        app: app.into(),
+                        peak_mb: 1000 + draw(5) * 1000,
+                    });
+                }
+                for other in apps {
+                    if draw(3) == 0 {
+                        continue;
+                    }
+                    e.pairs.push(PairRow {
+                        gpu_model: "v100".into(),
+                        app: app.into(),
+                        other: other.into(),
+                        speed: 0.1 + draw(9) as f64 / 10.0,
+                        other_speed: 0.1 + draw(9) as f64 / 10.0,
+                        observations: draw(3) as u32,
+                        variance: None,
+                        oom: draw(4) == 0,
+                    });
+                }
+            }
+            e
+        })
+        .collect()
+}
+
+#[test]
+fn exports_merged_in_memory_and_imported_once_leave_what_importing_each_in_turn_leaves() {
+    let dir = tempfile::tempdir().unwrap();
+    for seed in 0..40 {
+        let exports = drawn_exports(seed, 5);
+        // Each history starts from what this node learned itself: the first export.
+        let mut one_by_one = History::open(&dir.path().join(format!("each-{seed}.sqlite"))).unwrap();
+        let mut at_once = History::open(&dir.path().join(format!("once-{seed}.sqlite"))).unwrap();
+        one_by_one.import(&exports[0], 0.7).unwrap();
+        at_once.import(&exports[0], 0.7).unwrap();
+        let mut merger = Merger::default();
+        for e in &exports[1..] {
+            one_by_one.import(e, 0.7).unwrap();
+            merger.add(e).unwrap();
+        }
+        at_once.import(&merger.finish(), 0.7).unwrap();
+        assert_eq!(one_by_one.export().unwrap(), at_once.export().unwrap(), "seed {seed}");
+        for app in ["a", "b", "c"] {
+            assert_eq!(
+                known(&one_by_one, "v100", app),
+                known(&at_once, "v100", app),
+                "seed {seed}, {app}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_merger_refuses_an_export_import_would_refuse_and_keeps_what_it_had() {
+    let mut merger = Merger::default();
+    let good = drawn_exports(7, 1).remove(0);
+    merger.add(&good).unwrap();
+    let mut bad = good.clone();
+    bad.pairs[0].speed = 1.5;
+    assert!(merger.add(&bad).unwrap_err().contains("speeds must be in (0, 1]"));
+    assert_eq!(merger.finish(), good);
+}
