@@ -23,8 +23,6 @@ pub(crate) struct View<'a> {
     pub cluster: &'a [Vec<Vec<JobRef>>],
     /// The first pending jobs, in Slurm's order.
     pub pending: &'a [JobRef],
-    /// Jobs per GPU: each GPU's shards.
-    pub slots: u32,
     /// Each job waits on one GPU index from its submission, as job_submit binds it where
     /// Slurm merges gres updates (22.05), and a claim chooses the node.
     pub fixed_gpu: bool,
@@ -35,12 +33,12 @@ pub(crate) struct View<'a> {
 pub(crate) fn look(
     claimer: &mut Claimer,
     scorer: &dyn Scorer,
-    table: &Table,
+    names: &Names,
     view: View,
     now: f64,
 ) -> Result<Vec<(usize, usize, usize)>, String> {
     let pending = view.pending;
-    let slurm = Fake::new(books(table, &view));
+    let slurm = Fake::new(books(names, &view));
     let looked = claimer.look(&slurm, scorer, now).map_err(|e| e.to_string())?;
     // Every job of the trace fits some GPU alone: none has a place in it refused.
     if let Some((job, reason)) = looked.refused.first() {
@@ -62,37 +60,63 @@ pub(crate) fn look(
         .collect()
 }
 
+/// What Slurm's books name, written once per run: each application's tag (job_submit's), the
+/// put-back note naming each application, each GPU's shard gres, each node's name and record.
+pub(crate) struct Names {
+    tags: Vec<String>,
+    put_back: Vec<String>,
+    shards: Vec<String>,
+    nodes: Vec<NodeInfo>,
+}
+
+impl Names {
+    pub(crate) fn new(table: &Table, nodes: usize, gpus: usize, slots: u32) -> Names {
+        let tags: Vec<String> = table.apps.iter().map(|app| tag(app)).collect();
+        // A job the daemon put back after it ran out of memory beside a partner: its tag with
+        // the note saying so.
+        let put_back = table.apps.iter().map(|app| put_back_note(app, "sim", "0")).collect();
+        Names {
+            tags,
+            put_back,
+            shards: (0..gpus as u32)
+                .map(|g| format!("shard:{}:1", gpu_type(&table.model, g)))
+                .collect(),
+            nodes: (0..nodes).map(|n| node_info(&table.model, n, gpus, slots)).collect(),
+        }
+    }
+
+    /// A job's admin comment.
+    fn admin_comment(&self, j: &JobRef) -> Option<String> {
+        Some(match j.put_back {
+            Some(beside) => with_note(&self.tags[j.app], &self.put_back[beside]),
+            None => self.tags[j.app].clone(),
+        })
+    }
+}
+
 /// The world's view as Slurm's books: running (or claimed) jobs on their typed GPU, pending
 /// jobs waiting for the gate's license alone, every node up with its GPUs' gres.
-fn books(table: &Table, view: &View) -> FakeState {
+fn books(names: &Names, view: &View) -> FakeState {
     let View {
         cluster,
         pending,
-        slots,
         fixed_gpu,
     } = *view;
-    // Each application's tag (and with the note of a job the daemon put back after it ran
-    // out of memory beside a partner) and each GPU's gres, written once per look.
-    let tags: Vec<String> = table.apps.iter().map(|app| tag(app)).collect();
-    let tag = |j: &JobRef| Some(admin_comment(table, &tags, j));
-    let gpus = cluster.first().map_or(1, Vec::len);
-    let shards: Vec<String> = (0..gpus as u32)
-        .map(|g| format!("shard:{}:1", gpu_type(&table.model, g)))
-        .collect();
+    let shards = &names.shards;
+    let gpus = shards.len();
     let mut jobs = Vec::with_capacity(pending.len() + cluster.len() * gpus * 2);
     for (n, node) in cluster.iter().enumerate() {
-        let name = node_name(n);
         for (g, residents) in node.iter().enumerate() {
             for r in residents {
                 jobs.push(Job {
                     id: r.id,
                     pending: false,
                     reason: "None".into(),
-                    node: Some(name.clone()),
+                    node: Some(names.nodes[n].name.clone()),
                     excluded: None,
                     gres: shards[g].clone(),
                     licenses: String::new(),
-                    admin_comment: tag(r),
+                    admin_comment: names.admin_comment(r),
                 });
             }
         }
@@ -110,25 +134,14 @@ fn books(table: &Table, view: &View) -> FakeState {
                 false => "shard:1".into(),
             },
             licenses: format!("{GATE_LICENSE}:1"),
-            admin_comment: tag(j),
+            admin_comment: names.admin_comment(j),
         });
     }
     FakeState {
         jobs,
-        nodes: (0..cluster.len())
-            .map(|n| node_info(&table.model, n, gpus, slots))
-            .collect(),
+        nodes: names.nodes[..cluster.len()].to_vec(),
         merges: fixed_gpu,
         ..FakeState::default()
-    }
-}
-
-/// A job's admin comment: its tag (`tags`, by application), and where the daemon put it back
-/// after it ran out of memory beside a partner, the note saying so.
-fn admin_comment(table: &Table, tags: &[String], j: &JobRef) -> String {
-    match j.put_back {
-        Some(beside) => with_note(&tags[j.app], &put_back_note(&table.apps[beside], "sim", "0")),
-        None => tags[j.app].clone(),
     }
 }
 
@@ -201,11 +214,10 @@ mod tests {
         let view = View {
             cluster: &cluster,
             pending: &pending,
-            slots: 2,
             fixed_gpu: false,
         };
         let mut claimer = Claimer::new(ClaimConfig::default(), 1);
-        let pins = look(&mut claimer, &Blank, &table, view, 0.0).unwrap();
+        let pins = look(&mut claimer, &Blank, &Names::new(&table, 2, 2, 2), view, 0.0).unwrap();
         // The two idle GPUs first, in Slurm's order, then a share of the first GPU that holds
         // one job (a pair never seen is tried).
         assert_eq!(pins, vec![(0, 0, 1), (1, 1, 0), (2, 0, 0)]);
@@ -224,11 +236,10 @@ mod tests {
         let view = View {
             cluster: &cluster,
             pending: &[job(3)],
-            slots: 2,
             fixed_gpu: true,
         };
         let mut claimer = Claimer::new(ClaimConfig::default(), 1);
-        let pins = look(&mut claimer, &Blank, &table, view, 0.0).unwrap();
+        let pins = look(&mut claimer, &Blank, &Names::new(&table, 2, 2, 2), view, 0.0).unwrap();
         assert_eq!(pins, vec![(0, 1, 0)]);
     }
 

@@ -2,7 +2,7 @@
 //! its SQLite history, node 0's claimer claiming for the cluster; and `oracle`, the claimer's
 //! code handed the true table.
 
-use super::books::{self, View};
+use super::books::{self, Names, View};
 use super::input::Table;
 use super::world::{JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
@@ -86,7 +86,8 @@ pub(crate) struct Learned<'a> {
     /// (`share_every_s`). How many pending jobs a look weighs.
     claimer: Claimer,
     lookahead: usize,
-    slots: u32,
+    /// What Slurm's books name, for the claimer's looks.
+    names: Names,
     fixed_gpu: bool,
     put_back: bool,
     next_share: f64,
@@ -242,7 +243,7 @@ impl<'a> Learned<'a> {
             // As the daemon's claimer: a pair's outcome reaches node 0 at the next merge.
             claimer: Claimer::new(claim_config, 1).outcome_after(outcome_s(share_every_s)),
             lookahead: options.lookahead,
-            slots: shape.jobs_per_gpu,
+            names: Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
             fixed_gpu: options.fixed_gpu,
             put_back: options.put_back,
             next_share: share_every_s,
@@ -376,11 +377,10 @@ impl Policy for Learned<'_> {
         let view = View {
             cluster,
             pending,
-            slots: self.slots,
             fixed_gpu: self.fixed_gpu,
         };
         let node = caught_up(&self.nodes, &self.clocks, 0, now)?;
-        books::look(&mut self.claimer, &*node, self.table, view, now)
+        books::look(&mut self.claimer, &*node, &self.names, view, now)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

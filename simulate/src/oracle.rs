@@ -1,6 +1,6 @@
 //! The oracle: the claimer's own code handed the true table instead of a history.
 
-use super::books::{self, View};
+use super::books::{self, Names, View};
 use super::input::Table;
 use super::learned::Options;
 use super::world::{JobRef, Policy, Shape};
@@ -34,18 +34,18 @@ fn truth(table: &Table) -> Estimates {
 
 /// The claimer, knowing the table: the daemon's [`Claimer`] over Slurm's books ([`books`]),
 /// scored by the truth.
-pub(crate) struct Oracle<'a> {
-    table: &'a Table,
+pub(crate) struct Oracle {
     truth: Truth,
     claimer: Claimer,
     lookahead: usize,
-    slots: u32,
+    /// What Slurm's books name, for the claimer's looks.
+    names: Names,
     fixed_gpu: bool,
     put_back: bool,
 }
 
-impl<'a> Oracle<'a> {
-    pub(crate) fn new(table: &'a Table, shape: Shape, options: Options) -> Result<Self, String> {
+impl Oracle {
+    pub(crate) fn new(table: &Table, shape: Shape, options: Options) -> Result<Self, String> {
         let config = options.config("oracle", shape.jobs_per_gpu)?;
         let truth = Truth {
             estimates: truth(table),
@@ -61,11 +61,10 @@ impl<'a> Oracle<'a> {
             },
         };
         Ok(Oracle {
-            table,
             truth,
             lookahead: config.claim.lookahead,
             claimer: Claimer::new(config.claim, 1),
-            slots: shape.jobs_per_gpu,
+            names: Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
             fixed_gpu: options.fixed_gpu,
             put_back: config.policy.put_back,
         })
@@ -109,7 +108,7 @@ impl Scorer for Truth {
     }
 }
 
-impl Policy for Oracle<'_> {
+impl Policy for Oracle {
     /// The node's daemon puts a job out of memory beside a partner back in the queue.
     fn puts_back(&self) -> bool {
         self.put_back
@@ -132,10 +131,9 @@ impl Policy for Oracle<'_> {
         let view = View {
             cluster,
             pending,
-            slots: self.slots,
             fixed_gpu: self.fixed_gpu,
         };
-        books::look(&mut self.claimer, &self.truth, self.table, view, now)
+        books::look(&mut self.claimer, &self.truth, &self.names, view, now)
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())

@@ -59,6 +59,8 @@ struct World<'a> {
     /// A look due at this time because a trial ends then ([`Policy::look_again`]).
     timed_look: Option<f64>,
     claimed: u64,
+    /// Jobs claimed and not yet started (each for [`PASS_S`]): what a look adds to the GPUs.
+    pinned: BTreeSet<usize>,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -172,6 +174,7 @@ impl<'a> World<'a> {
             look_due: false,
             timed_look: None,
             claimed: 0,
+            pinned: BTreeSet::new(),
             events: BinaryHeap::new(),
             seq: 0,
             oom_failures: 0,
@@ -221,6 +224,7 @@ impl<'a> World<'a> {
             }
             Kind::Pass => {
                 if let Some((node, g)) = self.jobs[e.job].pinned.take() {
+                    self.pinned.remove(&e.job);
                     self.start(now, e.job, node, g);
                     policy.started(now, node, self.job_ref(e.job), g)?;
                 }
@@ -293,15 +297,6 @@ impl World<'_> {
     /// GPU it was pinned to.
     fn look(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
         let gpn = self.shape.gpus_per_node;
-        let mut on: Vec<Vec<usize>> = self.gpus.iter().map(|g| g.jobs.clone()).collect();
-        for (j, job) in self.jobs.iter().enumerate() {
-            if let Some((n, g)) = job.pinned {
-                on[n * gpn + g].push(j);
-            }
-        }
-        if on.iter().all(|jobs| jobs.len() as u32 >= self.slots) {
-            return Ok(());
-        }
         let pending: Vec<usize> = self
             .queue
             .iter()
@@ -310,6 +305,15 @@ impl World<'_> {
             .take(self.claim_lookahead)
             .collect();
         if pending.is_empty() {
+            return Ok(());
+        }
+        let mut on: Vec<Vec<usize>> = self.gpus.iter().map(|g| g.jobs.clone()).collect();
+        for &j in &self.pinned {
+            if let Some((n, g)) = self.jobs[j].pinned {
+                on[n * gpn + g].push(j);
+            }
+        }
+        if on.iter().all(|jobs| jobs.len() as u32 >= self.slots) {
             return Ok(());
         }
         let cluster: Vec<Vec<Vec<JobRef>>> = (0..self.shape.nodes)
@@ -340,6 +344,7 @@ impl World<'_> {
             on[gi].push(j);
             self.queue.remove(&j);
             self.jobs[j].pinned = Some((node, g));
+            self.pinned.insert(j);
             self.claimed += 1;
             self.push(now + PASS_S, j, Kind::Pass);
         }
