@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How often `scontrol listpids` is run when steps end while it lists (each such run is cut
+/// short by slurmd's error).
+const LISTPIDS_TRIES: u32 = 3;
+
 /// Slurm's own commands, each run with [`CALL_TIMEOUT`].
 #[derive(Debug)]
 pub struct Commands {
@@ -391,11 +395,21 @@ impl Slurm for Commands {
 
     fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError> {
         // slurmd's own list of the processes of its job steps (`scontrol listpids`): no
-        // slurmctld RPC, so a thousand nodes checking cost slurmctld nothing.
-        match self.run("scontrol", &["listpids".to_string(), "*".to_string(), node.to_string()]) {
-            Ok(out) => Ok(parse_listpids(&out)),
-            Err(SlurmError::Failed(e)) if e.contains("No job steps exist") => Ok(HashSet::new()),
-            Err(e) => Err(e),
+        // slurmctld RPC, so a thousand nodes checking cost slurmctld nothing. A step that ends
+        // while scontrol lists fails the whole list ("StepId=7.batch does not exist on this
+        // node", seen on the test clusters): the list is read again, as it is now.
+        let args = ["listpids".to_string(), "*".to_string(), node.to_string()];
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.run("scontrol", &args) {
+                Ok(out) => return Ok(parse_listpids(&out)),
+                Err(SlurmError::Failed(e)) if e.contains("No job steps exist") => return Ok(HashSet::new()),
+                Err(SlurmError::Failed(e)) if e.contains("does not exist on this node") && tries < LISTPIDS_TRIES => {
+                    tracing::debug!(error = %e, "a step ended while slurmd listed them; listing again");
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 

@@ -488,6 +488,50 @@ mod tests {
         assert_eq!(parse_listpids(out), HashSet::from([17, 21]));
     }
 
+    /// A fake `scontrol` in a directory of its own: each call is counted in `calls`, the first
+    /// `fail` fail with `error` on stderr, later ones list jobs 17 and 21.
+    fn fake_scontrol(fail: u32, error: &str) -> tempfile::TempDir {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = format!(
+            "#!/bin/sh\nn=$(cat \"$(dirname \"$0\")/calls\" 2>/dev/null || echo 0)\nn=$((n + 1))\n\
+             echo $n > \"$(dirname \"$0\")/calls\"\n\
+             if [ $n -le {fail} ]; then echo '{error}' >&2; exit 1; fi\n\
+             printf 'PID JOBID STEPID LOCALID GLOBALID\\n123 17 batch 0 0\\n200 21 0 0 0\\n'\n"
+        );
+        let path = dir.path().join("scontrol");
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
+    fn calls(dir: &tempfile::TempDir) -> String {
+        std::fs::read_to_string(dir.path().join("calls"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    #[test]
+    fn a_step_ending_while_slurmd_lists_them_is_listed_again() {
+        let ended = "scontrol: error: StepId=7.batch does not exist on this node";
+        let dir = fake_scontrol(1, ended);
+        let slurm = Commands::new(dir.path());
+        assert_eq!(slurm.running_here("n1").unwrap(), HashSet::from([17, 21]));
+        assert_eq!(calls(&dir), "2");
+        // Steps ending on every try: an error after a few, not a loop.
+        let dir = fake_scontrol(100, ended);
+        let e = Commands::new(dir.path()).running_here("n1").unwrap_err();
+        assert!(e.to_string().contains("does not exist on this node"), "{e}");
+        assert_eq!(calls(&dir), "3");
+        // Any other failure is not tried again; no steps at all is an empty list.
+        let dir = fake_scontrol(1, "slurm_load_node error: Unable to contact slurm controller");
+        assert!(Commands::new(dir.path()).running_here("n1").is_err());
+        assert_eq!(calls(&dir), "1");
+        let dir = fake_scontrol(1, "No job steps exist on this node.");
+        assert_eq!(Commands::new(dir.path()).running_here("n1").unwrap(), HashSet::new());
+    }
+
     #[test]
     fn releases_before_23_02_6_merge_gres_updates() {
         for (v, merges) in [
