@@ -271,15 +271,24 @@ fn check_export(data: &Export) -> Result<(), String> {
     Ok(())
 }
 
+/// What one query reads, by key: what an import merges into, read once.
+fn held<K: std::hash::Hash + Eq, V>(
+    tx: &rusqlite::Transaction,
+    sql: &str,
+    row: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<(K, V)>,
+) -> rusqlite::Result<HashMap<K, V>> {
+    let mut stmt = tx.prepare_cached(sql)?;
+    let rows = stmt.query_map([], row)?;
+    rows.collect()
+}
+
 /// The applications an import names, by name: read once, each new one added (and numbered by
 /// SQLite) the first time a row names it, in the order the rows name them.
 struct Apps(HashMap<String, i64>);
 
 impl Apps {
     fn read(tx: &rusqlite::Transaction) -> rusqlite::Result<Apps> {
-        let mut stmt = tx.prepare_cached("SELECT name, id FROM applications")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        Ok(Apps(rows.collect::<Result<_, _>>()?))
+        held(tx, "SELECT name, id FROM applications", |r| Ok((r.get(0)?, r.get(1)?))).map(Apps)
     }
 
     fn id(&mut self, tx: &rusqlite::Transaction, name: &str) -> rusqlite::Result<i64> {
@@ -300,11 +309,10 @@ fn merge_solo(
     solo: &[SoloRow],
     done: &mut Imported,
 ) -> rusqlite::Result<()> {
-    let mut have: HashMap<(String, i64), u32> = {
-        let mut stmt = tx.prepare_cached("SELECT gpu_model, app_id, observations FROM solo_baselines")?;
-        let rows = stmt.query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))?;
-        rows.collect::<Result<_, _>>()?
-    };
+    let mut have: HashMap<(String, i64), u32> =
+        held(tx, "SELECT gpu_model, app_id, observations FROM solo_baselines", |r| {
+            Ok(((r.get(0)?, r.get(1)?), r.get(2)?))
+        })?;
     for s in solo {
         let id = apps.id(tx, &s.app)?;
         let ours = have.get(&(s.gpu_model.clone(), id)).copied();
@@ -337,12 +345,10 @@ fn merge_pairs(
     pairs: &[PairRow],
     done: &mut Imported,
 ) -> rusqlite::Result<()> {
-    let mut have: HashMap<(String, i64, i64), (u32, bool)> = {
-        let mut stmt =
-            tx.prepare_cached("SELECT gpu_model, app_id, other_id, observations, oom FROM pair_estimates")?;
-        let rows = stmt.query_map([], |r| Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (r.get(3)?, r.get(4)?))))?;
-        rows.collect::<Result<_, _>>()?
-    };
+    let sql = "SELECT gpu_model, app_id, other_id, observations, oom FROM pair_estimates";
+    let mut have: HashMap<(String, i64, i64), (u32, bool)> = held(tx, sql, |r| {
+        Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (r.get(3)?, r.get(4)?)))
+    })?;
     for p in pairs {
         let (a, o) = (apps.id(tx, &p.app)?, apps.id(tx, &p.other)?);
         let key = (p.gpu_model.clone(), a, o);
@@ -386,11 +392,9 @@ fn merge_memory(
     memory: &[MemoryRow],
     done: &mut Imported,
 ) -> rusqlite::Result<()> {
-    let mut have: HashMap<i64, i64> = {
-        let mut stmt = tx.prepare_cached("SELECT app_id, peak_mb FROM app_memory")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        rows.collect::<Result<_, _>>()?
-    };
+    let mut have: HashMap<i64, i64> = held(tx, "SELECT app_id, peak_mb FROM app_memory", |r| {
+        Ok((r.get(0)?, r.get(1)?))
+    })?;
     for m in memory {
         let id = apps.id(tx, &m.app)?;
         let ours = have.get(&id).copied();
