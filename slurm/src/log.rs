@@ -5,8 +5,24 @@
 use crate::host::host;
 use std::ffi::CString;
 
+/// `msg` as one line of the host's log: its control characters written as escapes (`\n`,
+/// `\u{1b}`). What a user wrote into a job (a GPU model, a flag's text) reaches slurmctld's
+/// log in the plugins' messages, and a newline in it would start a line of the user's own
+/// making there.
+fn one_line(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len());
+    for c in msg.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn emit(f: Option<unsafe extern "C" fn(*const libc::c_char, ...)>, msg: &str) {
-    let c = CString::new(msg.replace('\0', "")).expect("NULs removed");
+    let c = CString::new(one_line(msg)).expect("NULs escaped");
     match f {
         // SAFETY: "%s" with one valid C string argument matches the printf contract.
         Some(f) => unsafe { f(c"%s".as_ptr(), c.as_ptr()) },
@@ -32,4 +48,20 @@ pub fn verbose(msg: &str) {
 /// `slurm_spank_log`: a line the user sees on their terminal (local/allocator contexts).
 pub fn user(msg: &str) {
     emit(host().spank_log, msg)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_message_is_one_line_whatever_a_user_wrote_into_it() {
+        let forged = "model v100\n[2026-11-28T10:00:00] error: forged\r\u{1b}[2J\0 end\ttab";
+        let line = super::one_line(forged);
+        assert_eq!(
+            line,
+            "model v100\\n[2026-11-28T10:00:00] error: forged\\r\\u{1b}[2J\\u{0} end\\ttab"
+        );
+        assert!(!line.chars().any(char::is_control), "{line}");
+        // Text without control characters is unchanged, non-ASCII included.
+        assert_eq!(super::one_line("gpu:a100-80gb é 3"), "gpu:a100-80gb é 3");
+    }
 }
