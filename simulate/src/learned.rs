@@ -314,7 +314,10 @@ impl<'a> Learned<'a> {
             others.add(&self.node(n)?.history().export().map_err(|e| e.to_string())?)?;
         }
         let mut first = self.node(0)?;
-        first.import(&others.finish())?;
+        // A node alone has nothing to merge (and no refit to run for it).
+        if self.nodes.len() > 1 {
+            first.import(&others.finish())?;
+        }
         let merged = first.history().export().map_err(|e| e.to_string())?;
         drop(first);
         for n in 1..self.nodes.len() {

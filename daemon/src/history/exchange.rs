@@ -214,11 +214,6 @@ impl Merger {
         Ok(())
     }
 
-    /// Whether nothing was merged.
-    pub fn is_empty(&self) -> bool {
-        self.solo.is_empty() && self.pairs.is_empty() && self.memory.is_empty()
-    }
-
     /// What was merged, as one export.
     pub fn finish(self) -> Export {
         Export {
