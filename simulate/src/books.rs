@@ -169,9 +169,8 @@ fn node_info(model: &str, n: usize, gpus: usize, slots: u32) -> NodeInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use multiplexd::claim::{Candidate, Inputs, NodeGpus};
     use multiplexd::config::ClaimConfig;
-    use multiplexd::placement::{Estimates, Knobs};
+    use multiplexd::placement::{Estimates, Knobs, Wanted};
     use std::collections::HashMap;
 
     /// Knows nothing of any pair: the claimer spreads.
@@ -181,18 +180,19 @@ mod tests {
         fn gpu_memory(&self) -> HashMap<String, u64> {
             HashMap::new()
         }
-        fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
-            Ok(Inputs {
-                nodes: nodes.to_vec(),
-                pending: pending.to_vec(),
-                estimates: Estimates::default(),
-                knobs: Knobs {
-                    slots: 2,
-                    unknown_pair_speed: 0.5,
-                    min_gain: 0.25,
-                    separate_below: 0.0,
-                },
-            })
+        fn app_memory(&self) -> Result<HashMap<String, u64>, String> {
+            Ok(HashMap::new())
+        }
+        fn knobs(&self) -> Knobs {
+            Knobs {
+                slots: 2,
+                unknown_pair_speed: 0.5,
+                min_gain: 0.25,
+                separate_below: 0.0,
+            }
+        }
+        fn estimates(&self, _: &Wanted) -> Result<Estimates, String> {
+            Ok(Estimates::default())
         }
     }
 

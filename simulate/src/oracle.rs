@@ -4,10 +4,9 @@ use super::books::{self, Names, View};
 use super::input::Table;
 use super::learned::Options;
 use super::world::{JobRef, Policy, Shape};
-use multiplexd::claim::{Candidate, Inputs, NodeGpus};
 use multiplexd::claimer::{Claimer, Scorer};
 use multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED;
-use multiplexd::placement::{Estimates, Knobs, PairEstimate};
+use multiplexd::placement::{Estimates, Knobs, PairEstimate, Wanted};
 use std::collections::HashMap;
 
 /// The true table as placement's snapshot: every pair seen, infeasible pairs known.
@@ -85,26 +84,20 @@ impl Scorer for Truth {
         self.gpu_memory.clone()
     }
 
-    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
-        let known = |app: &str| self.memory.get(app).copied().flatten();
-        let mut nodes = nodes.to_vec();
-        for r in nodes
-            .iter_mut()
-            .flat_map(|n| n.gpus.iter_mut())
-            .flat_map(|g| g.residents.iter_mut())
-        {
-            r.mem_mb = known(&r.app);
-        }
-        let mut pending = pending.to_vec();
-        for p in &mut pending {
-            p.mem_mb = known(&p.app);
-        }
-        Ok(Inputs {
-            nodes,
-            pending,
-            estimates: self.estimates.clone(),
-            knobs: self.knobs,
-        })
+    fn app_memory(&self) -> Result<HashMap<String, u64>, String> {
+        Ok(self
+            .memory
+            .iter()
+            .filter_map(|(app, m)| m.map(|m| (app.clone(), m)))
+            .collect())
+    }
+
+    fn knobs(&self) -> Knobs {
+        self.knobs
+    }
+
+    fn estimates(&self, _: &Wanted) -> Result<Estimates, String> {
+        Ok(self.estimates.clone())
     }
 }
 

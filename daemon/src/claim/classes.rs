@@ -5,9 +5,9 @@
 //! job against every GPU of the cluster is a lookup per GPU: at 1,000 nodes of 8 GPUs, a few
 //! dozen kinds instead of 8,000 scorings (`cargo bench -p multiplexd --bench claim`).
 
-use super::{guarded, newcomer, open_gpus, Candidate, NodeGpus, Offer};
+use super::{guarded, may_run, newcomer, open_gpus, Candidate, NodeGpus, Offer};
 use crate::placement::{self, Decision, Estimates, GpuState, Knobs};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Whether `a` and `b` are of one kind (`bound`: for jobs bound to a GPU index, which must
 /// then be the same).
@@ -33,7 +33,9 @@ fn kind_hash(gpu: &GpuState, bound: bool) -> u64 {
     h.finish()
 }
 
-/// The kind of every GPU of a look's nodes, kept as claims seat jobs.
+/// The kind of every GPU of a look's nodes, kept as claims seat jobs, and which GPUs of each
+/// kind have a free slot (in Slurm's node order, then the node's GPU order): a job's offer
+/// weighs each kind with a free GPU once and walks only the GPUs of the kinds that win.
 #[derive(Debug, Default)]
 pub(super) struct Kinds {
     /// The kinds by hash (bound or not): their ids.
@@ -43,11 +45,22 @@ pub(super) struct Kinds {
     of: Vec<Vec<(usize, usize)>>,
     /// One GPU of each kind, to score.
     sample: Vec<GpuState>,
+    /// Per kind: whether it is a kind as jobs bound to an index see it.
+    bound: Vec<bool>,
+    /// Per kind: its GPUs with a free slot, as (node, GPU position in the node).
+    free: Vec<BTreeSet<(usize, usize)>>,
+    /// How many GPUs have a free slot.
+    free_gpus: usize,
+    /// How many jobs a GPU holds.
+    slots: u32,
 }
 
 impl Kinds {
-    pub(super) fn new(nodes: &[NodeGpus]) -> Kinds {
-        let mut kinds = Kinds::default();
+    pub(super) fn new(nodes: &[NodeGpus], slots: u32) -> Kinds {
+        let mut kinds = Kinds {
+            slots,
+            ..Kinds::default()
+        };
         for n in 0..nodes.len() {
             kinds.of.push(Vec::new());
             kinds.node_changed(nodes, n);
@@ -63,16 +76,30 @@ impl Kinds {
         let id = self.sample.len();
         ids.push(id);
         self.sample.push(gpu.clone());
+        self.bound.push(bound);
+        self.free.push(BTreeSet::new());
         id
     }
 
     /// Node `n`'s GPUs changed (a claim seated a job there).
     pub(super) fn node_changed(&mut self, nodes: &[NodeGpus], n: usize) {
-        let of = nodes[n]
-            .gpus
-            .iter()
-            .map(|g| (self.id(g, true), self.id(g, false)))
-            .collect();
+        let old = std::mem::take(&mut self.of[n]);
+        for (g, &(bound, unbound)) in old.iter().enumerate() {
+            if self.free[bound].remove(&(n, g)) {
+                self.free_gpus -= 1;
+            }
+            self.free[unbound].remove(&(n, g));
+        }
+        let mut of = Vec::with_capacity(nodes[n].gpus.len());
+        for (g, gpu) in nodes[n].gpus.iter().enumerate() {
+            let ids = (self.id(gpu, true), self.id(gpu, false));
+            if (gpu.residents.len() as u32) < self.slots {
+                self.free[ids.0].insert((n, g));
+                self.free[ids.1].insert((n, g));
+                self.free_gpus += 1;
+            }
+            of.push(ids);
+        }
         self.of[n] = of;
     }
 
@@ -81,9 +108,18 @@ impl Kinds {
         self.sample.len()
     }
 
-    /// One GPU of each kind.
-    pub(super) fn samples(&self) -> &[GpuState] {
-        &self.sample
+    /// One GPU of each kind that has a GPU with a free slot.
+    pub(super) fn free_samples(&self) -> impl Iterator<Item = &GpuState> {
+        self.sample
+            .iter()
+            .zip(&self.free)
+            .filter(|(_, f)| !f.is_empty())
+            .map(|(g, _)| g)
+    }
+
+    /// Whether any GPU has a free slot.
+    pub(super) fn any_free(&self) -> bool {
+        self.free_gpus > 0
     }
 }
 
@@ -120,13 +156,17 @@ impl<'a> Weighed<'a> {
     /// The worth of GPU `g` of node `n` to the job.
     pub(super) fn of(&mut self, kinds: &Kinds, n: usize, g: usize) -> Worth {
         let (bound, unbound) = kinds.of[n][g];
-        let id = if self.job.gpu.is_some() { bound } else { unbound };
+        self.kind(kinds, if self.job.gpu.is_some() { bound } else { unbound })
+    }
+
+    /// The worth of kind `id` to the job.
+    fn kind(&mut self, kinds: &Kinds, id: usize) -> Worth {
         if let Some(w) = self.worth.get(id).copied().flatten() {
             return w;
         }
         let gpu = &kinds.sample[id];
         let job = self.job;
-        let eligible = job.model.as_ref().is_none_or(|m| &gpu.model == m) && job.gpu.is_none_or(|i| gpu.index == i);
+        let eligible = may_run(gpu, job);
         let open = eligible && guarded(gpu, job, self.history);
         let newcomer = placement::Newcomer {
             app: &job.app,
@@ -144,10 +184,138 @@ impl<'a> Weighed<'a> {
     }
 }
 
+/// [`offer_by_node`]'s answer from the kinds' free GPUs alone: each kind with a free GPU is
+/// scored once, and only the GPUs of the kinds that score best are walked, so an offer costs
+/// in proportion to the kinds, not to the cluster's GPUs.
+///
+/// A node's offer is its best GPU (the highest gain, then the emptier GPU, then the first), and
+/// a node whose best is a share worth too little offers nothing (placement declines there);
+/// the cluster's offer is the best node's, Slurm's node order breaking ties. So the kinds are
+/// walked from the best score down, the fewer residents first on a tie: the first node met
+/// through a kind worth taking wins, and a node first met through a kind worth too little
+/// offers nothing further down. Where nothing is offered and the job's memory could decide
+/// that it fits nowhere (or it names its nodes), [`offer_by_node`] says which.
+pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
+    let mut weighed = Weighed::new(job, history, knobs, kinds);
+    let bound = job.gpu.is_some();
+    // Every kind with a free GPU that takes the job: (gain, residents, worth taking, kind).
+    let mut scored: Vec<(f64, usize, bool, usize)> = Vec::new();
+    for id in 0..kinds.len() {
+        if kinds.bound[id] != bound || kinds.free[id].is_empty() {
+            continue;
+        }
+        if let Some((gain, residents, least)) = weighed.kind(kinds, id).score {
+            let taken = !(knobs.min_gain > 0.0 && residents > 0 && gain < least);
+            scored.push((gain, residents, taken, id));
+        }
+    }
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let allowed: Option<HashSet<usize>> = job.nodes.as_ref().map(|names| {
+        nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| names.contains(&n.node))
+            .map(|(i, _)| i)
+            .collect()
+    });
+    let may = |n: usize| allowed.as_ref().is_none_or(|a| a.contains(&n));
+    // Nodes whose best GPU is a share worth too little: they offer nothing.
+    let mut declined: HashSet<usize> = HashSet::new();
+    let mut rest = &scored[..];
+    while let Some(&(top, ..)) = rest.first() {
+        // Gains within placement's tolerance of the best are a tie.
+        let tied = rest.iter().take_while(|s| top - s.0 <= 1e-9).count();
+        let (mut group, after) = rest.split_at(tied);
+        rest = after;
+        let mut by_residents: Vec<(f64, usize, bool, usize)> = group.to_vec();
+        by_residents.sort_by_key(|s| s.1);
+        group = &by_residents;
+        while let Some(&(_, residents, ..)) = group.first() {
+            let same = group.iter().take_while(|s| s.1 == residents).count();
+            let (level, next) = group.split_at(same);
+            group = next;
+            if let Some(node) = first_taken(kinds, level, &may, &mut declined) {
+                let gpus = open_gpus(&nodes[node], job, history).0;
+                return match placement::place(&gpus, &newcomer(job), history, knobs) {
+                    decision @ Decision::Place { gain, .. } => Offer::Gain { node, decision, gain },
+                    decision => unreachable!("the node's scores said it takes the job: {decision:?}"),
+                };
+            }
+        }
+    }
+    // Nothing offered: the job waits, unless no GPU could ever hold it.
+    let smallest = kinds.sample.iter().map(|g| g.memory_mb).min().unwrap_or(0);
+    if job.nodes.is_some() || job.mem_mb.is_some_and(|m| m > smallest) {
+        return match offer_by_node(nodes, job, history, knobs, kinds) {
+            Offer::Gain { .. } => unreachable!("a node offered what its kinds did not"),
+            other => other,
+        };
+    }
+    let any_gpu = kinds
+        .sample
+        .iter()
+        .zip(&kinds.bound)
+        .any(|(g, &b)| b == bound && may_run(g, job));
+    if any_gpu {
+        Offer::Wait
+    } else {
+        no_gpu_of_its_model(job)
+    }
+}
+
+/// Among the free GPUs of `level`'s kinds (scored alike), the node met first in Slurm's order
+/// whose first GPU there is of a kind worth taking; the nodes met first through a kind worth
+/// too little are `declined` from then on.
+fn first_taken(
+    kinds: &Kinds,
+    level: &[(f64, usize, bool, usize)],
+    may: &dyn Fn(usize) -> bool,
+    declined: &mut HashSet<usize>,
+) -> Option<usize> {
+    let open = |&&(n, _): &&(usize, usize)| may(n) && !declined.contains(&n);
+    if level.iter().all(|s| s.2) {
+        // All worth taking (an idle GPU always is): the first node of any of them.
+        return level
+            .iter()
+            .filter_map(|s| kinds.free[s.3].iter().find(open).map(|&(n, _)| n))
+            .min();
+    }
+    let mut gpus: Vec<(usize, usize, bool)> = level
+        .iter()
+        .flat_map(|s| kinds.free[s.3].iter().filter(open).map(move |&(n, g)| (n, g, s.2)))
+        .collect();
+    gpus.sort_unstable();
+    let mut met = HashSet::new();
+    for (n, _, taken) in gpus {
+        if !met.insert(n) {
+            continue;
+        }
+        if taken {
+            return Some(n);
+        }
+        declined.insert(n);
+    }
+    None
+}
+
+/// The refusal of a job no GPU of the cluster is of the model (and index) of.
+fn no_gpu_of_its_model(job: &Candidate) -> Offer {
+    Offer::Never(match &job.model {
+        Some(m) => format!("no shared GPU of the cluster is of model {m}"),
+        None => "the cluster has no shared GPU".into(),
+    })
+}
+
 /// [`placement::place`] on every node, the best of them: the highest gain, then the emptier
 /// GPU, then Slurm's node order. Each kind of GPU is scored once ([`Kinds`]); the node that
 /// wins is then placed on in full, for the decision's words.
-pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
+pub(super) fn offer_by_node(
+    nodes: &[NodeGpus],
+    job: &Candidate,
+    history: &Estimates,
+    knobs: Knobs,
+    kinds: &Kinds,
+) -> Offer {
     let mut weighed = Weighed::new(job, history, knobs, kinds);
     let mut best: Option<(usize, f64, usize)> = None;
     let mut never = Vec::new();
@@ -187,10 +355,7 @@ pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, kn
                 decision => unreachable!("the node's scores said it takes the job: {decision:?}"),
             }
         }
-        None if !any_gpu => Offer::Never(match &job.model {
-            Some(m) => format!("no shared GPU of the cluster is of model {m}"),
-            None => "the cluster has no shared GPU".into(),
-        }),
+        None if !any_gpu => no_gpu_of_its_model(job),
         // Every node that has its GPUs says it could never hold it.
         None if never.len() == eligible_nodes => Offer::Never(never.swap_remove(0)),
         None => Offer::Wait,
@@ -243,4 +408,139 @@ fn node_offer(
         None => Seen::Nothing,
     };
     (eligible, seen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{PairEstimate, Resident};
+
+    /// A drawn cluster and job: models and memories that differ, GPUs full, shared and idle,
+    /// residents with and without memory and put-back notes, pairs measured, failed and never
+    /// seen, jobs bound to an index, asking for a model or for nodes, with and without memory.
+    struct Draw(u64);
+
+    impl Draw {
+        fn next(&mut self, n: u64) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (self.0 >> 33) % n
+        }
+        fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
+            of[self.next(of.len() as u64) as usize]
+        }
+        fn memory(&mut self) -> Option<u64> {
+            (self.next(2) == 0).then(|| 2000 + 2000 * self.next(12))
+        }
+        fn put_back(&mut self, apps: &[&str]) -> Option<Vec<String>> {
+            (self.next(5) == 0).then(|| vec![self.pick(apps).to_string()])
+        }
+    }
+
+    const APPS: [&str; 4] = ["a", "b", "c", "d"];
+    const MODELS: [&str; 2] = ["v100", "a100"];
+
+    fn cluster(d: &mut Draw, slots: u32) -> Vec<NodeGpus> {
+        (0..1 + d.next(6))
+            .map(|n| NodeGpus {
+                node: format!("n{n}"),
+                gpus: (0..1 + d.next(4) as u32)
+                    .map(|index| {
+                        let model = d.pick(&MODELS).to_string();
+                        GpuState {
+                            index,
+                            memory_mb: if model == "v100" { 16384 } else { 40960 },
+                            model,
+                            residents: (0..d.next(u64::from(slots) + 1))
+                                .map(|r| Resident {
+                                    job_id: 100 * n as u32 + 10 * index + r as u32,
+                                    app: d.pick(&APPS).to_string(),
+                                    mem_mb: d.memory(),
+                                    put_back: d.put_back(&APPS),
+                                })
+                                .collect(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn history(d: &mut Draw) -> Estimates {
+        let mut h = Estimates::default();
+        for model in MODELS {
+            for a in APPS {
+                for b in APPS {
+                    if d.next(3) > 0 {
+                        h.insert_pair(
+                            model,
+                            a,
+                            b,
+                            PairEstimate {
+                                speed: 0.2 + 0.1 * d.next(9) as f64,
+                                other_speed: 0.2 + 0.1 * d.next(9) as f64,
+                                observations: d.next(4) as u32,
+                                oom: d.next(6) == 0,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        h
+    }
+
+    fn job(d: &mut Draw, nodes: &[NodeGpus]) -> Candidate {
+        Candidate {
+            job_id: 1,
+            app: d.pick(&APPS).to_string(),
+            mem_mb: if d.next(6) == 0 { Some(30000) } else { d.memory() },
+            model: (d.next(3) == 0).then(|| d.pick(&MODELS).to_string()),
+            gpu: (d.next(3) == 0).then(|| d.next(4) as u32),
+            nodes: (d.next(4) == 0).then(|| {
+                nodes
+                    .iter()
+                    .filter(|_| d.next(2) == 0)
+                    .map(|n| n.node.clone())
+                    .collect()
+            }),
+            put_back: d.put_back(&APPS),
+        }
+    }
+
+    #[test]
+    fn the_offer_from_the_kinds_free_gpus_is_the_offer_of_every_node_weighed_in_turn() {
+        let (mut gains, mut waits, mut nevers) = (0, 0, 0);
+        for seed in 0..3000 {
+            let mut d = Draw(seed);
+            let slots = 2 + d.next(2) as u32;
+            let knobs = Knobs {
+                slots,
+                unknown_pair_speed: 0.5 + 0.1 * d.next(4) as f64,
+                min_gain: [0.0, 0.25, 0.5][d.next(3) as usize],
+                separate_below: 0.0,
+            };
+            let nodes = cluster(&mut d, slots);
+            let history = history(&mut d);
+            let kinds = Kinds::new(&nodes, slots);
+            for _ in 0..4 {
+                let job = job(&mut d, &nodes);
+                let by_node = offer_by_node(&nodes, &job, &history, knobs, &kinds);
+                assert_eq!(
+                    offer(&nodes, &job, &history, knobs, &kinds),
+                    by_node,
+                    "seed {seed}: {job:?} on {nodes:?}"
+                );
+                match by_node {
+                    Offer::Gain { .. } => gains += 1,
+                    Offer::Wait => waits += 1,
+                    Offer::Never(_) => nevers += 1,
+                }
+            }
+        }
+        // The draws reach every answer, often.
+        assert!(gains > 1000 && waits > 500 && nevers > 100, "{gains} {waits} {nevers}");
+    }
 }

@@ -14,8 +14,10 @@
 use std::collections::HashMap;
 
 use crate::placement::{self, Decision, Estimates, GpuState, Knobs, Newcomer, Wanted};
-use classes::{offer, Kinds};
+pub use board::Board;
+use classes::offer;
 
+mod board;
 mod classes;
 
 /// One node's shared GPUs, with what runs on each and what was claimed for each (Slurm's books).
@@ -62,14 +64,14 @@ pub enum Choice {
     Refuse { job: usize, reason: String },
 }
 
-/// What [`choose`] reads of the history for `pending` on `nodes`.
-pub fn wanted(nodes: &[NodeGpus], pending: &[Candidate], slots: u32) -> Wanted {
+/// What [`choose_on`] reads of the history for `pending` on `board`.
+pub fn wanted(board: &Board, pending: &[Candidate]) -> Wanted {
     let mut w = Wanted::default();
-    // Each kind of GPU asks for the same pairs wherever it is.
-    let kinds = Kinds::new(nodes);
+    // Each kind of GPU asks for the same pairs wherever it is; a full one asks for none.
+    let samples: Vec<&GpuState> = board.kinds().free_samples().collect();
     for job in pending {
-        let newcomer = newcomer(job);
-        w.extend(placement::wanted(&eligible(kinds.samples(), job), &newcomer, slots));
+        let gpus: Vec<GpuState> = samples.iter().filter(|g| may_run(g, job)).map(|&g| g.clone()).collect();
+        w.extend(placement::wanted(&gpus, &newcomer(job), board.slots()));
     }
     w
 }
@@ -81,14 +83,15 @@ fn newcomer(job: &Candidate) -> Newcomer<'_> {
     }
 }
 
-/// The GPUs of a node that `job` may run on: those of the model it asked for, and the one
-/// index it is bound to, if any.
+/// Whether `job` may run on `gpu`: of the model it asked for, and the one index it is bound
+/// to, if any.
+fn may_run(gpu: &GpuState, job: &Candidate) -> bool {
+    job.model.as_ref().is_none_or(|m| &gpu.model == m) && job.gpu.is_none_or(|i| gpu.index == i)
+}
+
+/// The GPUs of a node that `job` may run on ([`may_run`]).
 fn eligible(gpus: &[GpuState], job: &Candidate) -> Vec<GpuState> {
-    gpus.iter()
-        .filter(|g| job.model.as_ref().is_none_or(|m| &g.model == m))
-        .filter(|g| job.gpu.is_none_or(|i| g.index == i))
-        .cloned()
-        .collect()
+    gpus.iter().filter(|g| may_run(g, job)).cloned().collect()
 }
 
 /// The GPUs of `node` that `job` may join now ([`eligible`] and [`guarded`]), and whether the
@@ -236,20 +239,16 @@ impl Trials {
     }
 
     /// Forgets the trials whose outcome `history` knows or that ended long enough ago, and
-    /// hands the others to `history`, where placement reads them.
-    fn lend(&mut self, nodes: &[NodeGpus], pending: &[Candidate], history: &mut Estimates, now: f64) {
-        let present: std::collections::HashSet<u32> = nodes
-            .iter()
-            .flat_map(|n| n.gpus.iter().flat_map(|g| g.residents.iter().map(|r| r.job_id)))
-            .chain(pending.iter().map(|c| c.job_id))
-            .collect();
+    /// hands the others to `history`, where placement reads them. `present`: whether a job is
+    /// in Slurm's books (holding a slot, or waiting).
+    fn lend(&mut self, present: impl Fn(u32) -> bool, history: &mut Estimates, now: f64) {
         let outcome_s = self.outcome_s;
         self.pairs.retain(|(model, a, b), t| {
             let known = |x: &str, y: &str| history.pair(model, x, y).is_some_and(|e| e.observations > 0 || e.oom);
             if known(a, b) || known(b, a) {
                 return false;
             }
-            t.there = present.contains(&t.job);
+            t.there = present(t.job);
             if t.there {
                 t.seen = now;
                 return now - t.claimed < Self::PROVEN_S;
@@ -287,16 +286,20 @@ pub struct Inputs {
 
 impl Inputs {
     /// The look's claims ([`choose`]) at `now` (seconds of a steady clock).
-    pub fn choose(mut self, memory: &mut Memory, now: f64) -> Vec<Choice> {
-        choose(&self.nodes, &self.pending, &mut self.estimates, self.knobs, memory, now)
+    pub fn choose(self, memory: &mut Memory, now: f64) -> Vec<Choice> {
+        choose(
+            &self.nodes,
+            &self.pending,
+            &mut { self.estimates },
+            self.knobs,
+            memory,
+            now,
+        )
     }
 }
 
-/// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `nodes`, one
-/// job at a time, each counted on its GPU before the next is chosen, until no slot is free or
-/// no job would take one. `history` must hold what [`wanted`] asks for; `memory` is what the
-/// claimer keeps across looks (how often each job was passed over, the pairs being tried),
-/// `now` in seconds of any steady clock.
+/// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `nodes`
+/// ([`choose_on`] on a board of them).
 pub fn choose(
     nodes: &[NodeGpus],
     pending: &[Candidate],
@@ -305,29 +308,41 @@ pub fn choose(
     memory: &mut Memory,
     now: f64,
 ) -> Vec<Choice> {
-    memory.trials.lend(nodes, pending, history, now);
-    let choices = choose_with(nodes, pending, history, knobs, &mut memory.bypasses);
+    let mut board = Board::new(nodes.to_vec(), knobs.slots);
+    choose_on(&mut board, pending, history, knobs, memory, now)
+}
+
+/// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `board`, one
+/// job at a time, each seated on its GPU for the rest of the look ([`Board::end_look`] takes
+/// them off) before the next is chosen, until no slot is free or no job would take one.
+/// `history` must hold what [`wanted`] asks for; `memory` is what the claimer keeps across
+/// looks (how often each job was passed over, the pairs being tried), `now` in seconds of any
+/// steady clock.
+pub fn choose_on(
+    board: &mut Board,
+    pending: &[Candidate],
+    history: &mut Estimates,
+    knobs: Knobs,
+    memory: &mut Memory,
+    now: f64,
+) -> Vec<Choice> {
+    let present = |id: u32| board.holds(id) || pending.iter().any(|c| c.job_id == id);
+    memory.trials.lend(present, history, now);
+    let choices = choose_with(board, pending, history, knobs, &mut memory.bypasses);
     memory.trials.take_back(history, now);
     choices
 }
 
 fn choose_with(
-    nodes: &[NodeGpus],
+    board: &mut Board,
     pending: &[Candidate],
     history: &mut Estimates,
     knobs: Knobs,
     bypasses: &mut Bypasses,
 ) -> Vec<Choice> {
-    let mut nodes = nodes.to_vec();
-    let mut kinds = Kinds::new(&nodes);
     let mut left: Vec<usize> = (0..pending.len()).collect();
     let mut out = Vec::new();
-    let free = |nodes: &[NodeGpus]| {
-        nodes
-            .iter()
-            .any(|n| n.gpus.iter().any(|g| (g.residents.len() as u32) < knobs.slots))
-    };
-    while !left.is_empty() && free(&nodes) {
+    while !left.is_empty() && board.kinds().any_free() {
         let ids: Vec<u32> = left.iter().map(|&i| pending[i].job_id).collect();
         // Passed over too often: it goes first wherever it has an offer, but on the same terms
         // as any job (a free GPU or a share worth its risk; a lower bar was measured slower,
@@ -336,7 +351,10 @@ fn choose_with(
             .iter()
             .map(|&i| {
                 let starved = bypasses.passed(pending[i].job_id) >= Bypasses::MAX;
-                (offer(&nodes, &pending[i], history, knobs, &kinds), starved)
+                (
+                    offer(board.nodes(), &pending[i], history, knobs, board.kinds()),
+                    starved,
+                )
             })
             .collect();
         let never = offers.iter().enumerate().find_map(|(k, (o, _))| match o {
@@ -355,8 +373,7 @@ fn choose_with(
         };
         let choice = pin_choice(left[k], node, decision);
         if let Choice::Pin { gpu, .. } = &choice {
-            seat(&mut nodes[node], *gpu, &pending[left[k]], history);
-            kinds.node_changed(&nodes, node);
+            seat(board, node, *gpu, &pending[left[k]], history);
         }
         out.push(choice);
         left.remove(k);
@@ -415,8 +432,8 @@ fn pick(offers: &[(Offer, bool)]) -> Option<usize> {
 /// `job` claimed onto `gpu` of `node`: a resident there for the rest of the look, and each
 /// pair never tried that this claim gambles on (as placement weighed it) is being tried from
 /// now on.
-fn seat(node: &mut NodeGpus, gpu: u32, job: &Candidate, history: &mut Estimates) {
-    let Some(g) = node.gpus.iter_mut().find(|g| g.index == gpu) else {
+fn seat(board: &mut Board, node: usize, gpu: u32, job: &Candidate, history: &mut Estimates) {
+    let Some(g) = board.nodes()[node].gpus.iter().find(|g| g.index == gpu) else {
         return;
     };
     if !placement::memory_known(job.mem_mb, g) {
@@ -426,12 +443,13 @@ fn seat(node: &mut NodeGpus, gpu: u32, job: &Candidate, history: &mut Estimates)
             }
         }
     }
-    g.residents.push(placement::Resident {
+    let resident = placement::Resident {
         job_id: job.job_id,
         app: job.app.clone(),
         mem_mb: job.mem_mb,
         put_back: job.put_back.clone(),
-    });
+    };
+    board.seat_for_look(node, gpu, resident, job.mem_mb);
 }
 
 /// How much more a pending job behind the first must gain (jobs' worth of throughput) for
@@ -585,7 +603,13 @@ mod tests {
         knobs: Knobs,
         bypasses: &mut Bypasses,
     ) -> Vec<Choice> {
-        choose_with(nodes, pending, &mut history.clone(), knobs, bypasses)
+        choose_with(
+            &mut Board::new(nodes.to_vec(), knobs.slots),
+            pending,
+            &mut history.clone(),
+            knobs,
+            bypasses,
+        )
     }
 
     #[test]

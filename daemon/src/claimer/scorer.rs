@@ -1,9 +1,11 @@
-//! What a look reads beside Slurm's books: how much memory each GPU model has, and the
-//! estimates its choice weighs. On a node it is the daemon's own history ([`Node`]); the
-//! simulator's oracle hands the claimer the true table instead.
+//! What a look reads beside Slurm's books: how much memory each GPU model has and each
+//! application was measured to need, and the estimates its choice weighs. On a node it is the
+//! daemon's own history ([`Node`]); the simulator's oracle hands the claimer the true table
+//! instead.
 
-use crate::claim::{wanted, Candidate, Inputs, NodeGpus};
+use crate::claim::{wanted, Board, Candidate, Inputs, NodeGpus};
 use crate::node::Node;
+use crate::placement::{Estimates, Knobs, Wanted};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -12,9 +14,41 @@ pub trait Scorer {
     /// Each GPU model's memory, MiB: what the claimer assumes of that model on every node.
     fn gpu_memory(&self) -> HashMap<String, u64>;
 
-    /// The choice's inputs for the queue a look read: `nodes` and `pending` as Slurm's books
-    /// show them, each job's memory filled in where known, and the estimates the choice reads.
-    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String>;
+    /// What each application's runs were measured to need of a GPU's memory, MiB (those
+    /// measured): a job whose tag gives no memory is counted with its application's.
+    fn app_memory(&self) -> Result<HashMap<String, u64>, String>;
+
+    /// The placement knobs the choice weighs with.
+    fn knobs(&self) -> Knobs;
+
+    /// The estimates the choice reads for `wanted` ([`wanted`]).
+    fn estimates(&self, wanted: &Wanted) -> Result<Estimates, String>;
+
+    /// The choice's inputs for one look at `nodes` and `pending` as Slurm's books show them,
+    /// each job's memory filled in where known.
+    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
+        let knobs = self.knobs();
+        let mut board = Board::new(nodes.to_vec(), knobs.slots);
+        board.measured(self.app_memory()?);
+        let pending: Vec<Candidate> = pending
+            .iter()
+            .map(|p| Candidate {
+                mem_mb: board.memory_of(p.mem_mb, &p.app),
+                ..p.clone()
+            })
+            .collect();
+        let estimates = self.estimates(&wanted(&board, &pending))?;
+        Ok(Inputs {
+            nodes: board.nodes().to_vec(),
+            pending,
+            estimates,
+            knobs,
+        })
+    }
+}
+
+fn cannot(e: crate::history::HistoryError) -> String {
+    format!("cannot read the history: {e}")
 }
 
 impl Scorer for Node {
@@ -22,45 +56,17 @@ impl Scorer for Node {
         Node::gpu_memory(self)
     }
 
-    /// A resident or a pending job without a memory hint counts what its application's
-    /// earlier runs were measured to use.
-    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
-        let cannot = |e: crate::history::HistoryError| format!("cannot read the history: {e}");
-        // Each application's measured memory, read once a look (a large cluster runs
-        // thousands of jobs of a few dozen applications).
-        let mut measured: HashMap<String, Option<u64>> = HashMap::new();
-        let mut memory = |hint: Option<u64>, app: &str| -> Result<Option<u64>, String> {
-            if hint.is_some() {
-                return Ok(hint);
-            }
-            if let Some(&m) = measured.get(app) {
-                return Ok(m);
-            }
-            let m = self.job_memory(None, app).map_err(cannot)?;
-            measured.insert(app.to_string(), m);
-            Ok(m)
-        };
-        let mut nodes = nodes.to_vec();
-        for gpu in nodes.iter_mut().flat_map(|n| n.gpus.iter_mut()) {
-            for r in &mut gpu.residents {
-                r.mem_mb = memory(r.mem_mb, &r.app)?;
-            }
-        }
-        let mut pending = pending.to_vec();
-        for p in &mut pending {
-            p.mem_mb = memory(p.mem_mb, &p.app)?;
-        }
-        let knobs = self.knobs();
-        let estimates = self
-            .history()
-            .estimates(&wanted(&nodes, &pending, knobs.slots))
-            .map_err(cannot)?;
-        Ok(Inputs {
-            nodes,
-            pending,
-            estimates,
-            knobs,
-        })
+    fn app_memory(&self) -> Result<HashMap<String, u64>, String> {
+        let rows = self.history().memory().map_err(cannot)?;
+        Ok(rows.into_iter().map(|m| (m.app, m.peak_mb)).collect())
+    }
+
+    fn knobs(&self) -> Knobs {
+        Node::knobs(self)
+    }
+
+    fn estimates(&self, wanted: &Wanted) -> Result<Estimates, String> {
+        self.history().estimates(wanted).map_err(cannot)
     }
 }
 
@@ -71,7 +77,15 @@ impl Scorer for Mutex<Node> {
         self.lock().unwrap_or_else(|p| p.into_inner()).gpu_memory()
     }
 
-    fn inputs(&self, nodes: &[NodeGpus], pending: &[Candidate]) -> Result<Inputs, String> {
-        Scorer::inputs(&*self.lock().unwrap_or_else(|p| p.into_inner()), nodes, pending)
+    fn app_memory(&self) -> Result<HashMap<String, u64>, String> {
+        Scorer::app_memory(&*self.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn knobs(&self) -> Knobs {
+        self.lock().unwrap_or_else(|p| p.into_inner()).knobs()
+    }
+
+    fn estimates(&self, wanted: &Wanted) -> Result<Estimates, String> {
+        Scorer::estimates(&*self.lock().unwrap_or_else(|p| p.into_inner()), wanted)
     }
 }

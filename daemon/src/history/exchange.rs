@@ -114,7 +114,8 @@ impl History {
 
     /// Every application's measured memory.
     pub fn memory(&self) -> Result<Vec<MemoryRow>, HistoryError> {
-        let mut stmt = self.conn.prepare(
+        // Read at every look of the claimer.
+        let mut stmt = self.conn.prepare_cached(
             "SELECT a.name, m.peak_mb FROM app_memory m JOIN applications a ON a.id = m.app_id ORDER BY a.name",
         )?;
         let rows = stmt.query_map([], |r| {
