@@ -1,16 +1,21 @@
-//! Slurm's books as the claimer reads them: at each look the world's view (what holds which
-//! GPU, the first pending jobs in Slurm's order) becomes the in-memory Slurm the daemon's unit
-//! tests use ([`Fake`]), the daemon's own [`Claimer::look`] runs over it (Slurm's reasons,
-//! tags, gres types and pins as on a cluster), and the pins it wrote are read back as the
-//! world takes them. The simulated nodes are `sim0`, `sim1`, ...; each job is tagged as
-//! job_submit tags it, its application its `app=`.
+//! Slurm's books as the claimer reads them: the world's view (what holds which GPU, the first
+//! pending jobs in Slurm's order) kept from one look to the next as a [`Slurm`] the daemon's
+//! own [`Claimer::look`] runs over (Slurm's reasons, tags, gres types and pins as on a
+//! cluster), which tells the claimer what changed since its last read ([`Slurm::jobs_since`])
+//! and the gate, reservations and node list as the daemon's unit tests fake them ([`Fake`]).
+//! The pins the claimer writes are read back as the world takes them. The simulated nodes are
+//! `sim0`, `sim1`, ...; each job is tagged as job_submit tags it, its application its `app=`.
 
 use super::input::Table;
-use super::model::JobRef;
+use super::model::{Cluster, JobRef};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type, type_of};
 use multiplex_protocol::spec::{put_back_note, with_note, Spec, GATE_LICENSE};
 use multiplexd::claimer::{Claimer, Scorer};
-use multiplexd::slurm::{Fake, FakeState, Job, NodeInfo};
+use multiplexd::slurm::{
+    Changes, Fake, FakeState, Gate, Job, JobRecord, NodeInfo, NodeRecord, Pin, ReadCost, Reservation, Slurm, SlurmError,
+};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
 
 /// A simulated node's name.
 pub(crate) fn node_name(n: usize) -> String {
@@ -19,37 +24,31 @@ pub(crate) fn node_name(n: usize) -> String {
 
 /// What the world shows one look.
 pub(crate) struct View<'a> {
-    /// Per node, per GPU, the jobs that hold it (running, or claimed and about to start).
-    pub cluster: &'a [Vec<Vec<JobRef>>],
+    /// The GPUs whose jobs changed since the look before, with what holds each now.
+    pub cluster: &'a Cluster<'a>,
     /// The first pending jobs, in Slurm's order.
     pub pending: &'a [JobRef],
-    /// Each job waits on one GPU index from its submission, as job_submit binds it where
-    /// Slurm merges gres updates (22.05), and a claim chooses the node.
-    pub fixed_gpu: bool,
 }
 
-/// One look of `claimer` at `now` over what the world shows, scored by `scorer`: the claims
-/// as (pending index, node, GPU).
+/// One look of `claimer` at `now` over what the world shows, on `books` (kept between looks),
+/// scored by `scorer`: the claims as (pending index, node, GPU).
 pub(crate) fn look(
     claimer: &mut Claimer,
     scorer: &dyn Scorer,
-    names: &Names,
+    books: &Books,
     view: View,
     now: f64,
 ) -> Result<Vec<(usize, usize, usize)>, String> {
-    let pending = view.pending;
-    let slurm = Fake::new(books(names, &view));
-    let looked = claimer.look(&slurm, scorer, now).map_err(|e| e.to_string())?;
+    books.show(&view);
+    let looked = claimer.look(books, scorer, now).map_err(|e| e.to_string())?;
     // Every job of the trace fits some GPU alone: none has a place in it refused.
     if let Some((job, reason)) = looked.refused.first() {
         return Err(format!("job {job} refused: {reason}"));
     }
-    let state = slurm.state.into_inner().unwrap_or_else(|p| p.into_inner());
-    state
-        .claims
-        .iter()
+    let pins = std::mem::take(&mut books.log().pins);
+    pins.iter()
         .map(|pin| {
-            let index = pending.iter().position(|j| j.id == pin.job);
+            let index = view.pending.iter().position(|j| j.id == pin.job);
             let node = pin.node.strip_prefix("sim").and_then(|n| n.parse().ok());
             let gpu = pin.gres.as_deref().and_then(type_of).and_then(split_gpu_type);
             match (index, node, gpu) {
@@ -58,6 +57,234 @@ pub(crate) fn look(
             }
         })
         .collect()
+}
+
+/// Slurm's books for one policy's claimer, kept between looks: each GPU's jobs as the world
+/// last showed them, what came and left since the claimer's last read, the pending jobs, and
+/// the pins the claimer wrote. The gate, the reservations and the node list are a [`Fake`]'s.
+pub(crate) struct Books {
+    names: Names,
+    /// Each job waits on one GPU index from its submission, as job_submit binds it where
+    /// Slurm merges gres updates (22.05), and a claim chooses the node.
+    fixed_gpu: bool,
+    fake: Fake,
+    log: Mutex<Log>,
+}
+
+#[derive(Default)]
+struct Log {
+    /// Per GPU (`node * gpus + gpu`), the jobs it holds.
+    on: Vec<Vec<u32>>,
+    /// Every job that holds a slot, as squeue would list it.
+    running: HashMap<u32, Job>,
+    /// Since the claimer's last read: jobs that came to a GPU, and jobs that left one.
+    came: Vec<u32>,
+    left: Vec<u32>,
+    /// The mark the claimer's next read gives, if it read before.
+    mark: u64,
+    pending: Vec<Job>,
+    pins: Vec<Pin>,
+}
+
+impl Books {
+    pub(crate) fn new(names: Names, fixed_gpu: bool) -> Books {
+        let gpus = names.nodes.len() * names.shards.len();
+        let fake = Fake::new(FakeState {
+            nodes: names.nodes.clone(),
+            merges: fixed_gpu,
+            ..FakeState::default()
+        });
+        Books {
+            names,
+            fixed_gpu,
+            fake,
+            log: Mutex::new(Log {
+                on: vec![Vec::new(); gpus],
+                ..Log::default()
+            }),
+        }
+    }
+
+    fn log(&self) -> MutexGuard<'_, Log> {
+        self.log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What the world shows now: the GPUs that changed, the pending jobs.
+    fn show(&self, view: &View) {
+        let names = &self.names;
+        let gpus = names.shards.len();
+        let mut log = self.log();
+        let log = &mut *log;
+        for (gi, jobs) in view.cluster.changed {
+            let (n, g) = (gi / gpus, gi % gpus);
+            let now: Vec<u32> = jobs.iter().map(|j| j.id).collect();
+            for id in &log.on[*gi] {
+                if !now.contains(id) {
+                    log.running.remove(id);
+                    log.left.push(*id);
+                }
+            }
+            for r in jobs {
+                if log.on[*gi].contains(&r.id) {
+                    continue;
+                }
+                log.running.insert(
+                    r.id,
+                    Job {
+                        id: r.id,
+                        pending: false,
+                        reason: "None".into(),
+                        node: Some(names.nodes[n].name.clone()),
+                        excluded: None,
+                        gres: names.shards[g].clone(),
+                        licenses: String::new(),
+                        admin_comment: names.admin_comment(r),
+                    },
+                );
+                log.came.push(r.id);
+            }
+            log.on[*gi] = now;
+        }
+        log.pending = view
+            .pending
+            .iter()
+            .map(|j| Job {
+                id: j.id,
+                pending: true,
+                reason: "Licenses".into(),
+                node: None,
+                excluded: None,
+                // job_submit's rotation over the GPU indices, in submission order.
+                gres: match self.fixed_gpu {
+                    true => names.shards[(j.id as usize - 1) % gpus].clone(),
+                    false => "shard:1".into(),
+                },
+                licenses: format!("{GATE_LICENSE}:1"),
+                admin_comment: names.admin_comment(j),
+            })
+            .collect();
+    }
+
+    /// The jobs that hold a slot, in the world's GPU order.
+    fn every_running(log: &Log) -> Vec<Job> {
+        log.on
+            .iter()
+            .flatten()
+            .filter_map(|id| log.running.get(id).cloned())
+            .collect()
+    }
+
+    fn pending_job(&self, id: u32) -> Result<(), SlurmError> {
+        match self.log().pending.iter().any(|j| j.id == id) {
+            true => Ok(()),
+            false => Err(SlurmError::NotPending(id)),
+        }
+    }
+}
+
+/// The claimer's reads of the jobs come from the world's view; its pins go back to the world;
+/// everything else is the [`Fake`]'s.
+impl Slurm for Books {
+    fn jobs(&self, _partition: &str) -> Result<Vec<Job>, SlurmError> {
+        let log = self.log();
+        let mut jobs = Books::every_running(&log);
+        jobs.extend(log.pending.iter().cloned());
+        Ok(jobs)
+    }
+    fn jobs_since(&self, _partition: &str, since: Option<u64>) -> Result<Option<Changes>, SlurmError> {
+        let mut log = self.log();
+        let log = &mut *log;
+        let whole = since != Some(log.mark);
+        let (came, left) = (std::mem::take(&mut log.came), std::mem::take(&mut log.left));
+        log.mark += 1;
+        let (running, gone) = if whole {
+            (Books::every_running(log), Vec::new())
+        } else {
+            let mut seen = HashSet::new();
+            let running = (came.iter())
+                .filter(|id| seen.insert(**id))
+                .filter_map(|id| log.running.get(id).cloned())
+                .collect();
+            let gone = left.into_iter().filter(|id| !log.running.contains_key(id)).collect();
+            (running, gone)
+        };
+        Ok(Some(Changes {
+            mark: log.mark,
+            whole,
+            pending: log.pending.clone(),
+            running,
+            gone,
+        }))
+    }
+    fn nodes(&self, partition: &str) -> Result<Vec<NodeInfo>, SlurmError> {
+        self.fake.nodes(partition)
+    }
+    fn claim(&self, pin: &Pin) -> Result<(), SlurmError> {
+        self.pending_job(pin.job)?;
+        self.log().pins.push(pin.clone());
+        Ok(())
+    }
+    fn merges_gres_updates(&self) -> Result<bool, SlurmError> {
+        Ok(self.fixed_gpu)
+    }
+    fn hold_gate(&self, gate: &Gate, lease_s: u64) -> Result<(), SlurmError> {
+        self.fake.hold_gate(gate, lease_s)
+    }
+    fn reservations(&self) -> Result<Vec<Reservation>, SlurmError> {
+        self.fake.reservations()
+    }
+    fn take_lease(&self, name: &str, license: &str, seconds: u64) -> Result<bool, SlurmError> {
+        self.fake.take_lease(name, license, seconds)
+    }
+    fn renew_lease(&self, name: &str, seconds: u64) -> Result<bool, SlurmError> {
+        self.fake.renew_lease(name, seconds)
+    }
+    fn delete_reservation(&self, name: &str) -> Result<(), SlurmError> {
+        self.fake.delete_reservation(name)
+    }
+    fn switch_gate(&self, gate: &Gate, on: bool) -> Result<(), SlurmError> {
+        self.fake.switch_gate(gate, on)
+    }
+    /// A job let through the gate unclaimed: the look says so.
+    fn release(&self, job: u32, _licenses: &str, _admin_comment: &str) -> Result<(), SlurmError> {
+        self.pending_job(job)
+    }
+    fn requeue(&self, job: u32) -> Result<(), SlurmError> {
+        self.fake.requeue(job)
+    }
+    fn job_record(&self, id: u32) -> Result<JobRecord, SlurmError> {
+        self.fake.job_record(id)
+    }
+    fn set_admin_comment(&self, id: u32, admin_comment: &str) -> Result<(), SlurmError> {
+        self.fake.set_admin_comment(id, admin_comment)
+    }
+    fn running_here(&self, node: &str) -> Result<HashSet<u32>, SlurmError> {
+        self.fake.running_here(node)
+    }
+    fn private_jobs(&self) -> Result<bool, SlurmError> {
+        self.fake.private_jobs()
+    }
+    fn node_record(&self, node: &str) -> Result<NodeRecord, SlurmError> {
+        self.fake.node_record(node)
+    }
+    fn hostnames(&self, list: &str) -> Result<Vec<String>, SlurmError> {
+        self.fake.hostnames(list)
+    }
+    fn job_nodes(&self, id: u32) -> Result<Option<String>, SlurmError> {
+        self.fake.job_nodes(id)
+    }
+    fn job_gpu(&self, id: u32) -> Result<Option<u32>, SlurmError> {
+        self.fake.job_gpu(id)
+    }
+    fn license_total(&self, name: &str) -> Result<u32, SlurmError> {
+        self.fake.license_total(name)
+    }
+    fn job_reads(&self) -> Result<Option<ReadCost>, SlurmError> {
+        self.fake.job_reads()
+    }
+    fn held_whole(&self, partition: &str) -> Result<Vec<(String, String)>, SlurmError> {
+        self.fake.held_whole(partition)
+    }
 }
 
 /// What Slurm's books name, written once per run: each application's tag (job_submit's), the
@@ -91,57 +318,6 @@ impl Names {
             Some(beside) => with_note(&self.tags[j.app], &self.put_back[beside]),
             None => self.tags[j.app].clone(),
         })
-    }
-}
-
-/// The world's view as Slurm's books: running (or claimed) jobs on their typed GPU, pending
-/// jobs waiting for the gate's license alone, every node up with its GPUs' gres.
-fn books(names: &Names, view: &View) -> FakeState {
-    let View {
-        cluster,
-        pending,
-        fixed_gpu,
-    } = *view;
-    let shards = &names.shards;
-    let gpus = shards.len();
-    let mut jobs = Vec::with_capacity(pending.len() + cluster.len() * gpus * 2);
-    for (n, node) in cluster.iter().enumerate() {
-        for (g, residents) in node.iter().enumerate() {
-            for r in residents {
-                jobs.push(Job {
-                    id: r.id,
-                    pending: false,
-                    reason: "None".into(),
-                    node: Some(names.nodes[n].name.clone()),
-                    excluded: None,
-                    gres: shards[g].clone(),
-                    licenses: String::new(),
-                    admin_comment: names.admin_comment(r),
-                });
-            }
-        }
-    }
-    for j in pending {
-        jobs.push(Job {
-            id: j.id,
-            pending: true,
-            reason: "Licenses".into(),
-            node: None,
-            excluded: None,
-            // job_submit's rotation over the GPU indices, in submission order.
-            gres: match fixed_gpu {
-                true => shards[(j.id as usize - 1) % gpus].clone(),
-                false => "shard:1".into(),
-            },
-            licenses: format!("{GATE_LICENSE}:1"),
-            admin_comment: names.admin_comment(j),
-        });
-    }
-    FakeState {
-        jobs,
-        nodes: names.nodes[..cluster.len()].to_vec(),
-        merges: fixed_gpu,
-        ..FakeState::default()
     }
 }
 
@@ -209,15 +385,15 @@ mod tests {
             app: 0,
             put_back: None,
         };
-        let cluster = vec![vec![vec![job(1)], vec![]], vec![vec![], vec![job(2)]]];
+        let changed = [(0, vec![job(1)]), (1, vec![]), (2, vec![]), (3, vec![job(2)])];
         let pending = [job(3), job(4), job(5)];
         let view = View {
-            cluster: &cluster,
+            cluster: &two_by_two(&changed),
             pending: &pending,
-            fixed_gpu: false,
         };
         let mut claimer = Claimer::new(ClaimConfig::default(), 1);
-        let pins = look(&mut claimer, &Blank, &Names::new(&table, 2, 2, 2), view, 0.0).unwrap();
+        let books = Books::new(Names::new(&table, 2, 2, 2), false);
+        let pins = look(&mut claimer, &Blank, &books, view, 0.0).unwrap();
         // The two idle GPUs first, in Slurm's order, then a share of the first GPU that holds
         // one job (a pair never seen is tried).
         assert_eq!(pins, vec![(0, 0, 1), (1, 1, 0), (2, 0, 0)]);
@@ -232,15 +408,52 @@ mod tests {
             put_back: None,
         };
         // Job 3 is bound to GPU 0 ((3 - 1) % 2), held on node 0 and idle on node 1.
-        let cluster = vec![vec![vec![job(1)], vec![]], vec![vec![], vec![job(2)]]];
+        let changed = [(0, vec![job(1)]), (1, vec![]), (2, vec![]), (3, vec![job(2)])];
         let view = View {
-            cluster: &cluster,
+            cluster: &two_by_two(&changed),
             pending: &[job(3)],
-            fixed_gpu: true,
         };
         let mut claimer = Claimer::new(ClaimConfig::default(), 1);
-        let pins = look(&mut claimer, &Blank, &Names::new(&table, 2, 2, 2), view, 0.0).unwrap();
+        let books = Books::new(Names::new(&table, 2, 2, 2), true);
+        let pins = look(&mut claimer, &Blank, &books, view, 0.0).unwrap();
         assert_eq!(pins, vec![(0, 1, 0)]);
+    }
+
+    fn two_by_two(changed: &[(usize, Vec<JobRef>)]) -> Cluster<'_> {
+        Cluster {
+            nodes: 2,
+            gpus_per_node: 2,
+            changed,
+        }
+    }
+
+    #[test]
+    fn a_look_shown_only_what_changed_keeps_what_earlier_looks_saw() {
+        let table = table();
+        let job = |id| JobRef {
+            id,
+            app: 0,
+            put_back: None,
+        };
+        let mut claimer = Claimer::new(ClaimConfig::default(), 1);
+        let books = Books::new(Names::new(&table, 2, 2, 2), false);
+        let mut look_at = |now: f64, changed: &[(usize, Vec<JobRef>)], pending: &[JobRef]| {
+            let view = View {
+                cluster: &two_by_two(changed),
+                pending,
+            };
+            look(&mut claimer, &Blank, &books, view, now).unwrap()
+        };
+        // Node 0's GPU 0 holds job 1; nothing waits.
+        let every = [(0, vec![job(1)]), (1, vec![]), (2, vec![]), (3, vec![])];
+        assert_eq!(look_at(0.0, &every, &[]), vec![]);
+        // Job 2 starts on node 1's GPU 0, shown alone: job 3 takes the first GPU still idle
+        // (node 0's GPU 1), not job 1's.
+        assert_eq!(look_at(1.0, &[(2, vec![job(2)])], &[job(3)]), vec![(0, 0, 1)]);
+        // Job 1 left and job 3 holds its claim: job 4 takes job 1's GPU, idle again, before
+        // node 1's GPU 1.
+        let changed = [(0, vec![]), (1, vec![job(3)])];
+        assert_eq!(look_at(2.0, &changed, &[job(4)]), vec![(0, 0, 0)]);
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! its SQLite history, node 0's claimer claiming for the cluster; and `oracle`, the claimer's
 //! code handed the true table.
 
-use super::books::{self, Names, View};
+use super::books::{self, Books, Names, View};
 use super::input::Table;
-use super::world::{JobRef, Policy, Shape};
+use super::world::{Cluster, JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
 use multiplexd::claim::outcome_s;
 use multiplexd::claimer::Claimer;
@@ -86,9 +86,8 @@ pub(crate) struct Learned<'a> {
     /// (`share_every_s`). How many pending jobs a look weighs.
     claimer: Claimer,
     lookahead: usize,
-    /// What Slurm's books name, for the claimer's looks.
-    names: Names,
-    fixed_gpu: bool,
+    /// Slurm's books as the claimer reads them, kept between its looks.
+    books: Books,
     put_back: bool,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
@@ -243,8 +242,10 @@ impl<'a> Learned<'a> {
             // As the daemon's claimer: a pair's outcome reaches node 0 at the next merge.
             claimer: Claimer::new(claim_config, 1).outcome_after(outcome_s(share_every_s)),
             lookahead: options.lookahead,
-            names: Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
-            fixed_gpu: options.fixed_gpu,
+            books: Books::new(
+                Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
+                options.fixed_gpu,
+            ),
             put_back: options.put_back,
             next_share: share_every_s,
             nodes,
@@ -370,20 +371,11 @@ impl Policy for Learned<'_> {
             Started::Refused { reason } => Err(format!("the daemon refused job {}: {reason}", job.id)),
         }
     }
-    fn claim(
-        &mut self,
-        now: f64,
-        cluster: &[Vec<Vec<JobRef>>],
-        pending: &[JobRef],
-    ) -> Result<Vec<(usize, usize, usize)>, String> {
+    fn claim(&mut self, now: f64, cluster: &Cluster, pending: &[JobRef]) -> Result<Vec<(usize, usize, usize)>, String> {
         self.at(now)?;
-        let view = View {
-            cluster,
-            pending,
-            fixed_gpu: self.fixed_gpu,
-        };
+        let view = View { cluster, pending };
         let node = caught_up(&self.nodes, &self.clocks, 0, now)?;
-        books::look(&mut self.claimer, &*node, &self.names, view, now)
+        books::look(&mut self.claimer, &*node, &self.books, view, now)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
         self.report(now, node, job, ReportKind::Progress { done })

@@ -60,6 +60,16 @@ pub struct Progress {
     pub failures: Failures,
 }
 
+/// The cluster as one look shows it: the GPUs whose jobs changed since the look before (at
+/// the first look, every GPU), each with the jobs it holds now (running, or claimed and about
+/// to start), in GPU order (`node * gpus_per_node + gpu`). A claimer keeps what it saw.
+#[derive(Debug, Clone, Copy)]
+pub struct Cluster<'a> {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub changed: &'a [(usize, Vec<JobRef>)],
+}
+
 /// A job as a policy sees it: its id (as Slurm would number it) and application.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct JobRef {
@@ -96,13 +106,13 @@ pub trait Policy {
     fn claim_lookahead(&self) -> usize {
         0
     }
-    /// One look at the cluster: `cluster[n][g]` are the jobs on GPU g of node n (running, or
-    /// claimed and about to start), `pending` the first jobs waiting, in Slurm's order. Answers
-    /// the claims made: (index into `pending`, node, GPU), in the order they were made.
+    /// One look at the cluster: what changed on its GPUs since the last look ([`Cluster`]),
+    /// `pending` the first jobs waiting, in Slurm's order. Answers the claims made: (index
+    /// into `pending`, node, GPU), in the order they were made.
     fn claim(
         &mut self,
         _now: f64,
-        _cluster: &[Vec<Vec<JobRef>>],
+        _cluster: &Cluster,
         _pending: &[JobRef],
     ) -> Result<Vec<(usize, usize, usize)>, String> {
         Ok(Vec::new())

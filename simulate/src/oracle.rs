@@ -1,9 +1,9 @@
 //! The oracle: the claimer's own code handed the true table instead of a history.
 
-use super::books::{self, Names, View};
+use super::books::{self, Books, Names, View};
 use super::input::Table;
 use super::learned::Options;
-use super::world::{JobRef, Policy, Shape};
+use super::world::{Cluster, JobRef, Policy, Shape};
 use multiplexd::claimer::{Claimer, Scorer};
 use multiplexd::config::DEFAULT_UNKNOWN_PAIR_SPEED;
 use multiplexd::placement::{Estimates, Knobs, PairEstimate, Wanted};
@@ -37,9 +37,8 @@ pub(crate) struct Oracle {
     truth: Truth,
     claimer: Claimer,
     lookahead: usize,
-    /// What Slurm's books name, for the claimer's looks.
-    names: Names,
-    fixed_gpu: bool,
+    /// Slurm's books as the claimer reads them, kept between its looks.
+    books: Books,
     put_back: bool,
 }
 
@@ -63,8 +62,10 @@ impl Oracle {
             truth,
             lookahead: config.claim.lookahead,
             claimer: Claimer::new(config.claim, 1),
-            names: Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
-            fixed_gpu: options.fixed_gpu,
+            books: Books::new(
+                Names::new(table, shape.nodes, shape.gpus_per_node, shape.jobs_per_gpu),
+                options.fixed_gpu,
+            ),
             put_back: config.policy.put_back,
         })
     }
@@ -115,18 +116,9 @@ impl Policy for Oracle {
     fn look_again(&self) -> Option<f64> {
         self.claimer.next_trial_end()
     }
-    fn claim(
-        &mut self,
-        now: f64,
-        cluster: &[Vec<Vec<JobRef>>],
-        pending: &[JobRef],
-    ) -> Result<Vec<(usize, usize, usize)>, String> {
-        let view = View {
-            cluster,
-            pending,
-            fixed_gpu: self.fixed_gpu,
-        };
-        books::look(&mut self.claimer, &self.truth, &self.names, view, now)
+    fn claim(&mut self, now: f64, cluster: &Cluster, pending: &[JobRef]) -> Result<Vec<(usize, usize, usize)>, String> {
+        let view = View { cluster, pending };
+        books::look(&mut self.claimer, &self.truth, &self.books, view, now)
     }
     fn finished(&mut self, _: f64, _: usize, _: JobRef, _: bool) -> Result<(), String> {
         Ok(())

@@ -6,7 +6,7 @@
 
 use super::input::{Rng, Table, TraceJob};
 use super::policy;
-use super::world::{self, JobRef, Outcome, Policy, Progress, Shape};
+use super::world::{self, Cluster, JobRef, Outcome, Policy, Progress, Shape};
 
 /// The kinds of pair table generated.
 const TABLES: [&str; 6] = [
@@ -201,8 +201,8 @@ impl Policy for Never {
 }
 
 /// A claimer made to loop: it claims every job, then gives every running job back at every
-/// round of telemetry, for ever.
-struct GivesBack(Vec<u32>);
+/// round of telemetry, for ever. It keeps how many jobs the one GPU holds, as looks show it.
+struct GivesBack(Vec<u32>, usize);
 
 impl Policy for GivesBack {
     fn claims(&self) -> bool {
@@ -211,13 +211,11 @@ impl Policy for GivesBack {
     fn claim_lookahead(&self) -> usize {
         8
     }
-    fn claim(
-        &mut self,
-        _: f64,
-        cluster: &[Vec<Vec<JobRef>>],
-        pending: &[JobRef],
-    ) -> Result<Vec<(usize, usize, usize)>, String> {
-        let free = 2 - cluster[0][0].len();
+    fn claim(&mut self, _: f64, cluster: &Cluster, pending: &[JobRef]) -> Result<Vec<(usize, usize, usize)>, String> {
+        if let Some((_, jobs)) = cluster.changed.iter().find(|(gi, _)| *gi == 0) {
+            self.1 = jobs.len();
+        }
+        let free = 2 - self.1;
         Ok((0..pending.len().min(free)).map(|i| (i, 0, 0)).collect())
     }
     fn started(&mut self, _: f64, _: usize, job: JobRef, _: usize) -> Result<(), String> {
@@ -283,7 +281,7 @@ fn the_watchdog_stops_a_policy_that_gives_jobs_back_for_ever() {
         busy_bias: 0.0,
         failures: crate::model::Failures::QUICK,
     };
-    let e = world::run(&t, &jobs, shape, telemetry, 1, &mut GivesBack(Vec::new())).unwrap_err();
+    let e = world::run(&t, &jobs, shape, telemetry, 1, &mut GivesBack(Vec::new(), 0)).unwrap_err();
     assert!(
         e.starts_with("the simulation would not end: the run exceeded its budget"),
         "{e}"

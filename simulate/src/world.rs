@@ -30,7 +30,7 @@ pub const SEPARATED_WAIT_S: f64 = 30.0;
 /// How long a job that does not fit beside its partner runs before it fails.
 pub const OOM_AFTER_S: f64 = 60.0;
 
-pub use crate::model::{Failures, JobRef, Outcome, Policy, Progress, Shape};
+pub use crate::model::{Cluster, Failures, JobRef, Outcome, Policy, Progress, Shape};
 
 struct World<'a> {
     table: &'a Table,
@@ -61,6 +61,9 @@ struct World<'a> {
     claimed: u64,
     /// Jobs claimed and not yet started (each for [`PASS_S`]): what a look adds to the GPUs.
     pinned: BTreeSet<usize>,
+    /// The GPUs whose jobs (running or claimed) changed since the policy's last look: each
+    /// look shows the policy only those ([`Cluster`]).
+    changed: BTreeSet<usize>,
     events: BinaryHeap<Event>,
     seq: u64,
     oom_failures: u64,
@@ -175,6 +178,7 @@ impl<'a> World<'a> {
             timed_look: None,
             claimed: 0,
             pinned: BTreeSet::new(),
+            changed: (0..shape.nodes * shape.gpus_per_node).collect(),
             events: BinaryHeap::new(),
             seq: 0,
             oom_failures: 0,
@@ -307,22 +311,19 @@ impl World<'_> {
         if pending.is_empty() {
             return Ok(());
         }
-        let mut on: Vec<Vec<usize>> = self.gpus.iter().map(|g| g.jobs.clone()).collect();
-        for &j in &self.pinned {
-            if let Some((n, g)) = self.jobs[j].pinned {
-                on[n * gpn + g].push(j);
-            }
-        }
-        if on.iter().all(|jobs| jobs.len() as u32 >= self.slots) {
+        let held = self.used.iter().sum::<u32>() as usize + self.pinned.len();
+        if held >= self.gpus.len() * self.slots as usize {
             return Ok(());
         }
-        let cluster: Vec<Vec<Vec<JobRef>>> = (0..self.shape.nodes)
-            .map(|n| {
-                (0..gpn)
-                    .map(|g| on[n * gpn + g].iter().map(|&j| self.job_ref(j)).collect())
-                    .collect()
-            })
+        let changed: Vec<(usize, Vec<JobRef>)> = std::mem::take(&mut self.changed)
+            .into_iter()
+            .map(|gi| (gi, self.holding(gi).into_iter().map(|j| self.job_ref(j)).collect()))
             .collect();
+        let cluster = Cluster {
+            nodes: self.shape.nodes,
+            gpus_per_node: gpn,
+            changed: &changed,
+        };
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
         for (i, node, g) in policy.claim(now, &cluster, &refs)? {
             let Some(&j) = pending.get(i) else {
@@ -335,13 +336,13 @@ impl World<'_> {
                 ));
             }
             let gi = node * gpn + g;
-            if on[gi].len() as u32 >= self.slots {
+            if self.holding(gi).len() as u32 >= self.slots {
                 return Err(format!(
                     "the policy claimed job {} for GPU {g} of node {node}, which has no free slot",
                     j + 1
                 ));
             }
-            on[gi].push(j);
+            self.changed.insert(gi);
             self.queue.remove(&j);
             self.jobs[j].pinned = Some((node, g));
             self.pinned.insert(j);
@@ -349,6 +350,15 @@ impl World<'_> {
             self.push(now + PASS_S, j, Kind::Pass);
         }
         Ok(())
+    }
+
+    /// The jobs GPU `gi` holds as Slurm's books show them: those running there, then those
+    /// claimed for it and about to start.
+    fn holding(&self, gi: usize) -> Vec<usize> {
+        let gpn = self.shape.gpus_per_node;
+        let mut on = self.gpus[gi].jobs.clone();
+        on.extend((self.pinned.iter()).filter(|&&j| self.jobs[j].pinned.is_some_and(|(n, g)| n * gpn + g == gi)));
+        on
     }
 
     fn job_ref(&self, j: usize) -> JobRef {
@@ -432,6 +442,7 @@ impl World<'_> {
         job.run += 1;
         let run = job.run;
         self.gpus[gi].jobs.push(j);
+        self.changed.insert(gi);
         self.used[node] += 1;
         self.refile(node, self.used[node] - 1);
         if doomed {
@@ -513,6 +524,7 @@ impl World<'_> {
         let gi = node * self.shape.gpus_per_node + g;
         self.settle(now, gi);
         self.gpus[gi].jobs.retain(|&o| o != j);
+        self.changed.insert(gi);
         self.used[node] -= 1;
         self.refile(node, self.used[node] + 1);
         self.jobs[j].epoch += 1;

@@ -108,13 +108,12 @@ impl Kinds {
         self.sample.len()
     }
 
-    /// One GPU of each kind that has a GPU with a free slot.
-    pub(super) fn free_samples(&self) -> impl Iterator<Item = &GpuState> {
-        self.sample
-            .iter()
-            .zip(&self.free)
-            .filter(|(_, f)| !f.is_empty())
-            .map(|(g, _)| g)
+    /// One GPU of each kind that has a GPU with a free slot, as jobs bound to an index see
+    /// them (`bound`) or as the others do.
+    pub(super) fn free_samples(&self, bound: bool) -> impl Iterator<Item = &GpuState> {
+        (self.sample.iter().zip(&self.free).zip(&self.bound))
+            .filter(move |((_, f), &b)| !f.is_empty() && b == bound)
+            .map(|((g, _), _)| g)
     }
 
     /// Whether any GPU has a free slot.

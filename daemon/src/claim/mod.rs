@@ -68,9 +68,9 @@ pub enum Choice {
 pub fn wanted(board: &Board, pending: &[Candidate]) -> Wanted {
     let mut w = Wanted::default();
     // Each kind of GPU asks for the same pairs wherever it is; a full one asks for none.
-    let samples: Vec<&GpuState> = board.kinds().free_samples().collect();
     for job in pending {
-        let gpus: Vec<GpuState> = samples.iter().filter(|g| may_run(g, job)).map(|&g| g.clone()).collect();
+        let samples = board.kinds().free_samples(job.gpu.is_some());
+        let gpus: Vec<GpuState> = samples.filter(|g| may_run(g, job)).cloned().collect();
         w.extend(placement::wanted(&gpus, &newcomer(job), board.slots()));
     }
     w

@@ -17,13 +17,14 @@
 //! within about 20 s; with none, the gate lapses within `lease_s`, and every waiting job
 //! starts where Slurm's own placement puts it; the node's daemon records it there.
 
-use crate::claim::{Candidate, Choice, Memory, NodeGpus};
+use crate::claim::{Board, Candidate, Choice, Memory, NodeGpus};
 use crate::placement::Resident;
-use crate::slurm::{Job, NodeInfo, Pin, Slurm, SlurmError};
+use crate::slurm::{Changes, Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::config::ClaimConfig;
@@ -105,7 +106,9 @@ pub struct Claimer {
     leading: Option<bool>,
     /// The node list, when it was read, and its usable nodes' GPUs as a look starts from them
     /// (each GPU with no job yet).
-    nodes: Option<(f64, Vec<NodeInfo>, Vec<NodeGpus>)>,
+    nodes: Option<(f64, Arc<[NodeInfo]>, Vec<NodeGpus>)>,
+    /// Slurm's books as the last look left them ([`Board`]).
+    board: Option<Kept>,
     /// What the choice keeps between looks: passed-over jobs, pairs being tried.
     memory: Memory,
     /// Jobs pinned (by this claimer or before), since when they were first seen pinned and
@@ -144,6 +147,7 @@ impl Claimer {
             election: None,
             leading: None,
             nodes: None,
+            board: None,
             memory: Memory::default(),
             pinned_since: HashMap::new(),
             untyped: HashMap::new(),
@@ -193,20 +197,21 @@ impl Claimer {
             });
         }
         let started = std::time::Instant::now();
-        let queue = self.read(slurm, scorer, now)?;
+        // The board is taken for the look and kept only if the look ends well: after a
+        // failure, the next look starts again from every job.
+        let mut board = self.board.take();
+        let queue = self.read(slurm, scorer, &mut board, now)?;
         let paced = self.pace.read(slurm, now, started.elapsed());
-        if queue.candidates.is_empty() {
-            return Ok(Looked {
-                switched,
-                leading,
-                paced,
-                ..Looked::default()
-            });
-        }
-        let pending: Vec<Candidate> = queue.candidates.iter().map(|(c, _)| c.clone()).collect();
-        let inputs = scorer.inputs(&queue.nodes, &pending).map_err(SlurmError::Failed)?;
-        let choices = inputs.choose(&mut self.memory, now);
-        let looked = self.carry_out(slurm, &queue, choices, now)?;
+        let Some(mut kept) = board else {
+            return Err(SlurmError::Failed("the claimer's read left no board".into()));
+        };
+        let looked = if queue.candidates.is_empty() {
+            Looked::default()
+        } else {
+            self.choose_and_claim(slurm, scorer, &mut kept.board, &queue, now)?
+        };
+        kept.board.end_look();
+        self.board = Some(kept);
         Ok(Looked {
             switched,
             leading,
@@ -215,23 +220,94 @@ impl Claimer {
         })
     }
 
-    /// Slurm's queue and nodes as this look sees them: what holds each GPU, and the first
-    /// waiting jobs as the choice weighs them.
-    fn read(&mut self, slurm: &dyn Slurm, scorer: &dyn Scorer, now: f64) -> Result<Queue, SlurmError> {
-        let jobs = slurm.jobs(&self.config.partition)?;
-        let (infos, mut nodes) = self.node_list(slurm, scorer, &jobs, now)?;
+    /// The look's claims on `board`, made.
+    fn choose_and_claim(
+        &mut self,
+        slurm: &dyn Slurm,
+        scorer: &dyn Scorer,
+        board: &mut Board,
+        queue: &Queue,
+        now: f64,
+    ) -> Result<Looked, SlurmError> {
+        board.measured(scorer.app_memory().map_err(SlurmError::Failed)?);
+        let pending: Vec<Candidate> = (queue.candidates.iter())
+            .map(|(c, _)| Candidate {
+                mem_mb: board.memory_of(c.mem_mb, &c.app),
+                ..c.clone()
+            })
+            .collect();
+        let mut estimates = scorer
+            .estimates(&crate::claim::wanted(board, &pending))
+            .map_err(SlurmError::Failed)?;
+        let choices = crate::claim::choose_on(board, &pending, &mut estimates, scorer.knobs(), &mut self.memory, now);
+        self.carry_out(slurm, board.nodes(), queue, choices, now)
+    }
+
+    /// What changed in Slurm's books since the look before, on `board` (made anew from every
+    /// job when there is none, when the node list changed, or when Slurm cannot say what
+    /// changed), and the first waiting jobs as the choice weighs them.
+    fn read(
+        &mut self,
+        slurm: &dyn Slurm,
+        scorer: &dyn Scorer,
+        board: &mut Option<Kept>,
+        now: f64,
+    ) -> Result<Queue, SlurmError> {
+        let partition = self.config.partition.clone();
+        let mark = board.as_ref().and_then(|k| k.mark);
+        let read_all = |since| -> Result<Changes, SlurmError> {
+            match slurm.jobs_since(&partition, since)? {
+                Some(changes) => Ok(changes),
+                None => Ok(Changes::whole(slurm.jobs(&partition)?)),
+            }
+        };
+        let mut read = read_all(mark)?;
+        let infos = self.node_list(slurm, scorer, &read, now)?;
+        let slots = scorer.knobs().slots;
+        let stale = board
+            .as_ref()
+            .is_none_or(|k| !Arc::ptr_eq(&k.infos, &infos) || k.board.slots() != slots);
+        if stale {
+            if !read.whole {
+                read = read_all(None)?;
+            }
+            let empty = self.nodes.as_ref().map(|(_, _, gpus)| gpus.clone()).unwrap_or_default();
+            *board = Some(Kept {
+                at: empty.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect(),
+                board: Board::new(empty, slots),
+                infos: Arc::clone(&infos),
+                mark: None,
+            });
+        }
+        let kept = board.as_mut().expect("made above");
+        kept.mark = Some(read.mark);
         let merges = slurm.merges_gres_updates()?;
         // Each job's tag, read once per look.
-        let specs: Vec<Option<Spec>> = jobs
-            .iter()
-            .map(|j| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok))
-            .collect();
-        self.forget(&jobs, &specs);
-        let at: HashMap<String, usize> = nodes.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect();
-        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
-        for (index, (job, spec)) in jobs.iter().zip(&specs).enumerate() {
+        let tag = |j: &Job| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok);
+        let running_specs: Vec<Option<Spec>> = read.running.iter().map(tag).collect();
+        let specs: Vec<Option<Spec>> = read.pending.iter().map(tag).collect();
+        self.forget(&read, &specs, &running_specs);
+        if read.whole {
+            let running: HashSet<u32> = read.running.iter().map(|j| j.id).collect();
+            kept.board.unseat_unless(|id| running.contains(&id));
+        }
+        for id in &read.gone {
+            kept.board.unseat(*id);
+        }
+        for (job, spec) in read.running.iter().zip(&running_specs) {
             match self.classify(slurm, job, spec.as_ref(), now) {
-                Seen::Resident(gpu) => add_resident(&mut nodes, &at, job, spec.as_ref(), gpu),
+                Seen::Resident(gpu) if seat(kept, job, spec.as_ref(), gpu, false) => {}
+                _ => {
+                    kept.board.unseat(job.id);
+                }
+            }
+        }
+        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
+        for (index, (job, spec)) in read.pending.iter().zip(&specs).enumerate() {
+            match self.classify(slurm, job, spec.as_ref(), now) {
+                Seen::Resident(gpu) => {
+                    seat(kept, job, spec.as_ref(), gpu, true);
+                }
                 Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
                     if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
                         candidates.push((c, index));
@@ -243,12 +319,21 @@ impl Claimer {
         // A GPU a job holds whole (a plain job, of any partition) takes no claim: read fresh
         // from the node records whenever a job waits for one.
         if !candidates.is_empty() {
-            nodes::without_held(&mut nodes, &at, &slurm.held_whole(&self.config.partition)?);
+            for (node, kind) in slurm.held_whole(&self.config.partition)? {
+                if let (Some(&n), Some((model, index))) = (kept.at.get(&node), split_gpu_type(&kind)) {
+                    if kept.board.nodes()[n]
+                        .gpus
+                        .iter()
+                        .any(|g| g.index == index && g.model == model)
+                    {
+                        kept.board.hold_whole(n, index);
+                    }
+                }
+            }
         }
         Ok(Queue {
-            jobs,
+            jobs: read.pending,
             specs,
-            nodes,
             candidates,
         })
     }
@@ -257,6 +342,7 @@ impl Claimer {
     fn carry_out(
         &mut self,
         slurm: &dyn Slurm,
+        nodes: &[NodeGpus],
         queue: &Queue,
         choices: Vec<Choice>,
         now: f64,
@@ -273,7 +359,7 @@ impl Claimer {
                     ..
                 } => {
                     let index = queue.candidates[job].1;
-                    let claim = (&queue.nodes[n], gpu, partners, predicted_speed);
+                    let claim = (&nodes[n], gpu, partners, predicted_speed);
                     let job = &queue.jobs[index];
                     (job, self.pin(slurm, job, queue.specs[index].as_ref(), claim, now))
                 }
@@ -293,15 +379,16 @@ impl Claimer {
         Ok(looked)
     }
 
-    /// Forgets what no longer waits, and host lists no job names any more (they are users'
-    /// text).
-    fn forget(&mut self, jobs: &[Job], specs: &[Option<Spec>]) {
-        let is_pending: HashMap<u32, bool> = jobs.iter().map(|j| (j.id, j.pending)).collect();
-        self.pinned_since.retain(|id, _| is_pending.get(id) == Some(&true));
-        self.untyped.retain(|id, _| is_pending.get(id) == Some(&false));
-        let named: std::collections::HashSet<&str> = jobs
-            .iter()
-            .zip(specs)
+    /// Forgets what no longer waits or holds a slot, and host lists no job of this read names
+    /// any more (they are users' text; one forgotten is expanded again when named).
+    fn forget(&mut self, read: &Changes, specs: &[Option<Spec>], running_specs: &[Option<Spec>]) {
+        let pending: HashSet<u32> = read.pending.iter().map(|j| j.id).collect();
+        self.pinned_since.retain(|id, _| pending.contains(id));
+        let running: HashSet<u32> = read.running.iter().map(|j| j.id).collect();
+        self.untyped
+            .retain(|id, _| !pending.contains(id) && !read.gone.contains(id) && (!read.whole || running.contains(id)));
+        let named: HashSet<&str> = (read.pending.iter().zip(specs))
+            .chain(read.running.iter().zip(running_specs))
             .flat_map(|(j, s)| {
                 [
                     j.node.as_deref(),
@@ -442,13 +529,21 @@ impl Claimer {
     }
 }
 
-/// The queue as one look read it: every job, its tag, what holds each GPU, and the waiting
-/// jobs the choice weighs (each with its index in `jobs`).
+/// The queue as one look read it: the pending jobs, their tags, and the waiting jobs the
+/// choice weighs (each with its index in `jobs`).
 struct Queue {
     jobs: Vec<Job>,
     specs: Vec<Option<Spec>>,
-    nodes: Vec<NodeGpus>,
     candidates: Vec<(Candidate, usize)>,
+}
+
+/// The board the claimer keeps between looks, the node list it was made from (each usable
+/// node's place on it), and the mark of the read it is up to date with.
+struct Kept {
+    board: Board,
+    infos: Arc<[NodeInfo]>,
+    at: HashMap<String, usize>,
+    mark: Option<u64>,
 }
 
 /// What a job of the queue is to one look.
@@ -476,31 +571,28 @@ fn refuse(slurm: &dyn Slurm, job: &Job, reason: String) -> Result<Option<Done>, 
     Ok(Some(Done::Refused(reason)))
 }
 
-/// Counts `job` on its GPU (its model where known, and its index) of its node (`at`: each
-/// node's place in `nodes`); a job of no known GPU counts nowhere.
-fn add_resident(
-    nodes: &mut [NodeGpus],
-    at: &HashMap<String, usize>,
-    job: &Job,
-    spec: Option<&Spec>,
-    gpu: Option<(Option<&str>, u32)>,
-) {
-    let (Some(node), Some((model, index))) = (job.node.as_deref().and_then(|n| at.get(n)), gpu) else {
-        return;
+/// Seats `job` on its GPU (its model where known, and its index) of its node, for good or for
+/// this look only (`passing`: pinned and about to start); false where it holds no GPU the
+/// board knows.
+fn seat(kept: &mut Kept, job: &Job, spec: Option<&Spec>, gpu: Option<(Option<&str>, u32)>, passing: bool) -> bool {
+    let (Some(&node), Some((model, index))) = (job.node.as_deref().and_then(|n| kept.at.get(n)), gpu) else {
+        return false;
     };
-    let Some(gpu) = nodes[*node]
-        .gpus
-        .iter_mut()
-        .find(|g| g.index == index && model.is_none_or(|m| g.model == m))
-    else {
-        return;
-    };
-    gpu.residents.push(Resident {
+    let known = (kept.board.nodes()[node].gpus.iter()).any(|g| g.index == index && model.is_none_or(|m| g.model == m));
+    if !known {
+        return false;
+    }
+    let hint = spec.and_then(|s| s.mem_mb);
+    let resident = Resident {
         job_id: job.id,
         app: spec.and_then(|s| s.app.clone()).unwrap_or_default(),
-        mem_mb: spec.and_then(|s| s.mem_mb),
+        mem_mb: hint,
         put_back: multiplex_protocol::spec::put_back_beside(job.admin_comment.as_deref()),
-    });
+    };
+    match passing {
+        true => kept.board.seat_for_look(node, index, resident, hint),
+        false => kept.board.seat(node, index, resident, hint),
+    }
 }
 
 /// A job's licenses without the gate's.
@@ -610,6 +702,31 @@ mod tests {
         // and job 2 (its pin now stale too) each pinned again, typed, in one update.
         assert_eq!(pins, vec![(2, true), (1, false), (2, false)]);
         assert_eq!(s.updates, 1 + 2 + 1 + 1);
+    }
+
+    #[test]
+    fn the_board_kept_between_looks_follows_every_read_of_the_queue() {
+        // Two nodes of two GPUs. Jobs 1 and 2 run on n1's GPUs, job 3 on n2's GPU 1: job 4
+        // takes the one idle GPU.
+        let slurm = fake(vec![
+            running(1, "a", "n1", "v100_0"),
+            running(2, "a", "n1", "v100_1"),
+            running(3, "a", "n2", "v100_1"),
+            gated(4, "a"),
+        ]);
+        let node = daemon();
+        let mut c = Claimer::new(config(), 1);
+        let pin = |job: u32, node: &str, kind: &str| vec![(job, node.to_string(), kind.to_string())];
+        assert_eq!(c.look(&slurm, &node, 0.0).unwrap().claimed, pin(4, "n2", "v100_0"));
+        // Job 3 ended and job 4 runs where it was claimed: job 5 takes job 3's GPU, idle
+        // again, not a share of n1's first GPU (as it would were job 3 kept on the board).
+        slurm.state.lock().unwrap().jobs = vec![
+            running(1, "a", "n1", "v100_0"),
+            running(2, "a", "n1", "v100_1"),
+            running(4, "a", "n2", "v100_0"),
+            gated(5, "a"),
+        ];
+        assert_eq!(c.look(&slurm, &node, 1.0).unwrap().claimed, pin(5, "n2", "v100_1"));
     }
 
     #[test]

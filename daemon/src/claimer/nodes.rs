@@ -5,9 +5,10 @@ use super::Claimer;
 use crate::claim::NodeGpus;
 use crate::claimer::Scorer;
 use crate::placement::GpuState;
-use crate::slurm::{Job, NodeInfo, Slurm, SlurmError};
+use crate::slurm::{Changes, NodeInfo, Slurm, SlurmError};
 use multiplex_protocol::gres::split_gpu_type;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How often the node list is read again (sinfo).
@@ -20,33 +21,38 @@ pub(super) const NODES_AGAIN: Duration = Duration::from_secs(10);
 
 impl Claimer {
     /// The partition's nodes: read again every [`NODES_EVERY`], or after [`NODES_AGAIN`] while
-    /// a node is not up, a job names a node the list lacks, or a job found none of its nodes up.
-    /// With them, their GPUs, empty, as [`cluster`] makes them.
+    /// a node is not up, a job of this read names a node the list lacks, or a job found none of
+    /// its nodes up. With them (kept beside them), their GPUs, empty, as [`cluster`] makes
+    /// them. A list read again and found as it was is the list kept (the same [`Arc`]).
     pub(super) fn node_list(
         &mut self,
         slurm: &dyn Slurm,
         scorer: &dyn Scorer,
-        jobs: &[Job],
+        read: &Changes,
         now: f64,
-    ) -> Result<(Vec<NodeInfo>, Vec<NodeGpus>), SlurmError> {
+    ) -> Result<Arc<[NodeInfo]>, SlurmError> {
         let stale = self.nodes.as_ref().is_none_or(|(at, nodes, _)| {
             let age = Duration::from_secs_f64((now - at).max(0.0));
             let some_down = nodes.iter().any(|n| !n.usable());
             age >= NODES_EVERY
-                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, jobs)))
+                || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, read)))
         });
         if stale {
             self.nodes_unsettled = false;
             let infos = slurm.nodes(&self.config.partition)?;
             let gpus = cluster(&infos, &scorer.gpu_memory());
+            let infos = match self.nodes.take() {
+                Some((_, was, was_gpus)) if *was == *infos && was_gpus == gpus => was,
+                _ => Arc::from(infos),
+            };
             self.nodes = Some((now, infos, gpus));
         }
         Ok(self
             .nodes
             .as_ref()
-            .map(|(_, infos, gpus)| (infos.clone(), gpus.clone()))
-            .unwrap_or_default())
+            .map_or_else(|| Arc::from(Vec::new()), |(_, infos, _)| Arc::clone(infos)))
     }
+
     /// The nodes a job may run on: those `asked` names (its `--nodelist`), less those
     /// `excluded` names (its `--exclude`); `None`: any. A host list Slurm cannot expand counts
     /// as naming no node.
@@ -82,20 +88,9 @@ impl Claimer {
     }
 }
 
-/// Takes the GPUs jobs hold whole (`held`: node and gres type) off `nodes` (`at`: each node's
-/// place there), so that no claim picks one.
-pub(super) fn without_held(nodes: &mut [NodeGpus], at: &HashMap<String, usize>, held: &[(String, String)]) {
-    for (node, kind) in held {
-        let (Some(&i), Some((model, index))) = (at.get(node), split_gpu_type(kind)) else {
-            continue;
-        };
-        nodes[i].gpus.retain(|g| !(g.index == index && g.model == model));
-    }
-}
-
-/// Whether a job names a node the node list lacks (a node added since it was read).
-fn names_unknown(nodes: &[NodeInfo], jobs: &[Job]) -> bool {
-    jobs.iter()
+/// Whether a job of a read names a node the node list lacks (a node added since it was read).
+fn names_unknown(nodes: &[NodeInfo], read: &Changes) -> bool {
+    (read.pending.iter().chain(&read.running))
         .filter_map(|j| j.node.as_deref())
         .any(|n| !n.contains([',', '[']) && !nodes.iter().any(|i| i.name == n))
 }

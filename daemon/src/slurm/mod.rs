@@ -220,11 +220,47 @@ pub struct ReadCost {
     pub total_us: u64,
 }
 
+/// The jobs of a partition as one read found them: every one, or what changed since the read
+/// before ([`Slurm::jobs_since`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Changes {
+    /// What to ask from next time.
+    pub mark: u64,
+    /// `running` is every job that holds a slot: forget what earlier reads said.
+    pub whole: bool,
+    /// Every pending job, in Slurm's order.
+    pub pending: Vec<Job>,
+    /// Jobs that hold a slot, new or changed since the mark (every one, where `whole`).
+    pub running: Vec<Job>,
+    /// Jobs that held a slot at the mark and hold none now.
+    pub gone: Vec<u32>,
+}
+
+impl Changes {
+    /// Every job of a read, `whole`: pending and running apart, each in Slurm's order.
+    pub fn whole(jobs: Vec<Job>) -> Changes {
+        let (pending, running) = jobs.into_iter().partition(|j| j.pending);
+        Changes {
+            mark: 0,
+            whole: true,
+            pending,
+            running,
+            gone: Vec::new(),
+        }
+    }
+}
+
 /// What the daemon asks of Slurm.
 pub trait Slurm: Send + Sync {
     /// The jobs of `partition` that wait or hold a slot (pending, running, configuring,
     /// completing), in Slurm's order (priority, then job id). One squeue.
     fn jobs(&self, partition: &str) -> Result<Vec<Job>, SlurmError>;
+    /// The jobs of `partition` that changed since the read that answered `since` (every one,
+    /// `whole`, for `None`); `None` where this Slurm cannot say what changed: read them all
+    /// ([`Slurm::jobs`]). squeue cannot; the simulator's books can.
+    fn jobs_since(&self, _partition: &str, _since: Option<u64>) -> Result<Option<Changes>, SlurmError> {
+        Ok(None)
+    }
     /// The nodes of `partition`. One sinfo.
     fn nodes(&self, partition: &str) -> Result<Vec<NodeInfo>, SlurmError>;
     /// Makes a claim. One scontrol update (two for an untyped job where Slurm merges gres
