@@ -45,11 +45,13 @@ pub(super) fn refresh_app_means(tx: &rusqlite::Connection, only: Option<(&str, i
             )?;
         }
         None => {
-            tx.execute_batch(&format!(
-                "DELETE FROM app_means;
-                 INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS}
-                 GROUP BY gpu_model, app_id;"
-            ))?;
+            // Prepared once per connection: a large cluster's claimer refreshes at every
+            // exchange, and the simulator at every node's.
+            tx.exec("DELETE FROM app_means", [])?;
+            tx.exec(
+                &format!("INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS} GROUP BY gpu_model, app_id"),
+                [],
+            )?;
         }
     }
     Ok(())

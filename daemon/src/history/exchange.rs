@@ -74,7 +74,7 @@ impl History {
              FROM pair_estimates e JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
              {filter} ORDER BY e.gpu_model, a.name, o.name"
         );
-        let mut stmt = self.conn.prepare(&sql)?;
+        let mut stmt = self.conn.prepare_cached(&sql)?;
         let rows = stmt.query_map(args, |r| {
             Ok(PairRow {
                 gpu_model: r.get(0)?,
@@ -97,7 +97,7 @@ impl History {
 
     /// Every solo runtime.
     pub fn solos(&self) -> Result<Vec<SoloRow>, HistoryError> {
-        let mut stmt = self.conn.prepare(
+        let mut stmt = self.conn.prepare_cached(
             "SELECT s.gpu_model, a.name, s.runtime_s, s.observations FROM solo_baselines s
              JOIN applications a ON a.id = s.app_id ORDER BY s.gpu_model, a.name",
         )?;
