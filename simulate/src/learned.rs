@@ -73,9 +73,9 @@ impl Options {
 /// The daemon: one [`Node`] per simulated node, its history starting empty.
 ///
 /// What a node does whose answer the world does not wait for (learning from a job that
-/// ended, recording a job's report) is queued on the node, and a second thread works through
-/// the queues while the world goes on with other nodes; the next placement or finish on a
-/// node first does whatever is still queued there itself. Each node has a clock of its own,
+/// ended) is queued on the node, and a second thread works through the queues while the world
+/// goes on with other nodes; anything else asked of a node first does whatever is still
+/// queued there itself. Each node has a clock of its own,
 /// set to the simulated time of whatever it is asked, so each node sees the same sequence
 /// at the same times as with everything on one thread: results do not change.
 pub(crate) struct Learned<'a> {
@@ -114,33 +114,20 @@ impl Slot {
     }
 }
 
-/// Work for a node that the world does not wait for.
+/// Work for a node that the world does not wait for: learning from a job that ended. (A
+/// report and a round of telemetry are recorded at once: the node's separation look, which
+/// reads them, follows each at once.)
 enum Work {
-    /// Learn from a job that ended.
     Learn(ActiveJob),
-    /// Record a job's report at the simulated time given.
-    Report(f64, ReportRequest),
-    /// Record a round of GPU telemetry at the simulated time given (processes are jobs).
-    Telemetry(f64, Vec<multiplexd::gpus::GpuSample>),
 }
 
 impl Work {
-    /// Does the work on its node, whose clock is `clock`.
-    fn run(self, node: &mut Node, clock: &AtomicU64) -> Result<(), String> {
+    /// Does the work on its node.
+    fn run(self, node: &mut Node, _clock: &AtomicU64) -> Result<(), String> {
         match self {
             Work::Learn(job) => {
                 node.learn_ended(&job);
                 Ok(())
-            }
-            Work::Report(now, req) => {
-                clock.store(now.to_bits(), Ordering::Relaxed);
-                node.report(&req, 0, true).map(drop).map_err(|e| e.to_string())
-            }
-            Work::Telemetry(now, samples) => {
-                clock.store(now.to_bits(), Ordering::Relaxed);
-                // Every process is its job's, run as the job's user (the simulator's uid 0).
-                node.record_telemetry(&samples, &|pid| Some((pid, 0)))
-                    .map_err(|e| e.to_string())
             }
         }
     }
@@ -276,9 +263,16 @@ impl<'a> Learned<'a> {
         caught_up(&self.nodes, &self.clocks, n, now)
     }
 
-    /// Queues work on node `n` and tells the learner thread.
+    /// Queues work on node `n` and tells the learner thread, unless work queued there before
+    /// is still to be done (the learner does all a node's queued work at once).
     fn hand(&self, n: usize, work: Work) -> Result<(), String> {
-        lock(&self.nodes[n]).queue.push_back(work);
+        let mut slot = lock(&self.nodes[n]);
+        let told = !slot.queue.is_empty();
+        slot.queue.push_back(work);
+        drop(slot);
+        if told {
+            return Ok(());
+        }
         match self.learner.as_ref().map(|(tx, _)| tx.send(n)) {
             Some(Ok(())) => Ok(()),
             _ => Err("the learner thread has stopped".into()),
@@ -401,7 +395,10 @@ impl Policy for Learned<'_> {
                 }),
             }
         }
-        self.hand(node, Work::Telemetry(now, samples))
+        // Every process is its job's, run as the job's user (the simulator's uid 0).
+        self.node_at(node, now)?
+            .record_telemetry(&samples, &|pid| Some((pid, 0)))
+            .map_err(|e| e.to_string())
     }
     fn separations(&mut self, now: f64, node: usize) -> Result<Vec<u32>, String> {
         self.at(now)?;
@@ -431,11 +428,14 @@ impl Policy for Learned<'_> {
 }
 
 impl Learned<'_> {
-    /// A job's report, recorded on the learner thread: the world does not wait for its answer
-    /// (a failure stops the run at the next call).
+    /// A job's report.
     fn report(&mut self, now: f64, node: usize, job: JobRef, kind: ReportKind) -> Result<(), String> {
         self.at(now)?;
-        self.hand(node, Work::Report(now, ReportRequest { job_id: job.id, kind }))
+        let req = ReportRequest { job_id: job.id, kind };
+        self.node_at(node, now)?
+            .report(&req, 0, true)
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
 }
 
