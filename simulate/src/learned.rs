@@ -302,23 +302,69 @@ impl<'a> Learned<'a> {
     }
 
     /// Every node's export merged into the first, and the result into every other: each
-    /// daemon's exchange merges the other nodes' files in memory and imports them at once.
+    /// daemon's exchange merges the other nodes' files in memory and imports them at once. The
+    /// nodes' exports and imports, each its own daemon's work, are shared among the machine's
+    /// cores; the merge takes the exports in node order, as before.
     fn share(&mut self) -> Result<(), String> {
+        let nodes = self.nodes.len();
+        let exports = self.on_each(1..nodes, |node| node.history().export().map_err(|e| e.to_string()))?;
         let mut others = Merger::default();
-        for n in 1..self.nodes.len() {
-            others.add(&self.node(n)?.history().export().map_err(|e| e.to_string())?)?;
+        for export in &exports {
+            others.add(export)?;
         }
+        drop(exports);
         let mut first = self.node(0)?;
         // A node alone has nothing to merge (and no refit to run for it).
-        if self.nodes.len() > 1 {
+        if nodes > 1 {
             first.import(&others.finish())?;
         }
         let merged = first.history().export().map_err(|e| e.to_string())?;
         drop(first);
-        for n in 1..self.nodes.len() {
-            self.node(n)?.import(&merged)?;
-        }
+        self.on_each(1..nodes, |node| node.import(&merged))?;
         Ok(())
+    }
+
+    /// `work` on each node of `range` (caught up with its queued work), on as many threads as
+    /// the machine has cores: the answers in node order, or the first node's error.
+    fn on_each<T: Send>(
+        &self,
+        range: std::ops::Range<usize>,
+        work: impl Fn(&mut Node) -> Result<T, String> + Sync,
+    ) -> Result<Vec<T>, String> {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(range.len())
+            .max(1);
+        let (nodes, clocks) = (&self.nodes, &self.clocks);
+        let chunk = range.len().div_ceil(threads);
+        let start = range.start;
+        let parts: Vec<Result<Vec<T>, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let work = &work;
+                    s.spawn(move || {
+                        let from = start + t * chunk;
+                        let to = (from + chunk).min(range.end);
+                        (from..to)
+                            .map(|n| {
+                                let mut slot = lock(&nodes[n]);
+                                slot.catch_up(&clocks[n])?;
+                                work(&mut slot.node)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a node's exchange panicked".into())))
+                .collect()
+        });
+        let mut out = Vec::with_capacity(range.len());
+        for part in parts {
+            out.extend(part?);
+        }
+        Ok(out)
     }
 }
 
