@@ -209,14 +209,8 @@ pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, kn
         }
     }
     scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let allowed: Option<HashSet<usize>> = job.nodes.as_ref().map(|names| {
-        nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| names.contains(&n.node))
-            .map(|(i, _)| i)
-            .collect()
-    });
+    let allowed: Option<HashSet<usize>> =
+        (job.nodes.as_ref()).map(|names| (0..nodes.len()).filter(|&i| names.contains(&nodes[i].node)).collect());
     let may = |n: usize| allowed.as_ref().is_none_or(|a| a.contains(&n));
     // Nodes whose best GPU is a share worth too little: they offer nothing.
     let mut declined: HashSet<usize> = HashSet::new();
@@ -242,7 +236,13 @@ pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, kn
             }
         }
     }
-    // Nothing offered: the job waits, unless no GPU could ever hold it.
+    nothing_offered(nodes, job, history, knobs, kinds)
+}
+
+/// Where no GPU offers `job` a slot: it waits, unless no GPU could ever hold it. Where its
+/// memory could decide that (more than some GPU has) or it names its nodes,
+/// [`offer_by_node`] says which.
+fn nothing_offered(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, knobs: Knobs, kinds: &Kinds) -> Offer {
     let smallest = kinds.sample.iter().map(|g| g.memory_mb).min().unwrap_or(0);
     if job.nodes.is_some() || job.mem_mb.is_some_and(|m| m > smallest) {
         return match offer_by_node(nodes, job, history, knobs, kinds) {
@@ -250,11 +250,8 @@ pub(super) fn offer(nodes: &[NodeGpus], job: &Candidate, history: &Estimates, kn
             other => other,
         };
     }
-    let any_gpu = kinds
-        .sample
-        .iter()
-        .zip(&kinds.bound)
-        .any(|(g, &b)| b == bound && may_run(g, job));
+    let bound = job.gpu.is_some();
+    let any_gpu = (kinds.sample.iter().zip(&kinds.bound)).any(|(g, &b)| b == bound && may_run(g, job));
     if any_gpu {
         Offer::Wait
     } else {

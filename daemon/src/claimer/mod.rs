@@ -8,9 +8,10 @@
 //! claimers' lease claims, the others stand by ([`Election`]). Every `look_ms` the holder asks
 //! whether the gate is switched off ([`gate`]), renews the gate's lease when due, reads the
 //! shared partition's jobs where their cost to slurmctld allows ([`pace`]; one squeue: what
-//! runs on which GPU and what waits, in Slurm's order), and claims through [`crate::claim::choose`] over its history, which holds what
-//! every node learned where the nodes pool their histories (`[share] dir`). Its nodes come
-//! from sinfo once a minute.
+//! runs on which GPU and what waits, in Slurm's order), applies what changed to the board it
+//! keeps between looks ([`Board`]), and claims through [`crate::claim::choose_on`] over its
+//! history, which holds what every node learned where the nodes pool their histories
+//! (`[share] dir`). Its nodes come from sinfo once a minute.
 //!
 //! Fail-open: the gate is a reservation of every license of its name, renewed `lease_s` ahead.
 //! With the claimer gone (its daemon stopped or killed, its host down) a standby takes over
@@ -18,12 +19,11 @@
 //! starts where Slurm's own placement puts it; the node's daemon records it there.
 
 use crate::claim::{Board, Candidate, Choice, Memory, NodeGpus};
-use crate::placement::Resident;
-use crate::slurm::{Changes, Job, NodeInfo, Pin, Slurm, SlurmError};
+use crate::slurm::{Job, NodeInfo, Pin, Slurm, SlurmError};
 use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,12 +35,14 @@ mod election;
 mod gate;
 mod nodes;
 mod pace;
+mod read;
 mod scorer;
 mod thread;
 
 pub use election::{Election, LEASE_LICENSE, LEASE_PREFIX, TAKEOVER_S};
 pub use gate::{gate, LICENSE, OFF_EVERY_S, OFF_RESERVATION, RESERVATION};
 pub use pace::Paced;
+use read::{Kept, Queue};
 /// How long a job pinned to a GPU but not yet started keeps its slot there: Slurm's next pass
 /// starts it within a second or two. Past this (the slot was taken meanwhile, or the pin is
 /// left from an earlier run of the job), it is claimed again.
@@ -243,101 +245,6 @@ impl Claimer {
         self.carry_out(slurm, board.nodes(), queue, choices, now)
     }
 
-    /// What changed in Slurm's books since the look before, on `board` (made anew from every
-    /// job when there is none, when the node list changed, or when Slurm cannot say what
-    /// changed), and the first waiting jobs as the choice weighs them.
-    fn read(
-        &mut self,
-        slurm: &dyn Slurm,
-        scorer: &dyn Scorer,
-        board: &mut Option<Kept>,
-        now: f64,
-    ) -> Result<Queue, SlurmError> {
-        let partition = self.config.partition.clone();
-        let mark = board.as_ref().and_then(|k| k.mark);
-        let read_all = |since| -> Result<Changes, SlurmError> {
-            match slurm.jobs_since(&partition, since)? {
-                Some(changes) => Ok(changes),
-                None => Ok(Changes::whole(slurm.jobs(&partition)?)),
-            }
-        };
-        let mut read = read_all(mark)?;
-        let infos = self.node_list(slurm, scorer, &read, now)?;
-        let slots = scorer.knobs().slots;
-        let stale = board
-            .as_ref()
-            .is_none_or(|k| !Arc::ptr_eq(&k.infos, &infos) || k.board.slots() != slots);
-        if stale {
-            if !read.whole {
-                read = read_all(None)?;
-            }
-            let empty = self.nodes.as_ref().map(|(_, _, gpus)| gpus.clone()).unwrap_or_default();
-            *board = Some(Kept {
-                at: empty.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect(),
-                board: Board::new(empty, slots),
-                infos: Arc::clone(&infos),
-                mark: None,
-            });
-        }
-        let kept = board.as_mut().expect("made above");
-        kept.mark = Some(read.mark);
-        let merges = slurm.merges_gres_updates()?;
-        // Each job's tag, read once per look.
-        let tag = |j: &Job| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok);
-        let running_specs: Vec<Option<Spec>> = read.running.iter().map(tag).collect();
-        let specs: Vec<Option<Spec>> = read.pending.iter().map(tag).collect();
-        self.forget(&read, &specs, &running_specs);
-        if read.whole {
-            let running: HashSet<u32> = read.running.iter().map(|j| j.id).collect();
-            kept.board.unseat_unless(|id| running.contains(&id));
-        }
-        for id in &read.gone {
-            kept.board.unseat(*id);
-        }
-        for (job, spec) in read.running.iter().zip(&running_specs) {
-            match self.classify(slurm, job, spec.as_ref(), now) {
-                Seen::Resident(gpu) if seat(kept, job, spec.as_ref(), gpu, false) => {}
-                _ => {
-                    kept.board.unseat(job.id);
-                }
-            }
-        }
-        let mut candidates: Vec<(Candidate, usize)> = Vec::new();
-        for (index, (job, spec)) in read.pending.iter().zip(&specs).enumerate() {
-            match self.classify(slurm, job, spec.as_ref(), now) {
-                Seen::Resident(gpu) => {
-                    seat(kept, job, spec.as_ref(), gpu, true);
-                }
-                Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
-                    if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
-                        candidates.push((c, index));
-                    }
-                }
-                Seen::Waiting(_) | Seen::Other => {}
-            }
-        }
-        // A GPU a job holds whole (a plain job, of any partition) takes no claim: read fresh
-        // from the node records whenever a job waits for one.
-        if !candidates.is_empty() {
-            for (node, kind) in slurm.held_whole(&self.config.partition)? {
-                if let (Some(&n), Some((model, index))) = (kept.at.get(&node), split_gpu_type(&kind)) {
-                    if kept.board.nodes()[n]
-                        .gpus
-                        .iter()
-                        .any(|g| g.index == index && g.model == model)
-                    {
-                        kept.board.hold_whole(n, index);
-                    }
-                }
-            }
-        }
-        Ok(Queue {
-            jobs: read.pending,
-            specs,
-            candidates,
-        })
-    }
-
     /// Makes the claims and refusals chosen, one update each, in order.
     fn carry_out(
         &mut self,
@@ -377,28 +284,6 @@ impl Claimer {
             }
         }
         Ok(looked)
-    }
-
-    /// Forgets what no longer waits or holds a slot, and host lists no job of this read names
-    /// any more (they are users' text; one forgotten is expanded again when named).
-    fn forget(&mut self, read: &Changes, specs: &[Option<Spec>], running_specs: &[Option<Spec>]) {
-        let pending: HashSet<u32> = read.pending.iter().map(|j| j.id).collect();
-        self.pinned_since.retain(|id, _| pending.contains(id));
-        let running: HashSet<u32> = read.running.iter().map(|j| j.id).collect();
-        self.untyped
-            .retain(|id, _| !pending.contains(id) && !read.gone.contains(id) && (!read.whole || running.contains(id)));
-        let named: HashSet<&str> = (read.pending.iter().zip(specs))
-            .chain(read.running.iter().zip(running_specs))
-            .flat_map(|(j, s)| {
-                [
-                    j.node.as_deref(),
-                    j.excluded.as_deref(),
-                    s.as_ref().and_then(|s| s.nodes.as_deref()),
-                ]
-            })
-            .flatten()
-            .collect();
-        self.hostlists.retain(|list, _| named.contains(list.as_str()));
     }
 
     /// What a job of the queue is to this look: one holding (or pinned to, within
@@ -529,23 +414,6 @@ impl Claimer {
     }
 }
 
-/// The queue as one look read it: the pending jobs, their tags, and the waiting jobs the
-/// choice weighs (each with its index in `jobs`).
-struct Queue {
-    jobs: Vec<Job>,
-    specs: Vec<Option<Spec>>,
-    candidates: Vec<(Candidate, usize)>,
-}
-
-/// The board the claimer keeps between looks, the node list it was made from (each usable
-/// node's place on it), and the mark of the read it is up to date with.
-struct Kept {
-    board: Board,
-    infos: Arc<[NodeInfo]>,
-    at: HashMap<String, usize>,
-    mark: Option<u64>,
-}
-
 /// What a job of the queue is to one look.
 enum Seen<'s> {
     /// It holds a slot: (its GPU's model where known, its index), if known.
@@ -569,30 +437,6 @@ fn refuse(slurm: &dyn Slurm, job: &Job, reason: String) -> Result<Option<Done>, 
     );
     slurm.release(job.id, &without_gate(&job.licenses), &comment)?;
     Ok(Some(Done::Refused(reason)))
-}
-
-/// Seats `job` on its GPU (its model where known, and its index) of its node, for good or for
-/// this look only (`passing`: pinned and about to start); false where it holds no GPU the
-/// board knows.
-fn seat(kept: &mut Kept, job: &Job, spec: Option<&Spec>, gpu: Option<(Option<&str>, u32)>, passing: bool) -> bool {
-    let (Some(&node), Some((model, index))) = (job.node.as_deref().and_then(|n| kept.at.get(n)), gpu) else {
-        return false;
-    };
-    let known = (kept.board.nodes()[node].gpus.iter()).any(|g| g.index == index && model.is_none_or(|m| g.model == m));
-    if !known {
-        return false;
-    }
-    let hint = spec.and_then(|s| s.mem_mb);
-    let resident = Resident {
-        job_id: job.id,
-        app: spec.and_then(|s| s.app.clone()).unwrap_or_default(),
-        mem_mb: hint,
-        put_back: multiplex_protocol::spec::put_back_beside(job.admin_comment.as_deref()),
-    };
-    match passing {
-        true => kept.board.seat_for_look(node, index, resident, hint),
-        false => kept.board.seat(node, index, resident, hint),
-    }
 }
 
 /// A job's licenses without the gate's.
