@@ -115,15 +115,17 @@ impl Books {
         let gpus = names.shards.len();
         let mut log = self.log();
         let log = &mut *log;
+        // What left a GPU first, then what came to one: a job that moved is running.
         for (gi, jobs) in view.cluster.changed {
-            let (n, g) = (gi / gpus, gi % gpus);
-            let now: Vec<u32> = jobs.iter().map(|j| j.id).collect();
             for id in &log.on[*gi] {
-                if !now.contains(id) {
+                if !jobs.iter().any(|j| j.id == *id) {
                     log.running.remove(id);
                     log.left.push(*id);
                 }
             }
+        }
+        for (gi, jobs) in view.cluster.changed {
+            let (n, g) = (gi / gpus, gi % gpus);
             for r in jobs {
                 if log.on[*gi].contains(&r.id) {
                     continue;
@@ -143,7 +145,7 @@ impl Books {
                 );
                 log.came.push(r.id);
             }
-            log.on[*gi] = now;
+            log.on[*gi] = jobs.iter().map(|j| j.id).collect();
         }
         log.pending = view
             .pending
@@ -420,11 +422,7 @@ mod tests {
     }
 
     fn two_by_two(changed: &[(usize, Vec<JobRef>)]) -> Cluster<'_> {
-        Cluster {
-            nodes: 2,
-            gpus_per_node: 2,
-            changed,
-        }
+        Cluster { changed }
     }
 
     #[test]

@@ -94,41 +94,21 @@ pub(crate) struct Learned<'a> {
     learner: Option<Learner>,
     /// Per node, the simulated time its daemon reads.
     clocks: Arc<Vec<AtomicU64>>,
-    /// The first thing that went wrong on the learner thread.
-    failed: Arc<Mutex<Option<String>>>,
 }
 
-/// A simulated node's daemon and the work queued for it.
+/// A simulated node's daemon and the jobs that ended there it has still to learn from (the
+/// world does not wait for learning; a report and a round of telemetry are recorded at once:
+/// the node's separation look, which reads them, follows each at once).
 struct Slot {
     node: Node,
-    queue: VecDeque<Work>,
+    queue: VecDeque<ActiveJob>,
 }
 
 impl Slot {
-    /// Does the queued work, in order, on the node whose clock is `clock`.
-    fn catch_up(&mut self, clock: &AtomicU64) -> Result<(), String> {
-        while let Some(work) = self.queue.pop_front() {
-            work.run(&mut self.node, clock)?;
-        }
-        Ok(())
-    }
-}
-
-/// Work for a node that the world does not wait for: learning from a job that ended. (A
-/// report and a round of telemetry are recorded at once: the node's separation look, which
-/// reads them, follows each at once.)
-enum Work {
-    Learn(ActiveJob),
-}
-
-impl Work {
-    /// Does the work on its node.
-    fn run(self, node: &mut Node, _clock: &AtomicU64) -> Result<(), String> {
-        match self {
-            Work::Learn(job) => {
-                node.learn_ended(&job);
-                Ok(())
-            }
+    /// Learns from the queued jobs, in order.
+    fn catch_up(&mut self) {
+        while let Some(job) = self.queue.pop_front() {
+            self.node.learn_ended(&job);
         }
     }
 }
@@ -157,21 +137,15 @@ fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
 }
 
 /// The learner thread, which catches up each node it is told of.
-fn spawn_learner(
-    nodes: &Arc<Vec<Mutex<Slot>>>,
-    clocks: &Arc<Vec<AtomicU64>>,
-    failed: &Arc<Mutex<Option<String>>>,
-) -> Result<Learner, String> {
+fn spawn_learner(nodes: &Arc<Vec<Mutex<Slot>>>) -> Result<Learner, String> {
     let (tx, rx) = mpsc::channel::<usize>();
-    let (nodes, clocks, failed) = (Arc::clone(nodes), Arc::clone(clocks), Arc::clone(failed));
+    let nodes = Arc::clone(nodes);
     let thread = std::thread::Builder::new()
         .name("sim-learner".into())
         .spawn(move || {
             // A node may be named more than once, or caught up already by the world.
             for n in rx {
-                if let Err(e) = lock(&nodes[n]).catch_up(&clocks[n]) {
-                    failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-                }
+                lock(&nodes[n]).catch_up();
             }
         })
         .map_err(|e| format!("cannot start the learner thread: {e}"))?;
@@ -179,11 +153,11 @@ fn spawn_learner(
 }
 
 /// Node `n` of `nodes` at simulated time `now`, caught up with the work queued for it.
-fn caught_up<'n>(nodes: &'n [Mutex<Slot>], clocks: &[AtomicU64], n: usize, now: f64) -> Result<NodeGuard<'n>, String> {
+fn caught_up<'n>(nodes: &'n [Mutex<Slot>], clocks: &[AtomicU64], n: usize, now: f64) -> NodeGuard<'n> {
     let mut slot = lock(&nodes[n]);
-    slot.catch_up(&clocks[n])?;
+    slot.catch_up();
     clocks[n].store(now.to_bits(), Ordering::Relaxed);
-    Ok(NodeGuard(slot))
+    NodeGuard(slot)
 }
 
 impl<'a> Learned<'a> {
@@ -221,8 +195,7 @@ impl<'a> Learned<'a> {
             })
             .collect::<Result<Vec<_>, String>>()?;
         let nodes = Arc::new(nodes);
-        let failed = Arc::new(Mutex::new(None));
-        let learner = spawn_learner(&nodes, &clocks, &failed)?;
+        let learner = spawn_learner(&nodes)?;
         Ok(Learned {
             table,
             share_every_s,
@@ -238,37 +211,37 @@ impl<'a> Learned<'a> {
             nodes,
             learner: Some(learner),
             clocks,
-            failed,
         })
     }
 
-    /// Node `n`, caught up with the work queued for it.
     /// Starts every node from `history` (what `multiplexd import` of a site's earlier export
     /// gives each node).
     pub(crate) fn import(&self, history: &Export) -> Result<(), String> {
         for n in 0..self.nodes.len() {
-            self.node(n)?.import(history)?;
+            self.node(n).import(history)?;
         }
         Ok(())
     }
 
-    fn node(&self, n: usize) -> Result<NodeGuard<'_>, String> {
+    /// Node `n`, caught up with the work queued for it.
+    fn node(&self, n: usize) -> NodeGuard<'_> {
         let mut slot = lock(&self.nodes[n]);
-        slot.catch_up(&self.clocks[n])?;
-        Ok(NodeGuard(slot))
+        slot.catch_up();
+        NodeGuard(slot)
     }
 
     /// Node `n` at simulated time `now`, caught up with the work queued for it.
-    fn node_at(&self, n: usize, now: f64) -> Result<NodeGuard<'_>, String> {
+    fn node_at(&self, n: usize, now: f64) -> NodeGuard<'_> {
         caught_up(&self.nodes, &self.clocks, n, now)
     }
 
-    /// Queues work on node `n` and tells the learner thread, unless work queued there before
-    /// is still to be done (the learner does all a node's queued work at once).
-    fn hand(&self, n: usize, work: Work) -> Result<(), String> {
+    /// Queues a job that ended on node `n` to learn from and tells the learner thread, unless
+    /// jobs queued there before are still to be learned from (the learner learns from all a
+    /// node's queued jobs at once).
+    fn hand(&self, n: usize, job: ActiveJob) -> Result<(), String> {
         let mut slot = lock(&self.nodes[n]);
         let told = !slot.queue.is_empty();
-        slot.queue.push_back(work);
+        slot.queue.push_back(job);
         drop(slot);
         if told {
             return Ok(());
@@ -279,17 +252,8 @@ impl<'a> Learned<'a> {
         }
     }
 
-    /// What went wrong on the learner thread, if anything (once).
-    fn failure(&self) -> Result<(), String> {
-        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Goes on at simulated time `now`, unless something went wrong on the learner thread.
+    /// Goes on at simulated time `now`: the histories are shared when due.
     fn at(&mut self, now: f64) -> Result<(), String> {
-        self.failure()?;
         if self.share_every_s > 0.0 && now >= self.next_share {
             while self.next_share <= now {
                 self.next_share += self.share_every_s;
@@ -313,7 +277,7 @@ impl<'a> Learned<'a> {
             others.add(export)?;
         }
         drop(exports);
-        let mut first = self.node(0)?;
+        let mut first = self.node(0);
         // A node alone has nothing to merge (and no refit to run for it).
         if nodes > 1 {
             first.import(&others.finish())?;
@@ -335,7 +299,7 @@ impl<'a> Learned<'a> {
             .map_or(1, |n| n.get())
             .min(range.len())
             .max(1);
-        let (nodes, clocks) = (&self.nodes, &self.clocks);
+        let nodes = &self.nodes;
         let chunk = range.len().div_ceil(threads);
         let start = range.start;
         let parts: Vec<Result<Vec<T>, String>> = std::thread::scope(|s| {
@@ -348,7 +312,7 @@ impl<'a> Learned<'a> {
                         (from..to)
                             .map(|n| {
                                 let mut slot = lock(&nodes[n]);
-                                slot.catch_up(&clocks[n])?;
+                                slot.catch_up();
                                 work(&mut slot.node)
                             })
                             .collect()
@@ -371,9 +335,9 @@ impl<'a> Learned<'a> {
 impl Policy for Learned<'_> {
     fn settle(&mut self) -> Result<(), String> {
         for n in 0..self.nodes.len() {
-            drop(self.node(n)?);
+            drop(self.node(n));
         }
-        self.failure()
+        Ok(())
     }
     fn grade(&self) -> Option<String> {
         Some(Learned::grade(self))
@@ -381,7 +345,7 @@ impl Policy for Learned<'_> {
     fn history(&mut self) -> Option<Result<Export, String>> {
         let merged = self
             .share()
-            .and_then(|()| self.node(0)?.history().export().map_err(|e| e.to_string()));
+            .and_then(|()| self.node(0).history().export().map_err(|e| e.to_string()));
         Some(merged)
     }
     /// The node's daemon puts a job out of memory beside a partner back in the queue.
@@ -406,7 +370,7 @@ impl Policy for Learned<'_> {
             format!("sim{node}"),
             gpu as u32,
         );
-        match self.node_at(node, now)?.start(&req).map_err(|e| e.to_string())? {
+        match self.node_at(node, now).start(&req).map_err(|e| e.to_string())? {
             Started::Placed { .. } => Ok(()),
             Started::Refused { reason } => Err(format!("the daemon refused job {}: {reason}", job.id)),
         }
@@ -414,7 +378,7 @@ impl Policy for Learned<'_> {
     fn claim(&mut self, now: f64, cluster: &Cluster, pending: &[JobRef]) -> Result<Vec<(usize, usize, usize)>, String> {
         self.at(now)?;
         let view = View { cluster, pending };
-        let node = caught_up(&self.nodes, &self.clocks, 0, now)?;
+        let node = caught_up(&self.nodes, &self.clocks, 0, now);
         books::look(&mut self.claimer, &*node, &self.books, view, now)
     }
     fn progress(&mut self, now: f64, node: usize, job: JobRef, done: f64) -> Result<(), String> {
@@ -442,13 +406,13 @@ impl Policy for Learned<'_> {
             }
         }
         // Every process is its job's, run as the job's user (the simulator's uid 0).
-        self.node_at(node, now)?
+        self.node_at(node, now)
             .record_telemetry(&samples, &|pid| Some((pid, 0)))
             .map_err(|e| e.to_string())
     }
     fn separations(&mut self, now: f64, node: usize) -> Result<Vec<u32>, String> {
         self.at(now)?;
-        let mut n = self.node_at(node, now)?;
+        let mut n = self.node_at(node, now);
         let given = n.separations().map_err(|e| e.to_string())?;
         for s in &given {
             n.separated(s.job_id, true, &s.why).map_err(|e| e.to_string())?;
@@ -463,11 +427,11 @@ impl Policy for Learned<'_> {
             exit_status: if ok { 0 } else { 1 << 8 },
         };
         let ended = self
-            .node_at(node, now)?
+            .node_at(node, now)
             .finish_deferred(&req)
             .map_err(|e| e.to_string())?;
         if let Some(job) = ended {
-            self.hand(node, Work::Learn(job))?;
+            self.hand(node, job)?;
         }
         Ok(())
     }
@@ -478,7 +442,7 @@ impl Learned<'_> {
     fn report(&mut self, now: f64, node: usize, job: JobRef, kind: ReportKind) -> Result<(), String> {
         self.at(now)?;
         let req = ReportRequest { job_id: job.id, kind };
-        self.node_at(node, now)?
+        self.node_at(node, now)
             .report(&req, 0, true)
             .map(drop)
             .map_err(|e| e.to_string())

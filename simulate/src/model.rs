@@ -65,8 +65,6 @@ pub struct Progress {
 /// to start), in GPU order (`node * gpus_per_node + gpu`). A claimer keeps what it saw.
 #[derive(Debug, Clone, Copy)]
 pub struct Cluster<'a> {
-    pub nodes: usize,
-    pub gpus_per_node: usize,
     pub changed: &'a [(usize, Vec<JobRef>)],
 }
 

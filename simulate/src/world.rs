@@ -319,11 +319,7 @@ impl World<'_> {
             .into_iter()
             .map(|gi| (gi, self.holding(gi).into_iter().map(|j| self.job_ref(j)).collect()))
             .collect();
-        let cluster = Cluster {
-            nodes: self.shape.nodes,
-            gpus_per_node: gpn,
-            changed: &changed,
-        };
+        let cluster = Cluster { changed: &changed };
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
         for (i, node, g) in policy.claim(now, &cluster, &refs)? {
             let Some(&j) = pending.get(i) else {

@@ -87,16 +87,6 @@ impl Board {
         self.seats.contains_key(&job)
     }
 
-    /// How many jobs hold a slot.
-    pub fn len(&self) -> usize {
-        self.seats.len()
-    }
-
-    /// Whether no job holds a slot.
-    pub fn is_empty(&self) -> bool {
-        self.seats.is_empty()
-    }
-
     /// The memory a job is counted with: its own `hint`, else its application's measured.
     pub fn memory_of(&self, hint: Option<u64>, app: &str) -> Option<u64> {
         hint.or_else(|| self.measured.get(app).copied())

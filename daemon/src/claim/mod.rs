@@ -286,15 +286,8 @@ pub struct Inputs {
 
 impl Inputs {
     /// The look's claims ([`choose`]) at `now` (seconds of a steady clock).
-    pub fn choose(self, memory: &mut Memory, now: f64) -> Vec<Choice> {
-        choose(
-            &self.nodes,
-            &self.pending,
-            &mut { self.estimates },
-            self.knobs,
-            memory,
-            now,
-        )
+    pub fn choose(mut self, memory: &mut Memory, now: f64) -> Vec<Choice> {
+        choose(&self.nodes, &self.pending, &mut self.estimates, self.knobs, memory, now)
     }
 }
 

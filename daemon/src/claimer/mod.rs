@@ -201,12 +201,9 @@ impl Claimer {
         let started = std::time::Instant::now();
         // The board is taken for the look and kept only if the look ends well: after a
         // failure, the next look starts again from every job.
-        let mut board = self.board.take();
-        let queue = self.read(slurm, scorer, &mut board, now)?;
+        let board = self.board.take();
+        let (queue, mut kept) = self.read(slurm, scorer, board, now)?;
         let paced = self.pace.read(slurm, now, started.elapsed());
-        let Some(mut kept) = board else {
-            return Err(SlurmError::Failed("the claimer's read left no board".into()));
-        };
         let looked = if queue.candidates.is_empty() {
             Looked::default()
         } else {

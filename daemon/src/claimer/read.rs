@@ -29,18 +29,17 @@ pub(super) struct Kept {
 }
 
 impl Claimer {
-    /// What changed in Slurm's books since the look before, on `board` (made anew from every
-    /// job when there is none, when the node list changed, or when Slurm cannot say what
-    /// changed), and the first waiting jobs as the choice weighs them.
+    /// What changed in Slurm's books since the look before, applied to `board` (made anew
+    /// from every job when there is none, when the node list changed, or when Slurm cannot
+    /// say what changed), and the first waiting jobs as the choice weighs them.
     pub(super) fn read(
         &mut self,
         slurm: &dyn Slurm,
         scorer: &dyn Scorer,
-        board: &mut Option<Kept>,
+        board: Option<Kept>,
         now: f64,
-    ) -> Result<Queue, SlurmError> {
-        let (read, infos) = self.read_onto(slurm, scorer, board, now)?;
-        let kept = board.as_mut().expect("read_onto leaves a board");
+    ) -> Result<(Queue, Kept), SlurmError> {
+        let (read, infos, mut kept) = self.read_onto(slurm, scorer, board, now)?;
         // Each job's tag, read once per look.
         let tag = |j: &Job| Spec::from_tag(j.admin_comment.as_deref()).and_then(Result::ok);
         let running_specs: Vec<Option<Spec>> = read.running.iter().map(tag).collect();
@@ -55,7 +54,7 @@ impl Claimer {
         }
         for (job, spec) in read.running.iter().zip(&running_specs) {
             match self.classify(slurm, job, spec.as_ref(), now) {
-                Seen::Resident(gpu) if seat(kept, job, spec.as_ref(), gpu, false) => {}
+                Seen::Resident(gpu) if seat(&mut kept, job, spec.as_ref(), gpu, false) => {}
                 _ => {
                     kept.board.unseat(job.id);
                 }
@@ -66,7 +65,7 @@ impl Claimer {
         for (index, (job, spec)) in read.pending.iter().zip(&specs).enumerate() {
             match self.classify(slurm, job, spec.as_ref(), now) {
                 Seen::Resident(gpu) => {
-                    seat(kept, job, spec.as_ref(), gpu, true);
+                    seat(&mut kept, job, spec.as_ref(), gpu, true);
                 }
                 Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
                     if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
@@ -77,24 +76,25 @@ impl Claimer {
             }
         }
         if !candidates.is_empty() {
-            self.hold_whole(slurm, kept)?;
+            self.hold_whole(slurm, &mut kept)?;
         }
-        Ok(Queue {
+        let queue = Queue {
             jobs: read.pending,
             specs,
             candidates,
-        })
+        };
+        Ok((queue, kept))
     }
 
-    /// The jobs that changed since `board`'s mark, and the node list; `board` made anew (and
-    /// every job read) where there is none, the node list changed or the slots did.
+    /// The jobs that changed since `board`'s mark, the node list, and the board; made anew
+    /// (and every job read) where there is none, the node list changed or the slots did.
     fn read_onto(
         &mut self,
         slurm: &dyn Slurm,
         scorer: &dyn Scorer,
-        board: &mut Option<Kept>,
+        board: Option<Kept>,
         now: f64,
-    ) -> Result<(Changes, Arc<[NodeInfo]>), SlurmError> {
+    ) -> Result<(Changes, Arc<[NodeInfo]>, Kept), SlurmError> {
         let partition = self.config.partition.clone();
         let read_all = |since| -> Result<Changes, SlurmError> {
             match slurm.jobs_since(&partition, since)? {
@@ -105,25 +105,24 @@ impl Claimer {
         let mut read = read_all(board.as_ref().and_then(|k| k.mark))?;
         let infos = self.node_list(slurm, scorer, &read, now)?;
         let slots = scorer.knobs().slots;
-        let stale = board
-            .as_ref()
-            .is_none_or(|k| !Arc::ptr_eq(&k.infos, &infos) || k.board.slots() != slots);
-        if stale {
-            if !read.whole {
-                read = read_all(None)?;
+        let kept = board.filter(|k| Arc::ptr_eq(&k.infos, &infos) && k.board.slots() == slots);
+        let mut kept = match kept {
+            Some(kept) => kept,
+            None => {
+                if !read.whole {
+                    read = read_all(None)?;
+                }
+                let empty = self.nodes.as_ref().map(|(_, _, gpus)| gpus.clone()).unwrap_or_default();
+                Kept {
+                    at: empty.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect(),
+                    board: Board::new(empty, slots),
+                    infos: Arc::clone(&infos),
+                    mark: None,
+                }
             }
-            let empty = self.nodes.as_ref().map(|(_, _, gpus)| gpus.clone()).unwrap_or_default();
-            *board = Some(Kept {
-                at: empty.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect(),
-                board: Board::new(empty, slots),
-                infos: Arc::clone(&infos),
-                mark: None,
-            });
-        }
-        if let Some(kept) = board.as_mut() {
-            kept.mark = Some(read.mark);
-        }
-        Ok((read, infos))
+        };
+        kept.mark = Some(read.mark);
+        Ok((read, infos, kept))
     }
 
     /// A GPU a job holds whole (a plain job, of any partition) takes no claim this look: read
