@@ -24,7 +24,6 @@ use multiplex_protocol::gres::{gpu_type, split_gpu_type};
 use multiplex_protocol::spec::{with_note, Spec};
 use multiplex_protocol::Claim;
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::config::ClaimConfig;
@@ -106,9 +105,8 @@ pub struct Claimer {
     /// alone), and whether it led at its last look.
     election: Option<Election>,
     leading: Option<bool>,
-    /// The node list, when it was read, and its usable nodes' GPUs as a look starts from them
-    /// (each GPU with no job yet).
-    nodes: Option<(f64, Arc<[NodeInfo]>, Vec<NodeGpus>)>,
+    /// The node list, as last read.
+    nodes: Option<nodes::NodeList>,
     /// Slurm's books as the last look left them ([`Board`]).
     board: Option<Kept>,
     /// What the choice keeps between looks: passed-over jobs, pairs being tried.

@@ -19,6 +19,16 @@ pub(super) const NODES_EVERY: Duration = Duration::from_secs(60);
 /// job costs slurmctld, and a node that comes up is used within this, not [`NODES_EVERY`].
 pub(super) const NODES_AGAIN: Duration = Duration::from_secs(10);
 
+/// The node list as last read: when, its usable nodes' GPUs as a look starts from them (each
+/// GPU with no job yet), and the GPU models' memory they were made with.
+#[derive(Debug)]
+pub(super) struct NodeList {
+    pub at: f64,
+    pub infos: Arc<[NodeInfo]>,
+    pub gpus: Vec<NodeGpus>,
+    pub memory: HashMap<String, u64>,
+}
+
 impl Claimer {
     /// The partition's nodes: read again every [`NODES_EVERY`], or after [`NODES_AGAIN`] while
     /// a node is not up, a job of this read names a node the list lacks, or a job found none of
@@ -31,8 +41,9 @@ impl Claimer {
         read: &Changes,
         now: f64,
     ) -> Result<Arc<[NodeInfo]>, SlurmError> {
-        let stale = self.nodes.as_ref().is_none_or(|(at, nodes, _)| {
-            let age = Duration::from_secs_f64((now - at).max(0.0));
+        let stale = self.nodes.as_ref().is_none_or(|list| {
+            let age = Duration::from_secs_f64((now - list.at).max(0.0));
+            let nodes = &list.infos;
             let some_down = nodes.iter().any(|n| !n.usable());
             age >= NODES_EVERY
                 || (age >= NODES_AGAIN && (self.nodes_unsettled || some_down || names_unknown(nodes, read)))
@@ -40,17 +51,23 @@ impl Claimer {
         if stale {
             self.nodes_unsettled = false;
             let infos = slurm.nodes(&self.config.partition)?;
-            let gpus = cluster(&infos, &scorer.gpu_memory());
-            let infos = match self.nodes.take() {
-                Some((_, was, was_gpus)) if *was == *infos && was_gpus == gpus => was,
-                _ => Arc::from(infos),
-            };
-            self.nodes = Some((now, infos, gpus));
+            let memory = scorer.gpu_memory();
+            // The GPUs follow from the list and the models' memory: made again only when
+            // either changed (a large cluster's list is read every minute and seldom changes).
+            self.nodes = Some(match self.nodes.take() {
+                Some(was) if *was.infos == *infos && was.memory == memory => NodeList { at: now, ..was },
+                _ => NodeList {
+                    at: now,
+                    gpus: cluster(&infos, &memory),
+                    infos: Arc::from(infos),
+                    memory,
+                },
+            });
         }
         Ok(self
             .nodes
             .as_ref()
-            .map_or_else(|| Arc::from(Vec::new()), |(_, infos, _)| Arc::clone(infos)))
+            .map_or_else(|| Arc::from(Vec::new()), |list| Arc::clone(&list.infos)))
     }
 
     /// The nodes a job may run on: those `asked` names (its `--nodelist`), less those

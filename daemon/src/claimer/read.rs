@@ -112,7 +112,7 @@ impl Claimer {
                 if !read.whole {
                     read = read_all(None)?;
                 }
-                let empty = self.nodes.as_ref().map(|(_, _, gpus)| gpus.clone()).unwrap_or_default();
+                let empty = self.nodes.as_ref().map(|list| list.gpus.clone()).unwrap_or_default();
                 Kept {
                     at: empty.iter().enumerate().map(|(i, n)| (n.node.clone(), i)).collect(),
                     board: Board::new(empty, slots),
