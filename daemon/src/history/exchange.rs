@@ -5,7 +5,7 @@ use super::jobs::app_id;
 use super::{Cached, History, HistoryError};
 use rusqlite::params;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// One learned pair.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -149,9 +149,13 @@ impl History {
         let tx = self.write().map_err(sql)?;
         let mut apps = Apps::read(&tx).map_err(sql)?;
         merge_solo(&tx, &mut apps, &data.solo, &mut done).map_err(sql)?;
-        merge_pairs(&tx, &mut apps, &data.pairs, &mut done).map_err(sql)?;
+        let changed = merge_pairs(&tx, &mut apps, &data.pairs, &mut done).map_err(sql)?;
         merge_memory(&tx, &mut apps, &data.memory, &mut done).map_err(sql)?;
-        super::effects::refresh_app_means(&tx, None).map_err(sql)?;
+        // The means follow from the pairs, and every other write of a pair refreshes its
+        // application's: only those whose pairs this import changed are made again.
+        for (model, app) in &changed {
+            super::effects::refresh_app_means(&tx, Some((model, *app))).map_err(sql)?;
+        }
         super::effects::refit_effects(&tx, prior).map_err(sql)?;
         tx.commit().map_err(sql)?;
         Ok(done)
@@ -334,13 +338,14 @@ fn merge_solo(
 
 /// Each pair: added where new, replacing ours where it rests on more observations; an
 /// out-of-memory mark is never dropped. What is here is read once; only what changes is
-/// written.
+/// written. Returns the applications (by model) whose pairs changed.
 fn merge_pairs(
     tx: &rusqlite::Transaction,
     apps: &mut Apps,
     pairs: &[PairRow],
     done: &mut Imported,
-) -> rusqlite::Result<()> {
+) -> rusqlite::Result<BTreeSet<(String, i64)>> {
+    let mut changed = BTreeSet::new();
     let sql = "SELECT gpu_model, app_id, other_id, observations, oom FROM pair_estimates";
     let mut have: HashMap<(String, i64, i64), (u32, bool)> = held(tx, sql, |r| {
         Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (r.get(3)?, r.get(4)?)))
@@ -357,6 +362,7 @@ fn merge_pairs(
                         params![p.gpu_model, a, o],
                     )?;
                     have.insert(key, (n, true));
+                    changed.insert((p.gpu_model.clone(), a));
                 }
                 done.kept += 1;
             }
@@ -370,6 +376,7 @@ fn merge_pairs(
                     params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
                 )?;
                 have.insert(key, (p.observations, oom));
+                changed.insert((p.gpu_model.clone(), a));
                 if ours.is_some() {
                     done.pairs_replaced += 1;
                 } else {
@@ -378,7 +385,7 @@ fn merge_pairs(
             }
         }
     }
-    Ok(())
+    Ok(changed)
 }
 
 /// Each application's measured memory: the larger of ours and theirs.

@@ -549,3 +549,29 @@ fn a_merger_refuses_an_export_import_would_refuse_and_keeps_what_it_had() {
     assert!(merger.add(&bad).unwrap_err().contains("speeds must be in (0, 1]"));
     assert_eq!(merger.finish(), good);
 }
+
+/// An import makes again the means of only the applications whose pairs it changed: they stay
+/// what making every application's again gives.
+#[test]
+fn an_import_leaves_the_means_a_whole_refresh_would() {
+    let means = |h: &History| -> Vec<(String, i64, f64, i64, i64)> {
+        let mut stmt = h
+            .conn
+            .prepare("SELECT gpu_model, app_id, mean, pairs, ooms FROM app_means ORDER BY gpu_model, app_id")
+            .unwrap();
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    };
+    for seed in 0..40 {
+        let mut h = History::open(Path::new(":memory:")).unwrap();
+        for (i, e) in drawn_exports(seed, 5).iter().enumerate() {
+            h.import(e, 0.7).unwrap();
+            let imported = means(&h);
+            assert!(!imported.is_empty(), "seed {seed}, export {i}");
+            h.refit_effects(0.7).unwrap();
+            assert_eq!(imported, means(&h), "seed {seed}, export {i}");
+        }
+    }
+}
