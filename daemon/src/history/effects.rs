@@ -45,8 +45,8 @@ pub(super) fn refresh_app_means(tx: &rusqlite::Connection, only: Option<(&str, i
             )?;
         }
         None => {
-            // Prepared once per connection: a large cluster's claimer refreshes at every
-            // exchange, and the simulator at every node's.
+            // A whole refit (`History::refit_effects`, for tools that write estimates
+            // themselves); an import refreshes only the applications it changed.
             tx.exec("DELETE FROM app_means", [])?;
             tx.exec(
                 &format!("INSERT INTO app_means(gpu_model, app_id, mean, pairs, ooms) {APP_MEANS} GROUP BY gpu_model, app_id"),
