@@ -2,11 +2,11 @@
 //! read and write (a shared filesystem): every `every_s`, each daemon writes its export there
 //! as `<node>.json` (written beside and renamed into place, so a reader never sees half a
 //! file) and merges every other node's file that changed into its history with the same rules
-//! as `multiplexd import` (an estimate resting on more observations wins; out-of-memory marks
-//! are kept): merged in memory, then imported in one transaction with one refit, however many
-//! nodes wrote. No network protocol and no SQLite file shared over NFS: whole JSON files,
-//! replaced atomically. A file that cannot be read or merged is named in the log and skipped;
-//! nothing of this node's history is lost by it.
+//! as `multiplexd import` (an estimate resting on more observations wins, whichever order the
+//! files are merged in; out-of-memory marks are kept): merged in memory, then imported in one
+//! transaction with one refit, however many nodes wrote. No network protocol and no SQLite
+//! file shared over NFS: whole JSON files, replaced atomically. A file that cannot be read or
+//! merged is named in the log and skipped; nothing of this node's history is lost by it.
 //!
 //! Why: each node alone sees few of the pairs its applications form; in `multiplex-simulate`
 //! (4 nodes x 4 GPUs, 1,000 jobs, load 1.0, 30 seeds) merging every 10 minutes cut the

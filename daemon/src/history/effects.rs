@@ -71,8 +71,10 @@ pub(super) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite:
     for model in models {
         let learned: Vec<(i64, i64, f64)> = {
             let mut stmt = tx.prepare_cached(
+                // In key order: the fit sums in this order, and a history holding the same rows
+                // fits the same effects however its rows arrived (merged in another order).
                 "SELECT app_id, other_id, speed FROM pair_estimates
-                 WHERE gpu_model = ?1 AND observations > 0 AND oom = 0",
+                 WHERE gpu_model = ?1 AND observations > 0 AND oom = 0 ORDER BY app_id, other_id",
             )?;
             let rows = stmt.query_map([&model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
             rows.collect::<Result<_, _>>()?

@@ -5,6 +5,7 @@ use super::jobs::app_id;
 use super::{Cached, History, HistoryError};
 use rusqlite::params;
 use serde::{Deserialize, Serialize};
+use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap};
 
 /// One learned pair.
@@ -139,9 +140,13 @@ impl History {
     }
 
     /// Merges another node's export: a row is added when it is new here and replaces ours when it
-    /// rests on more observations; an out-of-memory mark is never dropped, nor is the larger of
-    /// two measured memories (until this node's own next measured run of the application). What
-    /// is known of each application is then refitted, with `prior` (`policy.unknown_pair_speed`).
+    /// ranks above it ([`pair_order`], [`solo_order`]: resting on more observations first); an
+    /// out-of-memory mark is never dropped, nor is the larger of two measured memories (until
+    /// this node's own next measured run of the application). What is known of each application
+    /// is then refitted, with `prior` (`policy.unknown_pair_speed`).
+    ///
+    /// The order the exports arrive in does not matter: nodes that merged the same exports hold
+    /// the same rows, whichever merged what first.
     pub fn import(&mut self, data: &Export, prior: f64) -> Result<Imported, String> {
         check_export(data)?;
         let mut done = Imported::default();
@@ -163,10 +168,11 @@ impl History {
 }
 
 /// Several exports merged in memory by [`History::import`]'s rules, so that importing the
-/// result once leaves the tables as importing each in turn would (an estimate resting on more
-/// observations wins, the first on a tie; out-of-memory marks are kept; the larger memory),
-/// with one refit of what is known of each application instead of one per export: a node of a
-/// large cluster merges hundreds of other nodes' files each exchange.
+/// result once leaves the tables as importing each in turn would (the estimate ranking first
+/// wins, [`pair_order`]; out-of-memory marks are kept; the larger memory), with one refit of
+/// what is known of each application instead of one per export: a node of a large cluster
+/// merges hundreds of other nodes' files each exchange. The result, in key order, is the same
+/// whatever order the exports were added in.
 #[derive(Debug, Default)]
 pub struct Merger {
     solo: Vec<SoloRow>,
@@ -184,7 +190,7 @@ impl Merger {
         check_export(data)?;
         for s in &data.solo {
             match self.solo_at.get(&(s.gpu_model.clone(), s.app.clone())) {
-                Some(&i) if self.solo[i].runs >= s.runs => {}
+                Some(&i) if solo_order(s.rank(), self.solo[i].rank()) != Ordering::Greater => {}
                 Some(&i) => self.solo[i] = s.clone(),
                 None => {
                     self.solo_at
@@ -196,7 +202,9 @@ impl Merger {
         for p in &data.pairs {
             let key = (p.gpu_model.clone(), p.app.clone(), p.other.clone());
             match self.pair_at.get(&key) {
-                Some(&i) if self.pairs[i].observations >= p.observations => self.pairs[i].oom |= p.oom,
+                Some(&i) if pair_order(&Ranked::of(p), &Ranked::of(&self.pairs[i])) != Ordering::Greater => {
+                    self.pairs[i].oom |= p.oom
+                }
                 Some(&i) => {
                     let oom = self.pairs[i].oom || p.oom;
                     self.pairs[i] = PairRow { oom, ..p.clone() };
@@ -219,15 +227,72 @@ impl Merger {
         Ok(())
     }
 
-    /// What was merged, as one export.
+    /// What was merged, as one export, its rows in key order (as [`History::export`] writes
+    /// them).
     pub fn finish(self) -> Export {
+        let (mut solo, mut pairs, mut memory) = (self.solo, self.pairs, self.memory);
+        solo.sort_by(|a, b| (&a.gpu_model, &a.app).cmp(&(&b.gpu_model, &b.app)));
+        pairs.sort_by(|a, b| (&a.gpu_model, &a.app, &a.other).cmp(&(&b.gpu_model, &b.app, &b.other)));
+        memory.sort_by(|a, b| a.app.cmp(&b.app));
         Export {
             format: EXPORT_FORMAT.into(),
             version: EXPORT_VERSION,
-            solo: self.solo,
-            pairs: self.pairs,
-            memory: self.memory,
+            solo,
+            pairs,
+            memory,
         }
+    }
+}
+
+/// What ranks one estimate of a pair above another.
+#[derive(Debug, Clone, Copy)]
+struct Ranked {
+    observations: u32,
+    variance: Option<f64>,
+    speed: f64,
+    other_speed: f64,
+}
+
+impl Ranked {
+    fn of(p: &PairRow) -> Ranked {
+        Ranked {
+            observations: p.observations,
+            variance: p.variance,
+            speed: p.speed,
+            other_speed: p.other_speed,
+        }
+    }
+}
+
+/// Which of two estimates of one pair a merge keeps (the greater): the one resting on more
+/// observations; between equals, the one with the smaller measured spread (a variance before
+/// none), then the larger speeds. Every row's values take part, so two nodes holding different
+/// estimates on as many observations keep the same one, whichever merges the other's: with
+/// "ours on a tie" they kept their own for good, and what a node held depended on the order it
+/// read the other nodes' files in.
+fn pair_order(a: &Ranked, b: &Ranked) -> Ordering {
+    a.observations
+        .cmp(&b.observations)
+        .then_with(|| match (a.variance, b.variance) {
+            (Some(x), Some(y)) => y.total_cmp(&x),
+            (Some(_), None) => Ordering::Greater,
+            (None, Some(_)) => Ordering::Less,
+            (None, None) => Ordering::Equal,
+        })
+        .then_with(|| a.speed.total_cmp(&b.speed))
+        .then_with(|| a.other_speed.total_cmp(&b.other_speed))
+}
+
+/// Which of two solo baselines (runs, runtime) a merge keeps (the greater): the one resting on
+/// more runs, then the longer runtime (as [`pair_order`], so that the order of merging does not
+/// matter).
+fn solo_order(a: (u32, f64), b: (u32, f64)) -> Ordering {
+    a.0.cmp(&b.0).then_with(|| a.1.total_cmp(&b.1))
+}
+
+impl SoloRow {
+    fn rank(&self) -> (u32, f64) {
+        (self.runs, self.runtime_s)
     }
 }
 
@@ -301,30 +366,31 @@ impl Apps {
     }
 }
 
-/// Each solo baseline: added where new, replacing ours where it rests on more runs. What is
-/// here is read once; only what changes is written.
+/// Each solo baseline: added where new, replacing ours where it ranks above it
+/// ([`solo_order`]). What is here is read once; only what changes is written.
 fn merge_solo(
     tx: &rusqlite::Transaction,
     apps: &mut Apps,
     solo: &[SoloRow],
     done: &mut Imported,
 ) -> rusqlite::Result<()> {
-    let mut have: HashMap<(String, i64), u32> =
-        held(tx, "SELECT gpu_model, app_id, observations FROM solo_baselines", |r| {
-            Ok(((r.get(0)?, r.get(1)?), r.get(2)?))
-        })?;
+    let mut have: HashMap<(String, i64), (u32, f64)> = held(
+        tx,
+        "SELECT gpu_model, app_id, observations, runtime_s FROM solo_baselines",
+        |r| Ok(((r.get(0)?, r.get(1)?), (r.get(2)?, r.get(3)?))),
+    )?;
     for s in solo {
         let id = apps.id(tx, &s.app)?;
         let ours = have.get(&(s.gpu_model.clone(), id)).copied();
         match ours {
-            Some(n) if n >= s.runs => done.kept += 1,
+            Some(o) if solo_order(s.rank(), o) != Ordering::Greater => done.kept += 1,
             _ => {
                 tx.exec(
                     "INSERT INTO solo_baselines(gpu_model, app_id, runtime_s, observations) VALUES (?1, ?2, ?3, ?4)
                      ON CONFLICT(gpu_model, app_id) DO UPDATE SET runtime_s = ?3, observations = ?4",
                     params![s.gpu_model, id, s.runtime_s, s.runs],
                 )?;
-                have.insert((s.gpu_model.clone(), id), s.runs);
+                have.insert((s.gpu_model.clone(), id), (s.runs, s.runtime_s));
                 if ours.is_some() {
                     done.solo_replaced += 1;
                 } else {
@@ -336,7 +402,7 @@ fn merge_solo(
     Ok(())
 }
 
-/// Each pair: added where new, replacing ours where it rests on more observations; an
+/// Each pair: added where new, replacing ours where it ranks above it ([`pair_order`]); an
 /// out-of-memory mark is never dropped. What is here is read once; only what changes is
 /// written. Returns the applications (by model) whose pairs changed.
 fn merge_pairs(
@@ -346,22 +412,28 @@ fn merge_pairs(
     done: &mut Imported,
 ) -> rusqlite::Result<BTreeSet<(String, i64)>> {
     let mut changed = BTreeSet::new();
-    let sql = "SELECT gpu_model, app_id, other_id, observations, oom FROM pair_estimates";
-    let mut have: HashMap<(String, i64, i64), (u32, bool)> = held(tx, sql, |r| {
-        Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (r.get(3)?, r.get(4)?)))
+    let sql = "SELECT gpu_model, app_id, other_id, observations, variance, speed, other_speed, oom FROM pair_estimates";
+    let mut have: HashMap<(String, i64, i64), (Ranked, bool)> = held(tx, sql, |r| {
+        let ranked = Ranked {
+            observations: r.get(3)?,
+            variance: r.get(4)?,
+            speed: r.get(5)?,
+            other_speed: r.get(6)?,
+        };
+        Ok(((r.get(0)?, r.get(1)?, r.get(2)?), (ranked, r.get(7)?)))
     })?;
     for p in pairs {
         let (a, o) = (apps.id(tx, &p.app)?, apps.id(tx, &p.other)?);
         let key = (p.gpu_model.clone(), a, o);
         let ours = have.get(&key).copied();
         match ours {
-            Some((n, oom)) if n >= p.observations => {
+            Some((ranked, oom)) if pair_order(&Ranked::of(p), &ranked) != Ordering::Greater => {
                 if p.oom && !oom {
                     tx.exec(
                         "UPDATE pair_estimates SET oom = 1 WHERE gpu_model = ?1 AND app_id = ?2 AND other_id = ?3",
                         params![p.gpu_model, a, o],
                     )?;
-                    have.insert(key, (n, true));
+                    have.insert(key, (ranked, true));
                     changed.insert((p.gpu_model.clone(), a));
                 }
                 done.kept += 1;
@@ -375,7 +447,7 @@ fn merge_pairs(
                        observations = ?6, variance = ?7, oom = ?8",
                     params![p.gpu_model, a, o, p.speed, p.other_speed, p.observations, p.variance, oom],
                 )?;
-                have.insert(key, (p.observations, oom));
+                have.insert(key, (Ranked::of(p), oom));
                 changed.insert((p.gpu_model.clone(), a));
                 if ours.is_some() {
                     done.pairs_replaced += 1;

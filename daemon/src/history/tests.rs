@@ -539,6 +539,43 @@ fn exports_merged_in_memory_and_imported_once_leave_what_importing_each_in_turn_
     }
 }
 
+/// Nodes that merged the same exports hold the same rows, whatever order each merged them in:
+/// estimates on as many observations as ours that differ from ours (drawn here often) are
+/// ranked by their values, not by which came first.
+#[test]
+fn the_order_of_merging_does_not_change_what_a_node_holds() {
+    for seed in 0..40 {
+        let exports = drawn_exports(seed, 5);
+        let orders: [Vec<usize>; 3] = [vec![0, 1, 2, 3, 4], vec![4, 3, 2, 1, 0], vec![2, 0, 4, 1, 3]];
+        let held: Vec<Export> = orders
+            .iter()
+            .map(|order| {
+                let mut h = History::open(Path::new(":memory:")).unwrap();
+                for &i in order {
+                    h.import(&exports[i], 0.7).unwrap();
+                }
+                h.export().unwrap()
+            })
+            .collect();
+        let merged: Vec<Export> = orders
+            .iter()
+            .map(|order| {
+                let mut merger = Merger::default();
+                for &i in order {
+                    merger.add(&exports[i]).unwrap();
+                }
+                merger.finish()
+            })
+            .collect();
+        for k in 1..orders.len() {
+            assert_eq!(held[0], held[k], "seed {seed}, order {:?}", orders[k]);
+            assert_eq!(merged[0], merged[k], "seed {seed}, order {:?}", orders[k]);
+        }
+        // What a node holds after merging everything is what the merger made of everything.
+        assert_eq!(held[0], merged[0], "seed {seed}");
+    }
+}
+
 #[test]
 fn a_merger_refuses_an_export_import_would_refuse_and_keeps_what_it_had() {
     let mut merger = Merger::default();
