@@ -88,12 +88,22 @@ pub(crate) struct Learned<'a> {
     lookahead: usize,
     /// Slurm's books as the claimer reads them, kept between its looks.
     books: Books,
+    /// What the last exchange pooled (node 0's history after it; before the first, what every
+    /// node started from).
+    pool: Option<Arc<Export>>,
     put_back: bool,
     next_share: f64,
     nodes: Arc<Vec<Mutex<Slot>>>,
     learner: Option<Learner>,
     /// Per node, the simulated time its daemon reads.
     clocks: Arc<Vec<AtomicU64>>,
+    /// Every node does its part of each exchange then, asked anything or not (tests: what
+    /// [`Learned::share`] leaves out must change nothing).
+    #[cfg(test)]
+    pub(crate) every_node_shares: bool,
+    /// How often a node was left out of an exchange (tests).
+    #[cfg(test)]
+    pub(crate) left_out: usize,
 }
 
 /// A simulated node's daemon and the jobs that ended there it has still to learn from (the
@@ -102,14 +112,40 @@ pub(crate) struct Learned<'a> {
 struct Slot {
     node: Node,
     queue: VecDeque<ActiveJob>,
+    /// The pooled history of the last exchange, while this node has still to import it: it
+    /// does before it is next asked anything ([`Learned::share`]).
+    pool: Option<Arc<Export>>,
+    /// Asked anything since the last exchange.
+    asked: bool,
 }
 
 impl Slot {
-    /// Learns from the queued jobs, in order.
+    fn new(node: Node) -> Slot {
+        Slot {
+            node,
+            queue: VecDeque::new(),
+            pool: None,
+            asked: false,
+        }
+    }
+
+    /// Imports the last exchange's pool if it has not yet, then learns from the queued jobs,
+    /// in order: what anything asked of the node comes after.
     fn catch_up(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            if let Err(e) = self.node.import(&pool) {
+                tracing::warn!(error = %e, "a node's import of the pooled history failed");
+            }
+        }
+        self.asked = true;
         while let Some(job) = self.queue.pop_front() {
             self.node.learn_ended(&job);
         }
+    }
+
+    /// Whether anything was asked of the node since the last exchange, or is queued for it.
+    fn was_asked(&self) -> bool {
+        self.asked || !self.queue.is_empty()
     }
 }
 
@@ -188,10 +224,7 @@ impl<'a> Learned<'a> {
                     Box::new(move || f64::from_bits(c[n].load(Ordering::Relaxed))),
                 )
                 .map_err(|e| e.to_string())?;
-                Ok(Mutex::new(Slot {
-                    node,
-                    queue: VecDeque::new(),
-                }))
+                Ok(Mutex::new(Slot::new(node)))
             })
             .collect::<Result<Vec<_>, String>>()?;
         let nodes = Arc::new(nodes);
@@ -207,19 +240,27 @@ impl<'a> Learned<'a> {
                 options.fixed_gpu,
             ),
             put_back: options.put_back,
+            pool: None,
             next_share: share_every_s,
             nodes,
             learner: Some(learner),
             clocks,
+            #[cfg(test)]
+            every_node_shares: false,
+            #[cfg(test)]
+            left_out: 0,
         })
     }
 
     /// Starts every node from `history` (what `multiplexd import` of a site's earlier export
     /// gives each node).
-    pub(crate) fn import(&self, history: &Export) -> Result<(), String> {
-        for n in 0..self.nodes.len() {
-            self.node(n).import(history)?;
+    pub(crate) fn import(&mut self, history: &Export) -> Result<(), String> {
+        for slot in self.nodes.iter() {
+            let mut slot = lock(slot);
+            slot.node.import(history)?;
         }
+        // Each holds it and nothing more: the pool before the first exchange.
+        self.pool = Some(Arc::new(history.clone()));
         Ok(())
     }
 
@@ -265,15 +306,42 @@ impl<'a> Learned<'a> {
         Ok(())
     }
 
-    /// Every node's export merged into the first, and the result into every other: each
-    /// daemon's exchange merges the other nodes' files in memory and imports them at once. The
-    /// nodes' exports and imports, each its own daemon's work, are shared among the machine's
-    /// cores; the merge takes the exports in node order, as before.
+    /// Every node's export merged into the first, and the result (the pool) into every other:
+    /// each daemon's exchange merges the other nodes' files in memory and imports them at once.
+    /// The nodes' exports, each its own daemon's work, are shared among the machine's cores.
+    ///
+    /// Only the nodes asked anything since the last exchange do their part now; the others'
+    /// is the same done later or not at all. Merging is a join (`History::import`: the order
+    /// of merging does not matter, merging twice changes nothing), so a node asked nothing
+    /// since it imported the last pool holds that pool, and its export would add nothing the
+    /// last pool, merged with the others, does not; and each pool holds the one before, so its
+    /// import of this pool can wait until it is next asked something ([`Slot::catch_up`]),
+    /// leaving it what importing every pool in turn would. At 1,000 nodes few are asked
+    /// anything between two exchanges.
     fn share(&mut self) -> Result<(), String> {
         let nodes = self.nodes.len();
-        let exports = self.on_each(1..nodes, |node| node.history().export().map_err(|e| e.to_string()))?;
+        #[cfg(test)]
+        let every = self.every_node_shares;
+        #[cfg(not(test))]
+        let every = false;
+        let exports = self.on_each(1..nodes, |slot| {
+            if !every && !slot.was_asked() {
+                return Ok(None);
+            }
+            slot.catch_up();
+            slot.node.history().export().map(Some).map_err(|e| e.to_string())
+        })?;
+        #[cfg(test)]
+        {
+            self.left_out += exports.iter().filter(|e| e.is_none()).count();
+        }
         let mut others = Merger::default();
-        for export in &exports {
+        if exports.iter().any(Option::is_none) {
+            if let Some(pool) = &self.pool {
+                others.add(pool)?;
+            }
+        }
+        for export in exports.iter().flatten() {
             others.add(export)?;
         }
         drop(exports);
@@ -282,18 +350,31 @@ impl<'a> Learned<'a> {
         if nodes > 1 {
             first.import(&others.finish())?;
         }
-        let merged = first.history().export().map_err(|e| e.to_string())?;
+        let pool = Arc::new(first.history().export().map_err(|e| e.to_string())?);
         drop(first);
-        self.on_each(1..nodes, |node| node.import(&merged))?;
+        for slot in &self.nodes[1..] {
+            let mut slot = lock(slot);
+            slot.pool = Some(Arc::clone(&pool));
+            slot.asked = false;
+        }
+        self.pool = Some(pool);
         Ok(())
     }
 
-    /// `work` on each node of `range` (caught up with its queued work), on as many threads as
-    /// the machine has cores: the answers in node order, or the first node's error.
+    /// What each node holds, caught up (tests).
+    #[cfg(test)]
+    pub(crate) fn exports(&self) -> Vec<Export> {
+        (0..self.nodes.len())
+            .map(|n| self.node(n).history().export().unwrap())
+            .collect()
+    }
+
+    /// `work` on each node of `range`, on as many threads as the machine has cores: the
+    /// answers in node order, or the first node's error.
     fn on_each<T: Send>(
         &self,
         range: std::ops::Range<usize>,
-        work: impl Fn(&mut Node) -> Result<T, String> + Sync,
+        work: impl Fn(&mut Slot) -> Result<T, String> + Sync,
     ) -> Result<Vec<T>, String> {
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
@@ -309,13 +390,7 @@ impl<'a> Learned<'a> {
                     s.spawn(move || {
                         let from = start + t * chunk;
                         let to = (from + chunk).min(range.end);
-                        (from..to)
-                            .map(|n| {
-                                let mut slot = lock(&nodes[n]);
-                                slot.catch_up();
-                                work(&mut slot.node)
-                            })
-                            .collect()
+                        (from..to).map(|n| work(&mut lock(&nodes[n]))).collect()
                     })
                 })
                 .collect();

@@ -47,7 +47,7 @@ pub fn make_from<'a>(
         "random" => Box::new(Random(Rng::new(seed ^ 0x7a4d), k)),
         "oracle" => Box::new(Oracle::new(table, shape, options)?),
         "learned" => {
-            let learned = Learned::new(table, shape, options)?;
+            let mut learned = Learned::new(table, shape, options)?;
             if let Some(h) = history {
                 learned.import(h)?;
             }

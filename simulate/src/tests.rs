@@ -574,3 +574,45 @@ fn a_history_is_graded_pair_by_pair_and_by_the_partner_it_chooses() {
         0
     );
 }
+
+/// The learned policy's exchanges: a node asked nothing since the last exchange neither exports
+/// nor imports then (it imports the pool when next asked). Every node doing its part at every
+/// exchange leaves the same world and the same history on every node.
+#[test]
+fn nodes_asked_nothing_leave_out_of_an_exchange_what_changes_nothing() {
+    let t = Table::parse(GAVEL_V100, "gavel-v100").unwrap();
+    let shape = Shape {
+        nodes: 12,
+        gpus_per_node: 2,
+        jobs_per_gpu: 2,
+    };
+    let trace = generated_trace(&t, 400, 1.5, &shape, 3, 0.0).unwrap();
+    let progress = Progress {
+        every_s: 300.0,
+        noise: 0.05,
+        ..NO_REPORTS
+    };
+    let options = learned::Options {
+        share_every_s: 900.0,
+        ..learned::Options::default()
+    };
+    let mut seen = Vec::new();
+    let mut left_out = 0;
+    for every_node_shares in [false, true] {
+        let mut p = learned::Learned::new(&t, shape, options).unwrap();
+        p.every_node_shares = every_node_shares;
+        let o = world::run(&t, &trace, shape, progress, 3, &mut p).unwrap();
+        let jcts: Vec<[u64; 3]> = o
+            .jobs
+            .iter()
+            .map(|&(submit, start, end)| [submit.to_bits(), start.to_bits(), end.to_bits()])
+            .collect();
+        left_out += p.left_out;
+        seen.push((jcts, p.exports()));
+    }
+    // The run left nodes out of some exchange, and several nodes learned pairs.
+    assert!(left_out > 0);
+    assert!(seen[0].1.iter().filter(|e| !e.pairs.is_empty()).count() > 1);
+    assert_eq!(seen[0].0, seen[1].0, "the jobs' completion times");
+    assert_eq!(seen[0].1, seen[1].1, "what each node holds");
+}
