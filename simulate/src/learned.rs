@@ -308,7 +308,8 @@ impl<'a> Learned<'a> {
 
     /// Every node's export merged into the first, and the result (the pool) into every other:
     /// each daemon's exchange merges the other nodes' files in memory and imports them at once.
-    /// The nodes' exports, each its own daemon's work, are shared among the machine's cores.
+    /// The nodes' exports and imports, each its own daemon's work, are shared among the
+    /// machine's cores.
     ///
     /// Only the nodes asked anything since the last exchange do their part now; the others'
     /// is the same done later or not at all. Merging is a join (`History::import`: the order
@@ -316,8 +317,8 @@ impl<'a> Learned<'a> {
     /// since it imported the last pool holds that pool, and its export would add nothing the
     /// last pool, merged with the others, does not; and each pool holds the one before, so its
     /// import of this pool can wait until it is next asked something ([`Slot::catch_up`]),
-    /// leaving it what importing every pool in turn would. At 1,000 nodes few are asked
-    /// anything between two exchanges.
+    /// leaving it what importing every pool in turn would. At 1,000 nodes x 8 GPUs about a
+    /// quarter of the nodes are asked anything between two exchanges.
     fn share(&mut self) -> Result<(), String> {
         let nodes = self.nodes.len();
         #[cfg(test)]
@@ -352,11 +353,16 @@ impl<'a> Learned<'a> {
         }
         let pool = Arc::new(first.history().export().map_err(|e| e.to_string())?);
         drop(first);
-        for slot in &self.nodes[1..] {
-            let mut slot = lock(slot);
+        // The nodes asked something import it now, on the machine's cores (most are asked
+        // again before the next exchange); the others when next asked.
+        self.on_each(1..nodes, |slot| {
             slot.pool = Some(Arc::clone(&pool));
+            if slot.asked {
+                slot.catch_up();
+            }
             slot.asked = false;
-        }
+            Ok(())
+        })?;
         self.pool = Some(pool);
         Ok(())
     }
