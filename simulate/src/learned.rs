@@ -99,10 +99,8 @@ pub(crate) struct Learned<'a> {
     clocks: Arc<Vec<AtomicU64>>,
     /// Every node does its part of each exchange then, asked anything or not (tests: what
     /// [`Learned::share`] leaves out must change nothing).
-    #[cfg(test)]
     pub(crate) every_node_shares: bool,
-    /// How often a node was left out of an exchange (tests).
-    #[cfg(test)]
+    /// How often a node was left out of an exchange.
     pub(crate) left_out: usize,
 }
 
@@ -245,9 +243,7 @@ impl<'a> Learned<'a> {
             nodes,
             learner: Some(learner),
             clocks,
-            #[cfg(test)]
             every_node_shares: false,
-            #[cfg(test)]
             left_out: 0,
         })
     }
@@ -321,10 +317,7 @@ impl<'a> Learned<'a> {
     /// quarter of the nodes are asked anything between two exchanges.
     fn share(&mut self) -> Result<(), String> {
         let nodes = self.nodes.len();
-        #[cfg(test)]
         let every = self.every_node_shares;
-        #[cfg(not(test))]
-        let every = false;
         let exports = self.on_each(1..nodes, |slot| {
             if !every && !slot.was_asked() {
                 return Ok(None);
@@ -332,10 +325,7 @@ impl<'a> Learned<'a> {
             slot.catch_up();
             slot.node.history().export().map(Some).map_err(|e| e.to_string())
         })?;
-        #[cfg(test)]
-        {
-            self.left_out += exports.iter().filter(|e| e.is_none()).count();
-        }
+        self.left_out += exports.iter().filter(|e| e.is_none()).count();
         let mut others = Merger::default();
         if exports.iter().any(Option::is_none) {
             if let Some(pool) = &self.pool {
