@@ -3,6 +3,7 @@
 
 use super::{Cached, History, HistoryError};
 use rusqlite::{params, OptionalExtension};
+use std::collections::{BTreeMap, HashMap};
 
 impl History {
     /// Refits what is known of each application beside partners never seen with it from every
@@ -62,37 +63,71 @@ pub(super) fn refresh_app_means(tx: &rusqlite::Connection, only: Option<(&str, i
 /// that creates the table uses the default prior; a site's own `unknown_pair_speed` takes over
 /// as applications learn.
 pub(super) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite::Result<()> {
-    tx.exec("DELETE FROM app_effects", [])?;
-    let models: Vec<String> = {
-        let mut stmt = tx.prepare_cached("SELECT DISTINCT gpu_model FROM pair_estimates")?;
-        let rows = stmt.query_map([], |r| r.get(0))?;
+    let mut learned: BTreeMap<String, Vec<(i64, i64, f64)>> = BTreeMap::new();
+    let mut stmt = tx.prepare_cached(
+        "SELECT gpu_model, app_id, other_id, speed, observations > 0 AND oom = 0 FROM pair_estimates",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let speeds = learned.entry(r.get(0)?).or_default();
+        if r.get(4)? {
+            speeds.push((r.get(1)?, r.get(2)?, r.get(3)?));
+        }
+    }
+    refit_from(tx, learned, prior)
+}
+
+/// [`refit_effects`] from the learned speeds already read, by GPU model (each model of the
+/// table, with its pairs that ran together and did not run out of memory: application, partner,
+/// speed): an import holds them after its merge.
+pub(super) fn refit_from(
+    tx: &rusqlite::Transaction,
+    learned: BTreeMap<String, Vec<(i64, i64, f64)>>,
+    prior: f64,
+) -> rusqlite::Result<()> {
+    // What is held, to write only what the fit changes: after most imports, little or nothing.
+    type Effect = (u64, u32, u64, u32);
+    let mut held: HashMap<(String, i64), Effect> = {
+        let mut stmt =
+            tx.prepare_cached("SELECT gpu_model, app_id, base, base_pairs, impact, impact_pairs FROM app_effects")?;
+        let rows = stmt.query_map([], |r| {
+            let held = (
+                r.get::<_, f64>(2)?.to_bits(),
+                r.get(3)?,
+                r.get::<_, f64>(4)?.to_bits(),
+                r.get(5)?,
+            );
+            Ok(((r.get(0)?, r.get(1)?), held))
+        })?;
         rows.collect::<Result<_, _>>()?
     };
-    for model in models {
-        let learned: Vec<(i64, i64, f64)> = {
-            let mut stmt = tx.prepare_cached(
-                // In key order: the fit sums in this order, and a history holding the same rows
-                // fits the same effects however its rows arrived (merged in another order).
-                "SELECT app_id, other_id, speed FROM pair_estimates
-                 WHERE gpu_model = ?1 AND observations > 0 AND oom = 0 ORDER BY app_id, other_id",
-            )?;
-            let rows = stmt.query_map([&model], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-            rows.collect::<Result<_, _>>()?
-        };
+    let mut write = tx.prepare_cached(
+        "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT(gpu_model, app_id) DO UPDATE SET base = ?3, base_pairs = ?4, impact = ?5, impact_pairs = ?6",
+    )?;
+    for (model, mut learned) in learned {
+        // In key order: the fit sums in this order, and a history holding the same rows fits
+        // the same effects however its rows arrived (merged in another order).
+        learned.sort_unstable_by_key(|&(a, b, _)| (a, b));
         let mut ids: Vec<i64> = learned.iter().flat_map(|&(a, b, _)| [a, b]).collect();
         ids.sort_unstable();
         ids.dedup();
         let index = |id: i64| ids.binary_search(&id).expect("collected above");
         let speeds: Vec<(usize, usize, f64)> = learned.iter().map(|&(a, b, y)| (index(a), index(b), y)).collect();
         let effects = crate::learn::fit_effects(ids.len(), &speeds, prior);
-        let mut insert = tx.prepare_cached(
-            "INSERT INTO app_effects(gpu_model, app_id, base, base_pairs, impact, impact_pairs)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        )?;
-        for (k, id) in ids.iter().enumerate() {
+        for (k, &id) in ids.iter().enumerate() {
             let ((base, base_pairs), (impact, impact_pairs)) = (effects.base[k], effects.impact[k]);
-            insert.execute(params![model, id, base, base_pairs, impact, impact_pairs])?;
+            let fitted = (base.to_bits(), base_pairs, impact.to_bits(), impact_pairs);
+            if held.remove(&(model.clone(), id)) != Some(fitted) {
+                write.execute(params![model, id, base, base_pairs, impact, impact_pairs])?;
+            }
         }
+    }
+    // Those the fit no longer has.
+    let mut delete = tx.prepare_cached("DELETE FROM app_effects WHERE gpu_model = ?1 AND app_id = ?2")?;
+    for (model, id) in held.into_keys() {
+        delete.execute(params![model, id])?;
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ use super::{Cached, History, HistoryError};
 use rusqlite::params;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// One learned pair.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -154,14 +154,22 @@ impl History {
         let tx = self.write().map_err(sql)?;
         let mut apps = Apps::read(&tx).map_err(sql)?;
         merge_solo(&tx, &mut apps, &data.solo, &mut done).map_err(sql)?;
-        let changed = merge_pairs(&tx, &mut apps, &data.pairs, &mut done).map_err(sql)?;
+        let (changed, pairs) = merge_pairs(&tx, &mut apps, &data.pairs, &mut done).map_err(sql)?;
         merge_memory(&tx, &mut apps, &data.memory, &mut done).map_err(sql)?;
         // The means follow from the pairs, and every other write of a pair refreshes its
         // application's: only those whose pairs this import changed are made again.
         for (model, app) in &changed {
             super::effects::refresh_app_means(&tx, Some((model, *app))).map_err(sql)?;
         }
-        super::effects::refit_effects(&tx, prior).map_err(sql)?;
+        // The merge holds every pair as now written: the fit need not read them again.
+        let mut learned: BTreeMap<String, Vec<(i64, i64, f64)>> = BTreeMap::new();
+        for ((model, app, other), (ranked, oom)) in pairs {
+            let speeds = learned.entry(model).or_default();
+            if ranked.observations > 0 && !oom {
+                speeds.push((app, other, ranked.speed));
+            }
+        }
+        super::effects::refit_from(&tx, learned, prior).map_err(sql)?;
         tx.commit().map_err(sql)?;
         Ok(done)
     }
@@ -402,18 +410,22 @@ fn merge_solo(
     Ok(())
 }
 
+/// A history's pairs by GPU model, application and partner (ids): how each ranks, and its
+/// out-of-memory mark.
+type HeldPairs = HashMap<(String, i64, i64), (Ranked, bool)>;
+
 /// Each pair: added where new, replacing ours where it ranks above it ([`pair_order`]); an
 /// out-of-memory mark is never dropped. What is here is read once; only what changes is
-/// written. Returns the applications (by model) whose pairs changed.
+/// written. Returns the applications (by model) whose pairs changed, and every pair now held.
 fn merge_pairs(
     tx: &rusqlite::Transaction,
     apps: &mut Apps,
     pairs: &[PairRow],
     done: &mut Imported,
-) -> rusqlite::Result<BTreeSet<(String, i64)>> {
+) -> rusqlite::Result<(BTreeSet<(String, i64)>, HeldPairs)> {
     let mut changed = BTreeSet::new();
     let sql = "SELECT gpu_model, app_id, other_id, observations, variance, speed, other_speed, oom FROM pair_estimates";
-    let mut have: HashMap<(String, i64, i64), (Ranked, bool)> = held(tx, sql, |r| {
+    let mut have: HeldPairs = held(tx, sql, |r| {
         let ranked = Ranked {
             observations: r.get(3)?,
             variance: r.get(4)?,
@@ -457,7 +469,7 @@ fn merge_pairs(
             }
         }
     }
-    Ok(changed)
+    Ok((changed, have))
 }
 
 /// Each application's measured memory: the larger of ours and theirs.

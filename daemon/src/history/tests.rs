@@ -587,10 +587,12 @@ fn a_merger_refuses_an_export_import_would_refuse_and_keeps_what_it_had() {
     assert_eq!(merger.finish(), good);
 }
 
-/// An import makes again the means of only the applications whose pairs it changed: they stay
-/// what making every application's again gives.
+/// An import makes again the means of only the applications whose pairs it changed, and fits
+/// the effects from the pairs it merged, writing only what changed: both stay what making
+/// everything again from the table gives, whatever effects were held before (learning steps
+/// them, it does not fit them).
 #[test]
-fn an_import_leaves_the_means_a_whole_refresh_would() {
+fn an_import_leaves_the_means_and_effects_a_whole_refit_would() {
     let means = |h: &History| -> Vec<(String, i64, f64, i64, i64)> {
         let mut stmt = h
             .conn
@@ -601,14 +603,34 @@ fn an_import_leaves_the_means_a_whole_refresh_would() {
             .unwrap();
         rows.collect::<Result<_, _>>().unwrap()
     };
+    let effects = |h: &History| -> Vec<(String, i64, f64, i64, f64, i64)> {
+        let mut stmt = h
+            .conn
+            .prepare("SELECT * FROM app_effects ORDER BY gpu_model, app_id")
+            .unwrap();
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
+            .unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    };
     for seed in 0..40 {
         let mut h = History::open(Path::new(":memory:")).unwrap();
         for (i, e) in drawn_exports(seed, 5).iter().enumerate() {
+            // Effects that are not the fit: moved, and one of a model with no pairs at all.
+            h.conn
+                .execute_batch(
+                    "UPDATE app_effects SET base = base + 0.125 WHERE app_id % 2 = 0;
+                     INSERT OR REPLACE INTO app_effects SELECT 'p100', id, 0.5, 3, 0.0, 3 FROM applications;",
+                )
+                .unwrap();
             h.import(e, 0.7).unwrap();
-            let imported = means(&h);
-            assert!(!imported.is_empty(), "seed {seed}, export {i}");
+            let imported = (means(&h), effects(&h));
+            assert!(!imported.0.is_empty(), "seed {seed}, export {i}");
+            assert!(imported.1.iter().all(|e| e.0 == "v100"), "seed {seed}, export {i}");
             h.refit_effects(0.7).unwrap();
-            assert_eq!(imported, means(&h), "seed {seed}, export {i}");
+            assert_eq!(imported, (means(&h), effects(&h)), "seed {seed}, export {i}");
         }
     }
 }
