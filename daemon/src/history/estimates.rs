@@ -4,38 +4,68 @@
 use super::{History, HistoryError};
 use crate::types::{AppProfile, Estimates, PairEstimate, Wanted};
 use rusqlite::{params, OptionalExtension};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+
+/// What [`History::estimates`] read while the database did not change, to be read again
+/// without asking SQLite: the claimer weighs mostly the same pairs look after look, and the
+/// history changes far less often than it looks (a job's step starting, reporting or ending on
+/// its own node, an exchange). `None`: known to have no row.
+#[derive(Debug, Default)]
+pub(super) struct Memo {
+    /// The state of the tables it was read from.
+    version: Option<super::Tables>,
+    pairs: HashMap<(String, String, String), Option<PairEstimate>>,
+    learned: HashMap<String, Option<(f64, u32)>>,
+    apps: HashMap<(String, String), Option<AppProfile>>,
+}
 
 impl History {
     /// What the history knows of the pairs and applications `wanted` names.
     pub fn estimates(&self, wanted: &Wanted) -> Result<Estimates, HistoryError> {
+        // Inside a transaction (`None`) what is read is kept for this call only.
+        let version = self.tables(&["applications", "pair_estimates", "app_effects", "app_means"])?;
+        let mut memo = self.memo.borrow_mut();
+        if version.is_none() || memo.version != version {
+            *memo = Memo {
+                version,
+                ..Memo::default()
+            };
+        }
         let mut out = Estimates::default();
-        self.pairs_into(wanted, &mut out)?;
-        self.learned_into(wanted, &mut out)?;
-        self.profiles_into(wanted, &mut out)?;
+        self.pairs_into(wanted, &mut memo, &mut out)?;
+        self.learned_into(wanted, &mut memo, &mut out)?;
+        self.profiles_into(wanted, &mut memo, &mut out)?;
         Ok(out)
     }
 
     /// The pairs `wanted` asks for, as learned.
-    fn pairs_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
+    fn pairs_into(&self, wanted: &Wanted, memo: &mut Memo, out: &mut Estimates) -> Result<(), HistoryError> {
         let mut pair = self.conn.prepare_cached(
             "SELECT e.speed, e.other_speed, e.observations, e.oom FROM pair_estimates e
              JOIN applications a ON a.id = e.app_id JOIN applications o ON o.id = e.other_id
              WHERE e.gpu_model = ?1 AND a.name = ?2 AND o.name = ?3",
         )?;
-        for (model, app, other) in &wanted.pairs {
-            let found = pair
-                .query_row(params![model, app, other], |r| {
-                    Ok(PairEstimate {
-                        speed: r.get(0)?,
-                        other_speed: r.get(1)?,
-                        observations: r.get(2)?,
-                        oom: r.get(3)?,
-                    })
-                })
-                .optional()?;
+        for key in &wanted.pairs {
+            let found = match memo.pairs.get(key) {
+                Some(found) => *found,
+                None => {
+                    let (model, app, other) = key;
+                    let found = pair
+                        .query_row(params![model, app, other], |r| {
+                            Ok(PairEstimate {
+                                speed: r.get(0)?,
+                                other_speed: r.get(1)?,
+                                observations: r.get(2)?,
+                                oom: r.get(3)?,
+                            })
+                        })
+                        .optional()?;
+                    memo.pairs.insert(key.clone(), found);
+                    found
+                }
+            };
             if let Some(e) = found {
-                out.insert_pair(model, app, other, e);
+                out.insert_pair(&key.0, &key.1, &key.2, e);
             }
         }
         Ok(())
@@ -43,7 +73,7 @@ impl History {
 
     /// What every learned pair of each model `wanted` names says of a typical pair:
     /// app_means holds each application's mean learned speed and how many pairs it rests on.
-    fn learned_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
+    fn learned_into(&self, wanted: &Wanted, memo: &mut Memo, out: &mut Estimates) -> Result<(), HistoryError> {
         let mut learned = self
             .conn
             .prepare_cached("SELECT total(mean * pairs), total(pairs) FROM app_means WHERE gpu_model = ?1")?;
@@ -54,16 +84,24 @@ impl History {
             .chain(wanted.pairs.iter().map(|(m, _, _)| m))
             .collect();
         for model in models {
-            let (sum, n): (f64, f64) = learned.query_row(params![model], |r| Ok((r.get(0)?, r.get(1)?)))?;
-            if n > 0.0 {
-                out.insert_learned(model, sum, n as u32);
+            let found = match memo.learned.get(model) {
+                Some(found) => *found,
+                None => {
+                    let (sum, n): (f64, f64) = learned.query_row(params![model], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                    let found = (n > 0.0).then_some((sum, n as u32));
+                    memo.learned.insert(model.clone(), found);
+                    found
+                }
+            };
+            if let Some((sum, n)) = found {
+                out.insert_learned(model, sum, n);
             }
         }
         Ok(())
     }
 
     /// The application profiles `wanted` asks for: each one's effects and failures.
-    fn profiles_into(&self, wanted: &Wanted, out: &mut Estimates) -> Result<(), HistoryError> {
+    fn profiles_into(&self, wanted: &Wanted, memo: &mut Memo, out: &mut Estimates) -> Result<(), HistoryError> {
         let mut profile = self.conn.prepare_cached(
             "SELECT e.base, e.base_pairs, e.impact, e.impact_pairs, m.ooms, m.pairs + m.ooms
              FROM applications a
@@ -71,22 +109,30 @@ impl History {
              LEFT JOIN app_means m ON m.app_id = a.id AND m.gpu_model = ?1
              WHERE a.name = ?2",
         )?;
-        for (model, app) in &wanted.apps {
-            let found = profile
-                .query_row(params![model, app], |r| {
-                    let both = |x: Option<f64>, n: Option<u32>| x.zip(n);
-                    Ok(AppProfile {
-                        base: both(r.get(0)?, r.get(1)?),
-                        impact: both(r.get(2)?, r.get(3)?),
-                        ooms: (
-                            r.get::<_, Option<u32>>(4)?.unwrap_or(0),
-                            r.get::<_, Option<u32>>(5)?.unwrap_or(0),
-                        ),
-                    })
-                })
-                .optional()?;
+        for key in &wanted.apps {
+            let found = match memo.apps.get(key) {
+                Some(found) => *found,
+                None => {
+                    let (model, app) = key;
+                    let found = profile
+                        .query_row(params![model, app], |r| {
+                            let both = |x: Option<f64>, n: Option<u32>| x.zip(n);
+                            Ok(AppProfile {
+                                base: both(r.get(0)?, r.get(1)?),
+                                impact: both(r.get(2)?, r.get(3)?),
+                                ooms: (
+                                    r.get::<_, Option<u32>>(4)?.unwrap_or(0),
+                                    r.get::<_, Option<u32>>(5)?.unwrap_or(0),
+                                ),
+                            })
+                        })
+                        .optional()?;
+                    memo.apps.insert(key.clone(), found);
+                    found
+                }
+            };
             if let Some(p) = found {
-                out.insert_app(model, app, p);
+                out.insert_app(&key.0, &key.1, p);
             }
         }
         Ok(())

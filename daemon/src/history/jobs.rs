@@ -35,17 +35,13 @@ pub struct NewJob<'a> {
     pub now: f64,
 }
 
-/// The columns of an [`ActiveJob`], read by [`active_job`], then any extra columns given; a
+/// The columns of an [`ActiveJob`], read by [`active_job`]; a
 /// WHERE clause follows. A macro, so that the queries built on it are literals: no SQL is
 /// formatted per request.
 macro_rules! active_job_sql {
-    ($($extra:literal)?) => {
-        concat!(
-            "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
-                j.decision, j.predicted_speed",
-            $(", ", $extra,)?
-            " FROM jobs j JOIN applications a ON a.id = j.app_id"
-        )
+    () => {
+        "SELECT j.id, j.job_id, j.uid, a.name, j.gpu, j.mem_mb, j.owner_step, j.started_at,
+            j.decision, j.predicted_speed FROM jobs j JOIN applications a ON a.id = j.app_id"
     };
 }
 
@@ -67,33 +63,35 @@ fn active_job(r: &rusqlite::Row<'_>) -> rusqlite::Result<ActiveJob> {
 impl History {
     /// Jobs placed on this node and not finished, oldest first.
     pub fn active_jobs(&self, node: &str) -> Result<Vec<ActiveJob>, HistoryError> {
+        let now = self.tables(&["jobs", "applications"])?;
+        if let Some((then, read_for, active)) = &*self.active.borrow() {
+            if now == Some(*then) && read_for == node {
+                return Ok(active.clone());
+            }
+        }
         let mut stmt = self.conn.prepare_cached(concat!(
             active_job_sql!(),
             " WHERE j.node = ?1 AND j.finished_at IS NULL ORDER BY j.id"
         ))?;
         let rows = stmt.query_map([node], active_job)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let active: Vec<ActiveJob> = rows.collect::<Result<_, _>>()?;
+        *self.active.borrow_mut() = now.map(|now| (now, node.to_string(), active.clone()));
+        Ok(active)
     }
 
-    /// The running job `job_id` on `node`, and the rows of the jobs sharing its GPU (one
-    /// query: a running job's every progress report asks this).
+    /// The running job `job_id` on `node`, and the rows of the jobs sharing its GPU (a running
+    /// job's every progress report asks this: read from memory while the node's jobs are
+    /// unchanged).
     pub fn running_job(&self, node: &str, job_id: u32) -> Result<Option<(ActiveJob, Vec<i64>)>, HistoryError> {
-        let mut stmt = self.conn.prepare_cached(concat!(
-            active_job_sql!("p.id"),
-            " LEFT JOIN jobs p ON p.node = j.node AND p.finished_at IS NULL AND p.gpu = j.gpu AND p.id != j.id
-             WHERE j.job_id = ?1 AND j.node = ?2 AND j.finished_at IS NULL ORDER BY p.id"
-        ))?;
-        let mut rows = stmt.query(params![job_id, node])?;
-        let mut found: Option<(ActiveJob, Vec<i64>)> = None;
-        while let Some(r) = rows.next()? {
-            let partner: Option<i64> = r.get(10)?;
-            let (_, partners) = match &mut found {
-                Some(f) => f,
-                None => found.insert((active_job(r)?, Vec::new())),
-            };
-            partners.extend(partner);
-        }
-        Ok(found)
+        let active = self.active_jobs(node)?;
+        let Some(job) = active.iter().find(|j| j.job_id == job_id) else {
+            return Ok(None);
+        };
+        let partners = (active.iter())
+            .filter(|p| p.gpu == job.gpu && p.row != job.row)
+            .map(|p| p.row)
+            .collect();
+        Ok(Some((job.clone(), partners)))
     }
 
     /// Jobs that ended on `node` and were not learned from yet (their lesson was queued when

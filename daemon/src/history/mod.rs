@@ -30,6 +30,7 @@ pub use equations::BUSY;
 pub use exchange::{Export, Imported, Merger, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};
 pub use jobs::{ActiveJob, NewJob};
+
 pub use learning::{Learned, LEARN_ON_REPORTS_UNTIL, LEARN_WINDOW};
 
 use rusqlite::{Connection, OpenFlags};
@@ -141,6 +142,62 @@ impl Cached for Connection {
     }
 }
 
+/// The tables whose changes each connection counts (SQLite's update hook), so that what was
+/// read of them is read again from memory until one of them changes.
+const COUNTED: [&str; 7] = [
+    "jobs",
+    "applications",
+    "pair_estimates",
+    "app_effects",
+    "app_means",
+    "solo_baselines",
+    "app_memory",
+];
+
+/// The rows a connection changed in each of [`COUNTED`], and (last) in every other table.
+#[derive(Debug, Default)]
+struct Counts([AtomicU64; COUNTED.len() + 1]);
+
+impl Counts {
+    fn count(&self, table: &str) {
+        let i = COUNTED.iter().position(|t| *t == table).unwrap_or(COUNTED.len());
+        self.0[i].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What a connection can know of the state of some tables: SQLite's count of the commits of
+/// other connections (`PRAGMA data_version`), the rows this one changed in those tables, and
+/// the rows it changed that the update hook did not see (SQLite empties a table at once, without
+/// calling it, where no foreign key is to be checked). Equal twice, nothing in those tables
+/// changed in between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tables(i64, u64, u64);
+
+impl History {
+    /// The state of `tables` ([`COUNTED`] names) now; `None` inside a transaction, where what
+    /// is read may yet be rolled back.
+    fn tables(&self, tables: &[&str]) -> rusqlite::Result<Option<Tables>> {
+        if !self.conn.is_autocommit() {
+            return Ok(None);
+        }
+        let others: i64 = self
+            .conn
+            .prepare_cached("PRAGMA data_version")?
+            .query_row([], |r| r.get(0))?;
+        let count = |i: usize| self.counts.0[i].load(Ordering::Relaxed);
+        let these = (COUNTED.iter().enumerate())
+            .filter(|(_, t)| tables.contains(t))
+            .map(|(i, _)| count(i))
+            .sum();
+        let seen: u64 = (0..=COUNTED.len()).map(count).sum();
+        Ok(Some(Tables(
+            others,
+            these,
+            self.conn.total_changes().wrapping_sub(seen),
+        )))
+    }
+}
+
 /// How many prepared statements each connection keeps (rusqlite's default, 16, is fewer than
 /// the history uses).
 const STATEMENT_CACHE: usize = 64;
@@ -148,6 +205,12 @@ const STATEMENT_CACHE: usize = 64;
 /// The open SQLite history.
 pub struct History {
     conn: Connection,
+    /// What the estimates read last, while the database is unchanged.
+    memo: std::cell::RefCell<estimates::Memo>,
+    /// The node's running jobs as last read, while the tables they are read from are unchanged.
+    active: std::cell::RefCell<Option<(Tables, String, Vec<jobs::ActiveJob>)>>,
+    /// How many rows this connection changed in each table.
+    counts: Arc<Counts>,
     /// Shared by the connections of one daemon to one database.
     gate: Arc<Gate>,
 }
@@ -253,7 +316,16 @@ impl History {
         // NORMAL in WAL mode: a committed transaction survives a crash of the process.
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        Ok(History { conn, gate })
+        let counts = Arc::new(Counts::default());
+        let counting = Arc::clone(&counts);
+        conn.update_hook(Some(move |_, _: &str, table: &str, _| counting.count(table)));
+        Ok(History {
+            conn,
+            gate,
+            memo: Default::default(),
+            active: Default::default(),
+            counts,
+        })
     }
 }
 

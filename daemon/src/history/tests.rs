@@ -634,3 +634,79 @@ fn an_import_leaves_the_means_and_effects_a_whole_refit_would() {
         }
     }
 }
+
+fn pair_row(speed: f64, observations: u32) -> PairRow {
+    PairRow {
+        gpu_model: "v100".into(),
+        app: "a".into(),
+        other: "b".into(),
+        speed,
+        other_speed: speed,
+        observations,
+        variance: None,
+        oom: false,
+    }
+}
+
+fn export_of(pairs: Vec<PairRow>) -> Export {
+    Export {
+        format: EXPORT_FORMAT.into(),
+        version: EXPORT_VERSION,
+        solo: Vec::new(),
+        pairs,
+        memory: Vec::new(),
+    }
+}
+
+/// The estimates are read from memory while nothing they are read from changed: a change this
+/// connection makes, one another connection commits, a table emptied and a transaction rolled
+/// back are each read again.
+#[test]
+fn estimates_are_read_again_once_anything_they_were_read_from_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let mut h = History::open(&path).unwrap();
+    let mut other = h.open_beside(&path).unwrap();
+    let speed = |h: &History| pair(h, "v100", "a", "b").map(|p| p.speed);
+    h.import(&export_of(vec![pair_row(0.5, 1)]), 0.7).unwrap();
+    assert_eq!(speed(&h), Some(0.5));
+    h.import(&export_of(vec![pair_row(0.625, 2)]), 0.7).unwrap();
+    assert_eq!(speed(&h), Some(0.625));
+    other.import(&export_of(vec![pair_row(0.75, 3)]), 0.7).unwrap();
+    assert_eq!(speed(&h), Some(0.75));
+    h.conn.execute("DELETE FROM pair_estimates", []).unwrap();
+    assert_eq!(speed(&h), None);
+    h.import(&export_of(vec![pair_row(0.5, 1)]), 0.7).unwrap();
+    assert_eq!(speed(&h), Some(0.5));
+    h.conn
+        .execute_batch("BEGIN; UPDATE pair_estimates SET speed = 0.875;")
+        .unwrap();
+    assert_eq!(speed(&h), Some(0.875));
+    h.conn.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(speed(&h), Some(0.5));
+}
+
+/// A running job's partners are read from memory while the node's jobs are unchanged: they
+/// follow each job placed beside it or ended, here or through another connection.
+#[test]
+fn a_running_jobs_partners_follow_what_runs_on_its_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.sqlite");
+    let mut h = History::open(&path).unwrap();
+    let mut other = h.open_beside(&path).unwrap();
+    let partners = |h: &History, job_id: u32| h.running_job("n1", job_id).unwrap().map(|(_, p)| p);
+    let a = h.record_placement(&job(1, "a", 0, 0.0), &[]).unwrap();
+    assert_eq!(partners(&h, 1), Some(vec![]));
+    let b = h.record_placement(&job(2, "b", 0, 10.0), &[a]).unwrap();
+    h.record_placement(&job(3, "c", 1, 10.0), &[]).unwrap();
+    assert_eq!(partners(&h, 1), Some(vec![b]));
+    assert_eq!(partners(&h, 2), Some(vec![a]));
+    h.record_report(a, "progress", Some(1.0), &[b], 0.7, 20.0).unwrap();
+    assert_eq!(partners(&h, 1), Some(vec![b]));
+    h.record_finish(b, 0, 0, true, &[a], 30.0).unwrap();
+    assert_eq!(partners(&h, 1), Some(vec![]));
+    assert_eq!(partners(&h, 2), None);
+    let d = other.record_placement(&job(4, "d", 0, 40.0), &[a]).unwrap();
+    assert_eq!(partners(&h, 1), Some(vec![d]));
+    assert_eq!(h.running_job("n1", 4).unwrap().unwrap().0.app, "d");
+}
