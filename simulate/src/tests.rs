@@ -576,10 +576,11 @@ fn a_history_is_graded_pair_by_pair_and_by_the_partner_it_chooses() {
 }
 
 /// The learned policy's exchanges: a node asked nothing since the last exchange neither exports
-/// nor imports then (it imports the pool when next asked). Every node doing its part at every
-/// exchange leaves the same world and the same history on every node.
+/// nor imports then (it imports the pool when next asked), nor does a node export whose export
+/// would be the last pool. Every node doing its part at every exchange leaves the same world
+/// and the same history on every node.
 #[test]
-fn nodes_asked_nothing_leave_out_of_an_exchange_what_changes_nothing() {
+fn nodes_with_nothing_new_leave_out_of_an_exchange_what_changes_nothing() {
     let t = Table::parse(GAVEL_V100, "gavel-v100").unwrap();
     let shape = Shape {
         nodes: 12,

@@ -196,6 +196,12 @@ impl History {
             self.conn.total_changes().wrapping_sub(seen),
         )))
     }
+
+    /// The state of what [`History::export`] reads (`None` inside a transaction): equal to an
+    /// earlier state, the export is the same as then.
+    pub fn exported_state(&self) -> Result<Option<Tables>, HistoryError> {
+        Ok(self.tables(&["applications", "pair_estimates", "solo_baselines", "app_memory"])?)
+    }
 }
 
 /// How many prepared statements each connection keeps (rusqlite's default, 16, is fewer than
