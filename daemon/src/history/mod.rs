@@ -30,7 +30,6 @@ pub use equations::BUSY;
 pub use exchange::{Export, Imported, Merger, PairRow, SoloRow, EXPORT_FORMAT, EXPORT_VERSION};
 pub use explain::{Corunner, Explanation, Partner};
 pub use jobs::{ActiveJob, NewJob};
-
 pub use learning::{Learned, LEARN_ON_REPORTS_UNTIL, LEARN_WINDOW};
 
 use rusqlite::{Connection, OpenFlags};
@@ -177,6 +176,7 @@ impl History {
     /// The state of `tables` ([`COUNTED`] names) now; `None` inside a transaction, where what
     /// is read may yet be rolled back.
     fn tables(&self, tables: &[&str]) -> rusqlite::Result<Option<Tables>> {
+        debug_assert!(tables.iter().all(|t| COUNTED.contains(t)), "{tables:?} not all counted");
         if !self.conn.is_autocommit() {
             return Ok(None);
         }
