@@ -73,11 +73,11 @@ impl Options {
 /// The daemon: one [`Node`] per simulated node, its history starting empty.
 ///
 /// What a node does whose answer the world does not wait for (learning from a job that
-/// ended) is queued on the node, and a second thread works through the queues while the world
-/// goes on with other nodes; anything else asked of a node first does whatever is still
-/// queued there itself. Each node has a clock of its own,
-/// set to the simulated time of whatever it is asked, so each node sees the same sequence
-/// at the same times as with everything on one thread: results do not change.
+/// ended, importing an exchange's pool) is queued on the node, and a second thread works
+/// through the queues while the world goes on with other nodes; anything else asked of a node
+/// first does whatever is still queued there itself. Each node has a clock of its own, set to
+/// the simulated time of whatever it is asked, so each node sees the same sequence at the same
+/// times as with everything on one thread: results do not change.
 pub(crate) struct Learned<'a> {
     table: &'a Table,
     share_every_s: f64,
