@@ -63,28 +63,49 @@ pub(super) fn refresh_app_means(tx: &rusqlite::Connection, only: Option<(&str, i
 /// that creates the table uses the default prior; a site's own `unknown_pair_speed` takes over
 /// as applications learn.
 pub(super) fn refit_effects(tx: &rusqlite::Transaction, prior: f64) -> rusqlite::Result<()> {
-    let mut learned: BTreeMap<String, Vec<(i64, i64, f64)>> = BTreeMap::new();
-    let mut stmt = tx.prepare_cached(
-        "SELECT gpu_model, app_id, other_id, speed, observations > 0 AND oom = 0 FROM pair_estimates",
-    )?;
-    let mut rows = stmt.query([])?;
-    while let Some(r) = rows.next()? {
-        let speeds = learned.entry(r.get(0)?).or_default();
-        if r.get(4)? {
-            speeds.push((r.get(1)?, r.get(2)?, r.get(3)?));
-        }
-    }
-    refit_from(tx, learned, prior)
+    let pairs: Vec<PairSpeed> = {
+        let mut stmt =
+            tx.prepare_cached("SELECT gpu_model, app_id, other_id, speed, observations, oom FROM pair_estimates")?;
+        let rows = stmt.query_map([], |r| {
+            Ok(PairSpeed {
+                model: r.get(0)?,
+                app: r.get(1)?,
+                other: r.get(2)?,
+                speed: r.get(3)?,
+                observations: r.get(4)?,
+                oom: r.get(5)?,
+            })
+        })?;
+        rows.collect::<Result<_, _>>()?
+    };
+    refit_from(tx, pairs, prior)
 }
 
-/// [`refit_effects`] from the learned speeds already read, by GPU model (each model of the
-/// table, with its pairs that ran together and did not run out of memory: application, partner,
-/// speed): an import holds them after its merge.
+/// One row of `pair_estimates` as the effects fit reads it.
+pub(super) struct PairSpeed {
+    pub model: String,
+    pub app: i64,
+    pub other: i64,
+    pub speed: f64,
+    pub observations: u32,
+    pub oom: bool,
+}
+
+/// [`refit_effects`] from the pairs already read (every row of the table: an import holds them
+/// after its merge). The fit takes each model's pairs that ran together and did not run out of
+/// memory; a model with none has no effects.
 pub(super) fn refit_from(
     tx: &rusqlite::Transaction,
-    learned: BTreeMap<String, Vec<(i64, i64, f64)>>,
+    pairs: impl IntoIterator<Item = PairSpeed>,
     prior: f64,
 ) -> rusqlite::Result<()> {
+    let mut learned: BTreeMap<String, Vec<(i64, i64, f64)>> = BTreeMap::new();
+    for p in pairs {
+        let speeds = learned.entry(p.model).or_default();
+        if p.observations > 0 && !p.oom {
+            speeds.push((p.app, p.other, p.speed));
+        }
+    }
     // What is held, to write only what the fit changes: after most imports, little or nothing.
     type Effect = (u64, u32, u64, u32);
     let mut held: HashMap<(String, i64), Effect> = {

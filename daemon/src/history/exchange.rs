@@ -1,12 +1,13 @@
 //! What a node learned, for other nodes and for people: `export` writes it, `import` merges
 //! another node's, `history` lists it.
 
+use super::effects::PairSpeed;
 use super::jobs::app_id;
 use super::{Cached, History, HistoryError};
 use rusqlite::params;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 /// One learned pair.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -162,14 +163,15 @@ impl History {
             super::effects::refresh_app_means(&tx, Some((model, *app))).map_err(sql)?;
         }
         // The merge holds every pair as now written: the fit need not read them again.
-        let mut learned: BTreeMap<String, Vec<(i64, i64, f64)>> = BTreeMap::new();
-        for ((model, app, other), (ranked, oom)) in pairs {
-            let speeds = learned.entry(model).or_default();
-            if ranked.observations > 0 && !oom {
-                speeds.push((app, other, ranked.speed));
-            }
-        }
-        super::effects::refit_from(&tx, learned, prior).map_err(sql)?;
+        let pairs = pairs.into_iter().map(|((model, app, other), (ranked, oom))| PairSpeed {
+            model,
+            app,
+            other,
+            speed: ranked.speed,
+            observations: ranked.observations,
+            oom,
+        });
+        super::effects::refit_from(&tx, pairs, prior).map_err(sql)?;
         tx.commit().map_err(sql)?;
         Ok(done)
     }
