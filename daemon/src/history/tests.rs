@@ -469,13 +469,7 @@ fn drawn_exports(seed: u64, count: usize) -> Vec<Export> {
     let apps = ["a", "b", "c"];
     (0..count)
         .map(|_| {
-            let mut e = Export {
-                format: EXPORT_FORMAT.into(),
-                version: EXPORT_VERSION,
-                solo: Vec::new(),
-                pairs: Vec::new(),
-                memory: Vec::new(),
-            };
+            let mut e = export_of(Vec::new());
             for app in apps {
                 if draw(2) == 0 {
                     e.solo.push(exchange::SoloRow {
@@ -648,6 +642,7 @@ fn pair_row(speed: f64, observations: u32) -> PairRow {
     }
 }
 
+/// An export holding `pairs` and nothing else.
 fn export_of(pairs: Vec<PairRow>) -> Export {
     Export {
         format: EXPORT_FORMAT.into(),
