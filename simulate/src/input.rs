@@ -76,6 +76,32 @@ impl Rows {
         }))
     }
 
+    /// A pair listed in both orders that cannot share in one and shares in the other: where
+    /// two jobs' memory does not fit on one GPU, it does not whichever started first. Taken
+    /// as it stands, the job of the order that shares would run beside a partner whose own
+    /// row says it cannot, the partner unslowed (it has no speed beside it).
+    fn contradiction(&self) -> Option<String> {
+        let mut found: Vec<(usize, usize)> = (self.pairs.iter())
+            .filter(|&(&(a, b), &(sa, _))| {
+                a < b
+                    && self
+                        .pairs
+                        .get(&(b, a))
+                        .is_some_and(|&(sb, _)| (sa == 0.0) != (sb == 0.0))
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        found.sort_unstable();
+        let &(a, b) = found.first()?;
+        let (x, y) = (&self.apps[a], &self.apps[b]);
+        Some(format!(
+            "the pair {x},{y} cannot share in one order (0,0) and shares in the other ({} such pairs): \
+             whether two jobs fit in a GPU's memory does not depend on which started first; \
+             give both orders 0,0 or neither",
+            found.len()
+        ))
+    }
+
     /// The table the rows make; `None` without a row.
     fn into_table(self) -> Option<Table> {
         let n = self.apps.len();
@@ -136,6 +162,9 @@ impl Table {
         for (n, line) in lines {
             let f: Vec<&str> = line.split(',').map(str::trim).collect();
             rows.add(&f).map_err(|msg| format!("{name} line {}: {msg}", n + 1))?;
+        }
+        if let Some(msg) = rows.contradiction() {
+            return Err(format!("{name}: {msg}"));
         }
         rows.into_table()
             .ok_or_else(|| format!("{name}: no pairs after the header"))
@@ -397,6 +426,21 @@ mod tests {
         assert!(err(&format!("{h}v100,a,b,0,0.5\n")).contains("0 for both"));
         assert!(err(&format!("{h}v100,a,b,0.5,0.5\na100,a,b,0.5,0.5\n")).contains("line 3: GPU model a100"));
         assert!(err(&format!("{h}v100,a,b,0.5,0.5\nv100,a,b,0.4,0.4\n")).contains("listed twice"));
+        let e = err(&format!(
+            "{h}v100,a,b,0.5,0.8\nv100,b,a,0,0\nv100,a,c,0,0\nv100,c,a,0.4,0.4\n"
+        ));
+        assert!(e.starts_with("t.csv: the pair a,b cannot share in one order"), "{e}");
+        assert!(e.contains("(2 such pairs)"), "{e}");
+        // Both orders, each with its own speeds, and both orders that cannot share: as listed.
+        let t = Table::parse(
+            &format!("{h}v100,a,b,0.5,0.8\nv100,b,a,0.7,0.6\nv100,a,c,0,0\nv100,c,a,0,0\n"),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            (t.speed(0, 1), t.speed(1, 0), t.speed(0, 2), t.speed(2, 0)),
+            (Some(0.5), Some(0.7), None, None)
+        );
         // One order serves both; an absent pair cannot share.
         let t = Table::parse(&format!("{h}v100,a,b,0.5,0.8\nv100,c,c,0.6,0.6\n"), "t").unwrap();
         let (a, b, c) = (0, 1, 2);
