@@ -540,6 +540,7 @@ mod tests {
         slots: 2,
         unknown_pair_speed: 0.7,
         min_gain: 0.0,
+        share_queue: 0.0,
     };
 
     fn chosen(d: &Decision) -> u32 {

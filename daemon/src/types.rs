@@ -201,6 +201,9 @@ pub struct Knobs {
     /// The least predicted gain (jobs' worth of throughput) worth sharing a GPU for: below
     /// it the job is declined and waits for a better partner or a free GPU (0: never).
     pub min_gain: f64,
+    /// `policy.share_queue`: a share is claimed only while more jobs wait than this times the
+    /// GPUs claimed on times `1 - gain` (0: whatever waits).
+    pub share_queue: f64,
     /// `policy.separate_below`: a share that the separation look would give back at once,
     /// measured as it is, is never made ([`crate::placement::separations`]; 0: no such check).
     pub separate_below: f64,

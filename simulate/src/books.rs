@@ -83,6 +83,8 @@ struct Log {
     /// The mark the claimer's next read gives, if it read before.
     mark: u64,
     pending: Vec<Job>,
+    /// Jobs waiting for a claim behind `pending`, which the world does not list.
+    unlisted: usize,
     pins: Vec<Pin>,
 }
 
@@ -165,6 +167,7 @@ impl Books {
                 admin_comment: names.admin_comment(j),
             })
             .collect();
+        log.unlisted = view.cluster.waiting.saturating_sub(view.pending.len());
     }
 
     /// The jobs that hold a slot, in the world's GPU order.
@@ -214,6 +217,7 @@ impl Slurm for Books {
             mark: log.mark,
             whole,
             pending: log.pending.clone(),
+            unlisted: log.unlisted,
             running,
             gone,
         }))
@@ -366,6 +370,7 @@ mod tests {
                 slots: 2,
                 unknown_pair_speed: 0.5,
                 min_gain: 0.25,
+                share_queue: 0.0,
                 separate_below: 0.0,
             }
         }
@@ -421,8 +426,9 @@ mod tests {
         assert_eq!(pins, vec![(0, 1, 0)]);
     }
 
+    /// The GPUs that changed; the pending jobs each test lists are all that wait.
     fn two_by_two(changed: &[(usize, Vec<JobRef>)]) -> Cluster<'_> {
-        Cluster { changed }
+        Cluster { changed, waiting: 0 }
     }
 
     #[test]

@@ -226,6 +226,7 @@ pub fn knobs(slots: u32, min_gain: f64, separate_below: f64) -> Knobs {
         slots,
         unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
         min_gain,
+        share_queue: multiplexd::config::keys::SHARE_QUEUE.default,
         separate_below,
     }
 }

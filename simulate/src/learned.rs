@@ -8,7 +8,7 @@ use super::world::{Cluster, JobRef, Policy, Shape};
 use multiplex_protocol::{FinishRequest, ReportKind, ReportRequest, StartRequest};
 use multiplexd::claim::outcome_s;
 use multiplexd::claimer::Claimer;
-use multiplexd::config::keys::{MIN_GAIN, PUT_BACK, SEPARATE_BELOW};
+use multiplexd::config::keys::{MIN_GAIN, PUT_BACK, SEPARATE_BELOW, SHARE_QUEUE};
 use multiplexd::config::{Config, GpuSpec, DEFAULT_UNKNOWN_PAIR_SPEED};
 use multiplexd::history::{ActiveJob, Export, Merger, Tables};
 use multiplexd::node::{Node, Started};
@@ -26,6 +26,8 @@ pub struct Options {
     pub share_every_s: f64,
     /// The daemon's `policy.min_gain`.
     pub min_gain: f64,
+    /// The daemon's `policy.share_queue`.
+    pub share_queue: f64,
     /// The daemon's `policy.separate_below`: a GPU whose measured jobs deliver less than this
     /// times what they would without the newest one gives that one back (0: never).
     pub separate_below: f64,
@@ -46,6 +48,7 @@ impl Default for Options {
         Options {
             share_every_s: DEFAULT_SHARE_EVERY_S,
             min_gain: MIN_GAIN.default,
+            share_queue: SHARE_QUEUE.default,
             separate_below: SEPARATE_BELOW.default,
             lookahead: multiplexd::config::ClaimConfig::default().lookahead,
             fixed_gpu: false,
@@ -64,8 +67,8 @@ impl Options {
     pub(crate) fn config(&self, node: &str, jobs_per_gpu: u32) -> Result<Config, String> {
         Config::parse(&format!(
             "node = \"{node}\"\ndatabase = \":memory:\"\njobs_per_gpu = {jobs_per_gpu}\n[policy]\n\
-             min_gain = {}\nseparate_below = {}\nput_back = {}\n[claim]\nlookahead = {}\n",
-            self.min_gain, self.separate_below, self.put_back, self.lookahead
+             min_gain = {}\nshare_queue = {}\nseparate_below = {}\nput_back = {}\n[claim]\nlookahead = {}\n",
+            self.min_gain, self.share_queue, self.separate_below, self.put_back, self.lookahead
         ))
     }
 }

@@ -139,6 +139,10 @@ pub fn run(setup: &Setup) -> Result<Vec<Run>, String> {
     multiplexd::config::keys::MIN_GAIN
         .read(Some(min_gain))
         .map_err(|e| format!("--min-gain {min_gain}: {e}"))?;
+    let share_queue = setup.options.share_queue;
+    multiplexd::config::keys::SHARE_QUEUE
+        .read(Some(share_queue))
+        .map_err(|e| format!("--share-queue {share_queue}: {e}"))?;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(setup.policies.len());

@@ -94,6 +94,11 @@ struct Args {
     /// claimed for a share that would add less throughput than this (0: any share).
     #[arg(long, default_value_t = multiplexd::config::keys::MIN_GAIN.default)]
     min_gain: f64,
+    /// The daemon's `policy.share_queue` for the learned policy and the oracle: a share is
+    /// claimed only while more jobs wait than this times the cluster's GPUs times what the
+    /// share loses against one job alone (0: whatever waits).
+    #[arg(long, default_value_t = multiplexd::config::keys::SHARE_QUEUE.default)]
+    share_queue: f64,
     /// The daemon's `policy.separate_below` for the learned policy: a GPU whose jobs were
     /// measured to deliver less than this times what they would without the newest of them
     /// requeues that one, to be claimed again (0: never).
@@ -203,6 +208,7 @@ fn simulate(a: Args) -> Result<(), String> {
         options: multiplex_simulate::policy::Options {
             share_every_s: a.share_history_every,
             min_gain: a.min_gain,
+            share_queue: a.share_queue,
             separate_below: a.separate_below,
             lookahead: a.lookahead,
             fixed_gpu: a.fixed_gpu,

@@ -62,10 +62,12 @@ pub struct Progress {
 
 /// The cluster as one look shows it: the GPUs whose jobs changed since the look before (at
 /// the first look, every GPU), each with the jobs it holds now (running, or claimed and about
-/// to start), in GPU order (`node * gpus_per_node + gpu`). A claimer keeps what it saw.
+/// to start), in GPU order (`node * gpus_per_node + gpu`), and how many jobs wait for a
+/// claim in all (the look lists the first of them). A claimer keeps what it saw.
 #[derive(Debug, Clone, Copy)]
 pub struct Cluster<'a> {
     pub changed: &'a [(usize, Vec<JobRef>)],
+    pub waiting: usize,
 }
 
 /// A job as a policy sees it: its id (as Slurm would number it) and application.

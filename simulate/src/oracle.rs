@@ -55,6 +55,7 @@ impl Oracle {
                 slots: shape.jobs_per_gpu,
                 unknown_pair_speed: DEFAULT_UNKNOWN_PAIR_SPEED,
                 min_gain: config.policy.min_gain,
+                share_queue: config.policy.share_queue,
                 separate_below: config.policy.separate_below,
             },
         };

@@ -293,6 +293,48 @@ fn a_freed_slot_goes_to_the_pending_job_that_pairs_best() {
 }
 
 #[test]
+fn a_share_waits_for_a_queue_long_enough_to_pay_for_it() {
+    // 16 r jobs fill 4 x 4 GPUs until 1000 s; then a jobs arrive (0.7 beside r, r 0.7 beside
+    // them: a gain of 0.4). A share takes more than 0.25 x 16 x 0.6 = 2.4 jobs waiting
+    // (`policy.share_queue`'s default), the job shared counted: of 2 none shares, of 3 the
+    // first, of 5 the first three, and the rest wait for the r jobs to end; with the knob at
+    // 0, one shares at once.
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,a,r,0.7,0.7\nv100,a,a,0.7,0.7\nv100,r,r,0.7,0.7\n",
+        "queue",
+    )
+    .unwrap();
+    let shape = Shape {
+        nodes: 4,
+        gpus_per_node: 4,
+        jobs_per_gpu: 2,
+    };
+    let starts = |waiting: usize, share_queue: f64| -> Vec<f64> {
+        let mut trace: Vec<TraceJob> = (0..16).map(|i| job(&t, &format!("r{i}"), 0.0, "r", 1000.0)).collect();
+        trace.extend((0..waiting).map(|i| job(&t, &format!("a{i}"), 100.0, "a", 50.0)));
+        // Every job of the trace weighed at one look: 16 of the first look's claims and the
+        // newcomers' fall in two looks of a lookahead of 8.
+        let options = policy::Options {
+            share_queue,
+            lookahead: 32,
+            ..policy::Options::default()
+        };
+        let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();
+        let o = world::run(&t, &trace, shape, NO_REPORTS, 1, p.as_mut()).unwrap();
+        o.jobs[16..].iter().map(|j| j.1).collect()
+    };
+    let shared = 100.0 + world::LOOK_S + world::PASS_S;
+    let count = |starts: &[f64]| {
+        assert!(starts.iter().all(|&s| close(s, shared) || s > 1000.0), "{starts:?}");
+        starts.iter().filter(|&&s| close(s, shared)).count()
+    };
+    assert_eq!(count(&starts(2, 0.25)), 0);
+    assert_eq!(count(&starts(3, 0.25)), 1);
+    assert_eq!(count(&starts(5, 0.25)), 3);
+    assert_eq!(count(&starts(1, 0.0)), 1);
+}
+
+#[test]
 fn a_job_passed_over_too_often_still_never_takes_a_losing_share_and_starts_when_a_gpu_frees() {
     // r runs 3000 s; x pairs poorly with r (0.3 and 0.3, a loss) while y jobs (0.95 beside r)
     // keep arriving and are claimed before it, more than `Bypasses::MAX` of them. Starved, x

@@ -50,6 +50,9 @@ struct World<'a> {
     free: BTreeSet<(u32, usize)>,
     /// Waiting jobs in FIFO order (trace order).
     queue: BTreeSet<usize>,
+    /// Jobs of `queue` that may not be claimed yet (back from a failure or a separation, their
+    /// wait not over): pruned at each look.
+    deferred: BTreeSet<usize>,
     separations: u64,
     /// Whether the policy claims jobs ([`Policy::claims`]), how many pending jobs a look
     /// weighs, whether a look is due, and how many claims were made.
@@ -171,6 +174,7 @@ impl<'a> World<'a> {
             used: vec![0; shape.nodes],
             free: (0..shape.nodes).map(|n| (0, n)).collect(),
             queue: BTreeSet::new(),
+            deferred: BTreeSet::new(),
             separations: 0,
             claims: policy.claims(),
             claim_lookahead: policy.claim_lookahead().max(1),
@@ -319,7 +323,12 @@ impl World<'_> {
             .into_iter()
             .map(|gi| (gi, self.holding(gi).into_iter().map(|j| self.job_ref(j)).collect()))
             .collect();
-        let cluster = Cluster { changed: &changed };
+        self.deferred
+            .retain(|&j| self.queue.contains(&j) && self.jobs[j].eligible > now);
+        let cluster = Cluster {
+            changed: &changed,
+            waiting: self.queue.len() - self.deferred.len(),
+        };
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
         for (i, node, g) in policy.claim(now, &cluster, &refs)? {
             let Some(&j) = pending.get(i) else {
@@ -404,6 +413,9 @@ impl World<'_> {
     fn requeue_for(&mut self, now: f64, j: usize, wait_s: f64) {
         self.jobs[j].eligible = now + wait_s;
         self.queue.insert(j);
+        if wait_s > 0.0 {
+            self.deferred.insert(j);
+        }
         self.push(now + wait_s, j, Kind::Eligible);
     }
 

@@ -516,6 +516,7 @@ mod tests {
                 slots,
                 unknown_pair_speed: 0.5 + 0.1 * d.next(4) as f64,
                 min_gain: [0.0, 0.25, 0.5][d.next(3) as usize],
+                share_queue: 0.0,
                 separate_below: 0.0,
             };
             let nodes = cluster(&mut d, slots);

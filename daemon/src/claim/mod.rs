@@ -302,18 +302,20 @@ pub fn choose(
     now: f64,
 ) -> Vec<Choice> {
     let mut board = Board::new(nodes.to_vec(), knobs.slots);
-    choose_on(&mut board, pending, history, knobs, memory, now)
+    choose_on(&mut board, pending, pending.len(), history, knobs, memory, now)
 }
 
 /// Claims for `pending` (the first pending multiplexed jobs, in Slurm's order) on `board`, one
 /// job at a time, each seated on its GPU for the rest of the look ([`Board::end_look`] takes
 /// them off) before the next is chosen, until no slot is free or no job would take one.
-/// `history` must hold what [`wanted`] asks for; `memory` is what the claimer keeps across
-/// looks (how often each job was passed over, the pairs being tried), `now` in seconds of any
-/// steady clock.
+/// `waiting` is how many jobs wait for a claim in all, `pending` and those behind it
+/// ([`queue_pays_for`]). `history` must hold what [`wanted`] asks for; `memory` is what the
+/// claimer keeps across looks (how often each job was passed over, the pairs being tried),
+/// `now` in seconds of any steady clock.
 pub fn choose_on(
     board: &mut Board,
     pending: &[Candidate],
+    waiting: usize,
     history: &mut Estimates,
     knobs: Knobs,
     memory: &mut Memory,
@@ -321,19 +323,56 @@ pub fn choose_on(
 ) -> Vec<Choice> {
     let present = |id: u32| board.holds(id) || pending.iter().any(|c| c.job_id == id);
     memory.trials.lend(present, history, now);
-    let choices = choose_with(board, pending, history, knobs, &mut memory.bypasses);
+    let choices = choose_with(board, pending, waiting, history, knobs, &mut memory.bypasses);
     memory.trials.take_back(history, now);
     choices
+}
+
+/// Whether `waiting` jobs are queue enough for a share that adds `gain` (jobs' worth of
+/// throughput) on one of `gpus` GPUs: more than `share_queue x gpus x (1 - gain)` (the knob
+/// `policy.share_queue`; 0: any queue).
+///
+/// Why: with every GPU busy, a GPU frees for the first job waiting about every `T / gpus` (`T`
+/// a job's runtime), so sharing now saves the `waiting` jobs about `waiting x T / gpus` of
+/// waiting in all; it costs the two jobs sharing `1 - gain` of a job's speed while they share,
+/// a fair part of `T`. Where few wait on many GPUs, a GPU frees sooner than sharing pays.
+/// Over every pair table at loads 0.5, 1.0 and 1.5, 0.25 finished jobs sooner than sharing
+/// whatever waits in 14 cells of 18 and later in 2 (where every pair gains, at loads 1.0 and
+/// 1.5, by 0.4 and 1.4 points); 0.5 held back shares that table needed at load 1.0, 0.125
+/// lost less there and 3.5 points more on the V100 table at load 1.5
+/// (docs/notebook/2026-11-results.md, "When a share pays").
+pub fn queue_pays_for(waiting: usize, gain: f64, gpus: usize, share_queue: f64) -> bool {
+    waiting as f64 > share_queue * gpus as f64 * (1.0 - gain)
+}
+
+/// Each share among `offers` that `waiting` jobs are too short a queue for
+/// ([`queue_pays_for`]) waits for a GPU to free instead.
+fn unpaid_shares_wait(offers: &mut [(Offer, bool)], waiting: usize, gpus: usize, share_queue: f64) {
+    for (o, _) in offers {
+        if let Offer::Gain {
+            decision: Decision::Place { corunners, gain, .. },
+            ..
+        } = o
+        {
+            if !corunners.is_empty() && !queue_pays_for(waiting, *gain, gpus, share_queue) {
+                *o = Offer::Wait;
+            }
+        }
+    }
 }
 
 fn choose_with(
     board: &mut Board,
     pending: &[Candidate],
+    waiting: usize,
     history: &mut Estimates,
     knobs: Knobs,
     bypasses: &mut Bypasses,
 ) -> Vec<Choice> {
     let mut left: Vec<usize> = (0..pending.len()).collect();
+    // The jobs waiting behind those this look weighs.
+    let behind = waiting.saturating_sub(pending.len());
+    let gpus: usize = board.nodes().iter().map(|n| n.gpus.len()).sum();
     let mut out = Vec::new();
     while !left.is_empty() && board.kinds().any_free() {
         let ids: Vec<u32> = left.iter().map(|&i| pending[i].job_id).collect();
@@ -350,6 +389,7 @@ fn choose_with(
                 )
             })
             .collect();
+        unpaid_shares_wait(&mut offers, left.len() + behind, gpus, knobs.share_queue);
         let never = offers.iter().enumerate().find_map(|(k, (o, _))| match o {
             Offer::Never(reason) => Some((k, reason.clone())),
             _ => None,
@@ -527,6 +567,8 @@ mod tests {
             slots: 2,
             unknown_pair_speed: 0.7,
             min_gain: 0.25,
+            // Whatever waits: the queue's own rule is tested on its own.
+            share_queue: 0.0,
             separate_below: 0.0,
         }
     }
@@ -599,6 +641,7 @@ mod tests {
         choose_with(
             &mut Board::new(nodes.to_vec(), knobs.slots),
             pending,
+            pending.len(),
             &mut history.clone(),
             knobs,
             bypasses,
@@ -701,6 +744,64 @@ mod tests {
         );
         assert_eq!(pins(&got).len(), 2, "{got:?}");
         assert!(memory.trials.is_empty());
+    }
+
+    #[test]
+    fn a_share_is_claimed_only_when_the_queue_is_long_enough_to_pay_for_it() {
+        // 16 GPUs, each running one `r`; `a` beside `r` gains 0.4, `b` beside `r` 0.9. With
+        // `share_queue` 0.25, a share of `a` takes more than 0.25 x 16 x 0.6 = 2.4 jobs
+        // waiting, one of `b` more than 0.4.
+        let mut h = Estimates::default();
+        pair(&mut h, "a", "r", 0.7, 0.7);
+        pair(&mut h, "b", "r", 0.95, 0.95);
+        let busy = |free: bool| -> Vec<NodeGpus> {
+            (0..4)
+                .map(|n| {
+                    let gpus = (0..4)
+                        .map(|g| {
+                            let id = 100 + 4 * n + g;
+                            if free && id == 115 {
+                                gpu(g, &[])
+                            } else {
+                                gpu(g, &[(id, "r")])
+                            }
+                        })
+                        .collect();
+                    node(&format!("n{n}"), gpus)
+                })
+                .collect()
+        };
+        let k = Knobs {
+            share_queue: 0.25,
+            ..knobs()
+        };
+        let claims = |nodes: Vec<NodeGpus>, app: &str, waiting: usize, k: Knobs| {
+            let mut board = Board::new(nodes, k.slots);
+            let got = choose_on(
+                &mut board,
+                &[job(1, app)],
+                waiting,
+                &mut h.clone(),
+                k,
+                &mut Memory::default(),
+                0.0,
+            );
+            pins(&got)
+        };
+        // The jobs behind the one weighed count: 3 waiting pay for `a`'s share, 2 do not.
+        assert_eq!(claims(busy(false), "a", 1, k), vec![]);
+        assert_eq!(claims(busy(false), "a", 2, k), vec![]);
+        assert_eq!(claims(busy(false), "a", 3, k).len(), 1);
+        // A share that gains more pays sooner.
+        assert_eq!(claims(busy(false), "b", 1, k).len(), 1);
+        // A free GPU is taken whatever waits; with the knob at 0 any queue pays.
+        assert_eq!(claims(busy(true), "a", 1, k), vec![(0, 3, 3)]);
+        let any = Knobs { share_queue: 0.0, ..k };
+        assert_eq!(claims(busy(false), "a", 1, any).len(), 1);
+        // The rule itself, at its edge.
+        assert!(!queue_pays_for(4, 0.5, 16, 0.5));
+        assert!(queue_pays_for(5, 0.5, 16, 0.5));
+        assert!(queue_pays_for(1, 1.2, 16, 0.5));
     }
 
     #[test]

@@ -236,7 +236,15 @@ impl Claimer {
         let mut estimates = scorer
             .estimates(&crate::claim::wanted(board, &pending))
             .map_err(SlurmError::Failed)?;
-        let choices = crate::claim::choose_on(board, &pending, &mut estimates, scorer.knobs(), &mut self.memory, now);
+        let choices = crate::claim::choose_on(
+            board,
+            &pending,
+            queue.waiting,
+            &mut estimates,
+            scorer.knobs(),
+            &mut self.memory,
+            now,
+        );
         self.carry_out(slurm, board.nodes(), queue, choices, now)
     }
 
@@ -672,6 +680,39 @@ mod tests {
             assert_eq!(claim.gpu.map(|g| format!("shard:{g}:1")), pin.gres, "{pin:?}");
             assert_eq!((claim.partners, claim.predicted_speed), (vec![], 1.0), "{pin:?}");
         }
+    }
+
+    #[test]
+    fn the_jobs_waiting_beyond_the_lookahead_count_towards_the_queue_a_share_needs() {
+        // 16 GPUs each running an `a`; a newcomer `a` beside one gains 0.4 by the prior, so a
+        // share takes more than 0.25 x 16 x 0.6 = 2.4 jobs waiting (`policy.share_queue`'s
+        // default). The claimer weighs one job a look, and counts the rest of the queue.
+        let running_all: Vec<Job> = (0..16)
+            .map(|i| running(100 + i, "a", &format!("n{}", i / 2), &format!("v100_{}", i % 2)))
+            .collect();
+        let look = |waiting: u32| {
+            let mut jobs = running_all.clone();
+            jobs.extend((1..=waiting).map(|i| gated(i, "a")));
+            let slurm = fake(jobs);
+            slurm.state.lock().unwrap().nodes = (0..8)
+                .map(|n| NodeInfo {
+                    name: format!("n{n}"),
+                    ..nodes()[0].clone()
+                })
+                .collect();
+            let mut c = Claimer::new(
+                ClaimConfig {
+                    lookahead: 1,
+                    ..config()
+                },
+                100_000,
+            );
+            c.look(&slurm, &daemon(), 0.0).unwrap().claimed
+        };
+        assert_eq!(look(2), vec![]);
+        let claimed = look(3);
+        assert_eq!(claimed.len(), 1, "{claimed:?}");
+        assert_eq!(claimed[0].0, 1, "the first in Slurm's order");
     }
 
     #[test]

@@ -11,12 +11,13 @@ use multiplex_protocol::spec::Spec;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-/// The queue as one look read it: the pending jobs, their tags, and the waiting jobs the
-/// choice weighs (each with its index in `jobs`).
+/// The queue as one look read it: the pending jobs, their tags, the waiting jobs the choice
+/// weighs (each with its index in `jobs`), and how many wait for a claim in all.
 pub(super) struct Queue {
     pub jobs: Vec<Job>,
     pub specs: Vec<Option<Spec>>,
     pub candidates: Vec<(Candidate, usize)>,
+    pub waiting: usize,
 }
 
 /// The board the claimer keeps between looks, the node list it was made from (each usable
@@ -62,17 +63,21 @@ impl Claimer {
         }
         let merges = slurm.merges_gres_updates()?;
         let mut candidates: Vec<(Candidate, usize)> = Vec::new();
+        let mut waiting = read.unlisted;
         for (index, (job, spec)) in read.pending.iter().zip(&specs).enumerate() {
             match self.classify(slurm, job, spec.as_ref(), now) {
                 Seen::Resident(gpu) => {
                     seat(&mut kept, job, spec.as_ref(), gpu, true);
                 }
-                Seen::Waiting(spec) if candidates.len() < self.config.lookahead => {
-                    if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
-                        candidates.push((c, index));
+                Seen::Waiting(spec) => {
+                    waiting += 1;
+                    if candidates.len() < self.config.lookahead {
+                        if let Some(c) = self.candidate(slurm, job, spec, &infos, merges) {
+                            candidates.push((c, index));
+                        }
                     }
                 }
-                Seen::Waiting(_) | Seen::Other => {}
+                Seen::Other => {}
             }
         }
         if !candidates.is_empty() {
@@ -82,6 +87,7 @@ impl Claimer {
             jobs: read.pending,
             specs,
             candidates,
+            waiting,
         };
         Ok((queue, kept))
     }

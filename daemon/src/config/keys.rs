@@ -86,6 +86,11 @@ pub const BUSY_RECORD_S: Bounded<u64> = Bounded::new("busy_record_s", 300, 0, No
 pub const UNKNOWN_PAIR_SPEED: Bounded<f64> = Bounded::new("policy.unknown_pair_speed", 0.7, 0.0, Some(1.0)).above_min();
 /// A job is not claimed for a share that adds less than a quarter of a GPU's throughput.
 pub const MIN_GAIN: Bounded<f64> = Bounded::new("policy.min_gain", 0.25, 0.0, Some(1.0)).below_max();
+/// A GPU is shared only while more jobs wait than a quarter of the claimer's GPUs times what the
+/// share loses against a job alone: with fewer waiting, a GPU frees for each of them sooner than
+/// sharing pays ([`crate::claim`]'s `queue_pays_for`).
+pub const SHARE_QUEUE: Bounded<f64> =
+    Bounded::new("policy.share_queue", 0.25, 0.0, Some(4.0)).meaning_at_min("any queue");
 /// A GPU whose jobs deliver together less than 0.9 of what they would without the newest
 /// gives that job back (the margin below 1 pays for the work it loses and its wait).
 pub const SEPARATE_BELOW: Bounded<f64> =
@@ -289,6 +294,12 @@ pub const KEYS: &[Key] = &[
     )
     .at_once()
     .test("0.1", Some("1")),
+    bounded(
+        &SHARE_QUEUE,
+        "A share is made only while more jobs wait than this times the GPUs the claimer places on times what the share loses against one job alone (1 - its gain): with fewer waiting, a GPU frees for them sooner than sharing pays.",
+    )
+    .at_once()
+    .test("0.5", Some("5")),
     bounded(
         &SEPARATE_BELOW,
         "A GPU delivering less than this times what it would without its newest job gives that job back to Slurm, once measured.",

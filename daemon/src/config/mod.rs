@@ -90,6 +90,7 @@ struct RawGpu {
 struct RawPolicy {
     unknown_pair_speed: Option<f64>,
     min_gain: Option<f64>,
+    share_queue: Option<f64>,
     separate_below: Option<f64>,
     separate_look_ms: Option<u64>,
     put_back: Option<bool>,
@@ -124,6 +125,9 @@ pub struct PolicyConfig {
     /// The least predicted gain worth sharing a GPU for; below it the job waits for a better
     /// slot (up to the bypass bound).
     pub min_gain: f64,
+    /// How long the queue must be for a share to pay: more jobs waiting than this times the
+    /// GPUs times what the share loses against one job alone (0: any queue).
+    pub share_queue: f64,
     /// A GPU whose measured jobs together deliver less than this times what they deliver
     /// without the newest one requeues that one (0: never; see [`crate::separate`]).
     pub separate_below: f64,
@@ -274,6 +278,7 @@ impl PolicyConfig {
         Ok(PolicyConfig {
             unknown_pair_speed: UNKNOWN_PAIR_SPEED.read(raw.unknown_pair_speed)?,
             min_gain: MIN_GAIN.read(raw.min_gain)?,
+            share_queue: SHARE_QUEUE.read(raw.share_queue)?,
             separate_below: SEPARATE_BELOW.read(raw.separate_below)?,
             separate_look_ms: SEPARATE_LOOK_MS.read(raw.separate_look_ms)?,
             put_back: PUT_BACK.read(raw.put_back),
@@ -331,9 +336,9 @@ pub fn load(path: &Path) -> Result<Config, String> {
     })
 }
 
-/// What a config re-read by a running daemon (SIGHUP) changes: `policy.min_gain` and
-/// `policy.separate_below` apply at once; everything else is read at start and takes a
-/// restart.
+/// What a config re-read by a running daemon (SIGHUP) changes: `policy.min_gain`,
+/// `policy.share_queue` and `policy.separate_below` apply at once; everything else is read at
+/// start and takes a restart.
 #[derive(Debug, Default, PartialEq)]
 pub struct Reload {
     /// The policy to run with from now on (`None`: nothing that applies at once changed).
@@ -352,6 +357,7 @@ impl Config {
         let mut applied = Vec::new();
         for (key, was, is) in [
             (MIN_GAIN.name, old.min_gain, now.min_gain),
+            (SHARE_QUEUE.name, old.share_queue, now.share_queue),
             (SEPARATE_BELOW.name, old.separate_below, now.separate_below),
         ] {
             if was != is {
@@ -360,6 +366,7 @@ impl Config {
         }
         let policy = (!applied.is_empty()).then(|| PolicyConfig {
             min_gain: now.min_gain,
+            share_queue: now.share_queue,
             separate_below: now.separate_below,
             ..old.clone()
         });
@@ -390,11 +397,12 @@ impl Config {
             metrics_listen,
             claim,
         } = new;
-        // The prior is what the learned model was fitted with; min_gain and separate_below
-        // apply at once ([`Config::reload`]).
+        // The prior is what the learned model was fitted with; min_gain, share_queue and
+        // separate_below apply at once ([`Config::reload`]).
         let PolicyConfig {
             unknown_pair_speed,
             min_gain: _,
+            share_queue: _,
             separate_below: _,
             separate_look_ms,
             put_back,

@@ -311,6 +311,7 @@ impl Node {
             slots: self.config.jobs_per_gpu,
             unknown_pair_speed: self.config.policy.unknown_pair_speed,
             min_gain: self.config.policy.min_gain,
+            share_queue: self.config.policy.share_queue,
             separate_below: self.config.policy.separate_below,
         }
     }

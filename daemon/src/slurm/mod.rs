@@ -228,8 +228,11 @@ pub struct Changes {
     pub mark: u64,
     /// `running` is every job that holds a slot: forget what earlier reads said.
     pub whole: bool,
-    /// Every pending job, in Slurm's order.
+    /// Every pending job, in Slurm's order (or the first of them: see `unlisted`).
     pub pending: Vec<Job>,
+    /// Pending jobs after those listed that wait for a claim, where a reader lists only the
+    /// first (the simulator's books, at the claimer's lookahead); squeue lists every one: 0.
+    pub unlisted: usize,
     /// Jobs that hold a slot, new or changed since the mark (every one, where `whole`).
     pub running: Vec<Job>,
     /// Jobs that held a slot at the mark and hold none now.
@@ -244,6 +247,7 @@ impl Changes {
             mark: 0,
             whole: true,
             pending,
+            unlisted: 0,
             running,
             gone: Vec::new(),
         }
