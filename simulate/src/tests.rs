@@ -312,11 +312,8 @@ fn a_share_waits_for_a_queue_long_enough_to_pay_for_it() {
     let starts = |waiting: usize, share_queue: f64| -> Vec<f64> {
         let mut trace: Vec<TraceJob> = (0..16).map(|i| job(&t, &format!("r{i}"), 0.0, "r", 1000.0)).collect();
         trace.extend((0..waiting).map(|i| job(&t, &format!("a{i}"), 100.0, "a", 50.0)));
-        // Every job of the trace weighed at one look: 16 of the first look's claims and the
-        // newcomers' fall in two looks of a lookahead of 8.
         let options = policy::Options {
             share_queue,
-            lookahead: 32,
             ..policy::Options::default()
         };
         let mut p = policy::make_with("oracle", &t, shape, 1, options).unwrap();

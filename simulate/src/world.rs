@@ -221,7 +221,12 @@ impl<'a> World<'a> {
             Kind::Telemetry => self.telemetry(now, policy),
             Kind::Look => {
                 self.look_due = false;
-                self.look(now, policy)?;
+                // A look that claimed changed Slurm's books: where jobs wait that it did not
+                // weigh (its lookahead), the claimer's next look, a second later, weighs them.
+                if self.look(now, policy)? {
+                    self.look_due = true;
+                    self.push(now + LOOK_S, 0, Kind::Look);
+                }
                 if let Some(t) = policy.look_again().filter(|&t| t > now && !self.queue.is_empty()) {
                     if self.timed_look.is_none_or(|at| at <= now || t < at) {
                         self.timed_look = Some(t);
@@ -302,8 +307,8 @@ impl World<'_> {
     /// The claimer's look: the first pending jobs in Slurm's order (none claimed yet, none
     /// waiting out a requeue), the cluster as Slurm's books show it (running and claimed jobs
     /// alike), and the claims the policy makes, each started by Slurm [`PASS_S`] later on the
-    /// GPU it was pinned to.
-    fn look(&mut self, now: f64, policy: &mut dyn Policy) -> Result<(), String> {
+    /// GPU it was pinned to. Whether it claimed and jobs wait that it did not weigh.
+    fn look(&mut self, now: f64, policy: &mut dyn Policy) -> Result<bool, String> {
         let gpn = self.shape.gpus_per_node;
         let pending: Vec<usize> = self
             .queue
@@ -313,11 +318,11 @@ impl World<'_> {
             .take(self.claim_lookahead)
             .collect();
         if pending.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let held = self.used.iter().sum::<u32>() as usize + self.pinned.len();
         if held >= self.gpus.len() * self.slots as usize {
-            return Ok(());
+            return Ok(false);
         }
         let changed: Vec<(usize, Vec<JobRef>)> = std::mem::take(&mut self.changed)
             .into_iter()
@@ -329,7 +334,9 @@ impl World<'_> {
             changed: &changed,
             waiting: self.queue.len() - self.deferred.len(),
         };
+        let unweighed = cluster.waiting > pending.len();
         let refs: Vec<JobRef> = pending.iter().map(|&j| self.job_ref(j)).collect();
+        let mut claimed = false;
         for (i, node, g) in policy.claim(now, &cluster, &refs)? {
             let Some(&j) = pending.get(i) else {
                 return Err(format!("the policy claimed pending job {i} of {}", pending.len()));
@@ -352,9 +359,10 @@ impl World<'_> {
             self.jobs[j].pinned = Some((node, g));
             self.pinned.insert(j);
             self.claimed += 1;
+            claimed = true;
             self.push(now + PASS_S, j, Kind::Pass);
         }
-        Ok(())
+        Ok(claimed && unweighed)
     }
 
     /// The jobs GPU `gi` holds as Slurm's books show them: those running there, then those
