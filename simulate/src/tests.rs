@@ -331,6 +331,62 @@ fn a_share_waits_for_a_queue_long_enough_to_pay_for_it() {
     assert_eq!(count(&starts(1, 0.0)), 1);
 }
 
+/// A claimer that claims job 1, and job 2 in its first 20 s, onto GPU 0 of node 0 and nothing
+/// else, and keeps, at each look, when it looked, how many jobs the world said wait and how
+/// many it listed.
+struct Counts(Vec<(f64, usize, usize)>);
+
+impl crate::model::Policy for Counts {
+    fn claims(&self) -> bool {
+        true
+    }
+    fn claim_lookahead(&self) -> usize {
+        1
+    }
+    fn claim(
+        &mut self,
+        now: f64,
+        cluster: &crate::model::Cluster,
+        pending: &[crate::model::JobRef],
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        self.0.push((now, cluster.waiting, pending.len()));
+        let wanted = |j: &crate::model::JobRef| j.id == 1 || (j.id == 2 && now < 20.0);
+        Ok((pending.iter().enumerate())
+            .filter(|(_, j)| wanted(j))
+            .map(|(i, _)| (i, 0, 0))
+            .collect())
+    }
+    fn finished(&mut self, _: f64, _: usize, _: crate::model::JobRef, _: bool) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn the_jobs_a_look_says_wait_are_those_eligible_listed_or_not() {
+    // x runs from 0; y, claimed beside it at 11, cannot share with it and fails 60 s after
+    // its start, back 120 s later (its user's resubmission, the world before failures were
+    // priced). Meanwhile a second x arrives: at its look only it waits, y's wait not over;
+    // once y is back both wait, and the look lists the first (a lookahead of 1).
+    let t = Table::parse(
+        "gpu,job_a,job_b,speed_a,speed_b\nv100,x,y,0,0\nv100,x,x,0.5,0.5\nv100,y,y,0.5,0.5\n",
+        "xy",
+    )
+    .unwrap();
+    let trace = [
+        job(&t, "1", 0.0, "x", 10_000.0),
+        job(&t, "2", 10.0, "y", 100.0),
+        job(&t, "3", 80.0, "x", 100.0),
+    ];
+    let mut p = Counts(Vec::new());
+    let never = world::run(&t, &trace, ONE_GPU, NO_REPORTS, 1, &mut p).unwrap_err();
+    assert!(never.contains("never finished"), "{never}");
+    let at = |when: f64| p.0.iter().find(|l| close(l.0, when)).map(|l| (l.1, l.2));
+    // y claimed at 11, started at 12, failed at 72, back at 192.
+    assert_eq!(at(11.0), Some((1, 1)), "{:?}", p.0);
+    assert_eq!(at(81.0), Some((1, 1)), "{:?}", p.0);
+    assert_eq!(at(193.0), Some((2, 1)), "{:?}", p.0);
+}
+
 #[test]
 fn a_job_passed_over_too_often_still_never_takes_a_losing_share_and_starts_when_a_gpu_frees() {
     // r runs 3000 s; x pairs poorly with r (0.3 and 0.3, a loss) while y jobs (0.95 beside r)
