@@ -19,13 +19,24 @@ pub(super) struct Memo {
     apps: HashMap<(String, String), Option<AppProfile>>,
 }
 
+impl Memo {
+    /// The most entries kept: past it the memo starts afresh at the next read. The names a
+    /// look asks about come from jobs' tags, which their users choose, and a queue of jobs
+    /// under ever new names would otherwise grow it for as long as the history is unchanged.
+    pub(super) const MAX: usize = 100_000;
+
+    pub(super) fn len(&self) -> usize {
+        self.pairs.len() + self.learned.len() + self.apps.len()
+    }
+}
+
 impl History {
     /// What the history knows of the pairs and applications `wanted` names.
     pub fn estimates(&self, wanted: &Wanted) -> Result<Estimates, HistoryError> {
         // Inside a transaction (`None`) what is read is kept for this call only.
         let version = self.tables(&["applications", "pair_estimates", "app_effects", "app_means"])?;
         let mut memo = self.memo.borrow_mut();
-        if version.is_none() || memo.version != version {
+        if version.is_none() || memo.version != version || memo.len() > Memo::MAX {
             *memo = Memo {
                 version,
                 ..Memo::default()

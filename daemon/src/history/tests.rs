@@ -1,7 +1,7 @@
 use super::equations::{equation, intervals_of};
 use super::schema::MIGRATIONS;
 use super::*;
-use crate::types::{AppProfile, PairEstimate};
+use crate::types::{AppProfile, PairEstimate, Wanted};
 
 fn known(h: &History, model: &str, app: &str) -> AppProfile {
     h.app(model, app).unwrap()
@@ -656,6 +656,25 @@ fn export_of(pairs: Vec<PairRow>) -> Export {
 /// The estimates are read from memory while nothing they are read from changed: a change this
 /// connection makes, one another connection commits, a table emptied and a transaction rolled
 /// back are each read again.
+#[test]
+fn what_the_estimates_keep_in_memory_is_bounded_however_many_names_are_asked() {
+    // Names nobody ran: the history does not change, and each is kept as having no row.
+    let h = History::open(Path::new(":memory:")).unwrap();
+    let mut many = Wanted::default();
+    for i in 0..=estimates::Memo::MAX {
+        many.pair("v100", "a", &format!("b{i}"));
+    }
+    h.estimates(&many).unwrap();
+    assert!(h.memo.borrow().len() > estimates::Memo::MAX);
+    let mut one = Wanted::default();
+    one.pair("v100", "a", "b0");
+    h.estimates(&one).unwrap();
+    // Afresh: what a new history keeps after the same one read.
+    let fresh = History::open(Path::new(":memory:")).unwrap();
+    fresh.estimates(&one).unwrap();
+    assert_eq!(h.memo.borrow().len(), fresh.memo.borrow().len());
+}
+
 #[test]
 fn estimates_are_read_again_once_anything_they_were_read_from_changed() {
     let dir = tempfile::tempdir().unwrap();
